@@ -1,0 +1,44 @@
+"""lightning-static-dist: statically planned data-parallel training for PyTorch Lightning.
+
+Importing the package registers the strategy names ``static_dist``, ``static_dist_spawn`` and
+``static_dist_notebook`` in Lightning's ``StrategyRegistry``::
+
+    import lightning as L
+    import lightning_static_dist
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="static_dist")
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_static_dist.config import (
+    CompileConfig,
+    CompressionConfig,
+    ConfigError,
+    EmbeddingConfig,
+    MeshConfig,
+    RunConfig,
+    StrategyConfig,
+    SyncConfig,
+    load_run_config,
+)
+from lightning_static_dist.strategy import StaticDistStrategy
+from lightning_static_dist.sync import GradientSynchronizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompileConfig",
+    "CompressionConfig",
+    "ConfigError",
+    "EmbeddingConfig",
+    "GradientSynchronizer",
+    "MeshConfig",
+    "RunConfig",
+    "StaticDistStrategy",
+    "StrategyConfig",
+    "SyncConfig",
+    "load_run_config",
+]
+
+StaticDistStrategy.register_strategies(StrategyRegistry)

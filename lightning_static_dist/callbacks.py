@@ -1,0 +1,130 @@
+"""Callbacks a run file can switch on under ``callbacks:``.
+
+:class:`RunSummary` ends a run with the figures a user looks for first — loss, tokens/s and the bytes the gradient
+synchroniser put on the wire — printed as a table on rank 0 and written to ``<log_dir>/summary.json``, which
+``lsd-report`` reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Any, Optional
+
+import torch
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+SUMMARY_FILE = "summary.json"
+
+
+def _tokens_in(batch: Any) -> int:
+    """Tokens (elements of the input tensor) in a batch: ``x`` of ``(x, y)``, a tensor, or the first tensor value."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numel()
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+        return batch[0].numel()
+    if isinstance(batch, dict):
+        for value in batch.values():
+            if isinstance(value, torch.Tensor):
+                return value.numel()
+    return 0
+
+
+class RunSummary(Callback):
+    """Print and save a summary of a fit: steps, losses, step time, tokens/s, gradient bytes synchronised.
+
+    Step times are wall-clock from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward,
+    synchronisation, optimizer); the first ``warmup_steps`` are left out of the medians.
+
+    Args:
+        warmup_steps: steps excluded from timing (allocation, first-step planning).
+        loss_key: the logged metric shown as the training loss.
+
+    Example::
+
+        trainer = L.Trainer(strategy="static_dist", callbacks=[RunSummary()])
+        trainer.fit(model)   # prints the table on rank 0, writes <log_dir>/summary.json
+    """
+
+    def __init__(self, warmup_steps: int = 5, loss_key: str = "train_loss") -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"callbacks.run_summary.warmup_steps={warmup_steps}: must be an integer >= 0")
+        self.warmup_steps = warmup_steps
+        self.loss_key = loss_key
+        self.step_seconds: list[float] = []
+        self.tokens_per_step: int = 0
+        self.losses: list[float] = []
+        self.summary: dict[str, Any] = {}
+        self._started: Optional[float] = None
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._started = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._started is None:
+            return
+        self.step_seconds.append(time.perf_counter() - self._started)
+        self.tokens_per_step = _tokens_in(batch)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self.losses.append(float(loss.detach()))
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        timed = self.step_seconds[self.warmup_steps :] or self.step_seconds
+        median_s = statistics.median(timed) if timed else float("nan")
+        sync = getattr(trainer.strategy, "synchronizer", None)
+        stats = sync.stats if sync is not None else None
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
+        tail = self.losses[-10:]
+        self.summary = {
+            "strategy": type(trainer.strategy).__name__,
+            "world_size": trainer.world_size,
+            "steps": trainer.global_step,
+            "batches": len(self.step_seconds),
+            "train_loss_last10": sum(tail) / len(tail) if tail else None,
+            "val_loss": metrics.get("val_loss"),
+            "val_ppl": metrics.get("val_ppl"),
+            "step_ms_median": median_s * 1e3,
+            "tokens_per_s": self.tokens_per_step * trainer.world_size / median_s if timed else None,
+            "sync_rounds": stats.rounds if stats else None,
+            "sync_collectives": stats.collectives if stats else None,
+            "bytes_sent_per_rank": stats.bytes_sent if stats else None,
+            "bytes_per_round": stats.last_round_bytes if stats else None,
+            "bucket_plan": sync.plan.describe() if sync is not None else None,
+        }
+        log_dir = trainer.log_dir  # a collective under distributed strategies: every rank must ask
+        if trainer.is_global_zero:
+            rank_zero_info(format_summary(self.summary))
+            if log_dir is not None:
+                os.makedirs(log_dir, exist_ok=True)
+                with open(os.path.join(log_dir, SUMMARY_FILE), "w") as f:
+                    json.dump(self.summary, f, indent=2)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as an aligned two-column table."""
+
+    def fmt(value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+        if isinstance(value, int):
+            return f"{value:,}"
+        return str(value)
+
+    width = max(len(k) for k in summary)
+    rule = "-" * (width + 24)
+    rows = [f"{key:<{width}}  {fmt(value)}" for key, value in summary.items()]
+    return "\n".join([rule, "lightning-static-dist run summary", rule, *rows, rule])

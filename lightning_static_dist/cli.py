@@ -1,0 +1,174 @@
+"""Console scripts: ``lsd-train CONFIG.yaml [dotted.key=value ...]`` and ``lsd-report RUN_DIR``.
+
+``lsd-train`` validates the whole run file (and the overrides) before it starts a single process; with the ``popen``
+start method Lightning re-runs this same command once per extra rank, and each rank validates again — cheap, and
+it keeps every rank's view of the config identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from lightning_static_dist.config import CALLBACKS, ConfigError, RunConfig, import_object, load_run_config
+
+
+def build_trainer_inputs(cfg: RunConfig) -> tuple[Any, Any, Any]:
+    """Instantiate (trainer, model, datamodule) from a validated run config."""
+    import lightning as L
+
+    from lightning_static_dist.strategy import StaticDistStrategy
+
+    L.seed_everything(cfg.seed, workers=True)
+    model, datamodule = cfg.model.instantiate("model"), cfg.data.instantiate("data")
+    strategy_cfg = cfg.strategy
+    strategy = StaticDistStrategy(
+        compile=strategy_cfg.compile,
+        mesh=strategy_cfg.mesh,
+        sync=strategy_cfg.sync,
+        compression=strategy_cfg.compression,
+        embedding=strategy_cfg.embedding,
+        timeout_s=strategy_cfg.timeout_s,
+    )
+    callbacks = [
+        import_object(f"callbacks.{name}", CALLBACKS[name])(**block.options)
+        for name, block in cfg.callbacks.items()
+        if block.enabled
+    ]
+    trainer_kwargs = dict(cfg.trainer)
+    trainer_kwargs.setdefault("logger", default_loggers(trainer_kwargs.get("default_root_dir") or os.getcwd()))
+    trainer = L.Trainer(strategy=strategy, callbacks=callbacks, **trainer_kwargs)
+    return trainer, model, datamodule
+
+
+def default_loggers(root_dir: str) -> list[Any]:
+    """CSV always (``metrics.csv``, read by ``lsd-report``), TensorBoard beside it when installed; one log dir."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE, _TENSORBOARDX_AVAILABLE
+
+    csv_logger = CSVLogger(save_dir=root_dir, name="lightning_logs")
+    if not (_TENSORBOARD_AVAILABLE or _TENSORBOARDX_AVAILABLE):
+        return [csv_logger]
+    return [csv_logger, TensorBoardLogger(save_dir=root_dir, name="lightning_logs", version=csv_logger.version)]
+
+
+def train_main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point of ``lsd-train``."""
+    parser = argparse.ArgumentParser(
+        prog="lsd-train",
+        description="Train a LightningModule with the static_dist strategy from a YAML run file.",
+        epilog="Example: lsd-train configs/charlm_cpu.yaml trainer.max_steps=100 strategy.sync.bucket_mb=10",
+    )
+    parser.add_argument("config", help="YAML run file (top level: seed, model, data, trainer, strategy, callbacks)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, merged over the file")
+    parser.add_argument("--print-config", action="store_true", help="print the validated config and exit")
+    args = parser.parse_args(argv)
+    # class paths in the run file (examples.charlm.CharGPT) resolve from the working directory, as with `python -m`
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        cfg = load_run_config(args.config, args.overrides)
+        if args.print_config:
+            print(json.dumps(_jsonable(cfg), indent=2))
+            return
+        trainer, model, datamodule = build_trainer_inputs(cfg)
+    except ConfigError as err:
+        parser.exit(2, f"lsd-train: error: {err}\n")
+    trainer.fit(model, datamodule=datamodule)
+
+
+def _jsonable(obj: Any) -> Any:
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------------- report
+
+
+def find_run_dirs(root: str) -> list[str]:
+    """Lightning log directories (holding ``metrics.csv``) under ``root``, newest last."""
+    found = []
+    for dirpath, _, filenames in os.walk(root):
+        if "metrics.csv" in filenames:
+            found.append(dirpath)
+    return sorted(found, key=lambda d: os.path.getmtime(os.path.join(d, "metrics.csv")))
+
+
+def read_metrics(path: str) -> dict[str, list[tuple[int, float]]]:
+    """``metrics.csv`` as ``{metric: [(step, value), ...]}``."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            step = int(row.get("step") or 0)
+            for key, value in row.items():
+                if key in ("step", "epoch") or value in (None, ""):
+                    continue
+                series.setdefault(key, []).append((step, float(value)))
+    return series
+
+
+def report(run_dir: str, plot: bool = True) -> str:
+    """The summary table of the newest run under ``run_dir``; writes ``<log_dir>/curves.png`` when ``plot``."""
+    runs = find_run_dirs(run_dir)
+    if not runs:
+        raise FileNotFoundError(f"lsd-report: no metrics.csv under {run_dir!r}: is it a finished run's directory?")
+    log_dir = runs[-1]
+    series = read_metrics(os.path.join(log_dir, "metrics.csv"))
+    lines = [f"run: {log_dir}", f"{'metric':<28} {'first':>12} {'last':>12} {'min':>12} {'points':>7}"]
+    for key in sorted(series):
+        values = [v for _, v in series[key]]
+        lines.append(f"{key:<28} {values[0]:>12.5g} {values[-1]:>12.5g} {min(values):>12.5g} {len(values):>7}")
+    summary_path = os.path.join(log_dir, "summary.json")
+    if os.path.exists(summary_path):
+        from lightning_static_dist.callbacks import format_summary
+
+        with open(summary_path) as f:
+            lines.append(format_summary(json.load(f)))
+    if plot:
+        lines.append(f"plot: {plot_curves(series, os.path.join(log_dir, 'curves.png'))}")
+    return "\n".join(lines)
+
+
+def plot_curves(series: dict[str, list[tuple[int, float]]], path: str) -> str:
+    """One panel per logged metric against the step; returns the PNG's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted(series)
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * max(len(keys), 1)), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        steps, values = zip(*series[key])
+        ax.plot(steps, values, marker="." if len(values) < 50 else None)
+        ax.set_ylabel(key, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def report_main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point of ``lsd-report``."""
+    parser = argparse.ArgumentParser(prog="lsd-report", description="Summarise a finished lsd-train run.")
+    parser.add_argument("run_dir", help="the run's directory (trainer.default_root_dir) or one of its log dirs")
+    parser.add_argument("--no-plot", action="store_true", help="print the table only")
+    args = parser.parse_args(argv)
+    try:
+        print(report(args.run_dir, plot=not args.no_plot))
+    except FileNotFoundError as err:
+        parser.exit(2, f"{err}\n")

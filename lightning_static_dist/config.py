@@ -1,0 +1,542 @@
+"""Typed configuration: the strategy's sections and the YAML run file, validated once, at the edge.
+
+Every section is a dataclass with a docstring on each field. A dataclass checks its own values in
+``__post_init__`` and raises :class:`ConfigError` with one line naming the *full* key (``strategy.sync.bucket_mb``),
+the bad value and what is allowed. Dicts become dataclasses through :func:`section_from_dict`, which rejects
+unknown keys the same way, so a typo never disappears into a ``**kwargs``.
+
+The run file (``lsd-train CONFIG.yaml key=value ...``) has the top level ``seed``, ``model``, ``data``, ``trainer``,
+``strategy`` and ``callbacks``; :func:`load_run_config` merges the dotted overrides with OmegaConf and validates
+everything — including the ``trainer`` block against ``lightning.Trainer``'s signature and the ``model``/``data``
+blocks against their classes' signatures — before a single process is started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import inspect
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, TypeVar, Union
+
+__all__ = [
+    "CallbackConfig",
+    "ComponentConfig",
+    "CompileConfig",
+    "CompressionConfig",
+    "ConfigError",
+    "EmbeddingConfig",
+    "MeshConfig",
+    "RunConfig",
+    "StrategyConfig",
+    "SyncConfig",
+    "load_run_config",
+    "section_from_dict",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value that is unknown, of the wrong type or out of range. The message is one line."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Generic checks: one value against one annotation.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _describe(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(annotation))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_describe(a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return "null"
+    if origin is not None:
+        return getattr(origin, "__name__", str(origin))
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` fits ``annotation``; annotations this checker does not understand accept anything."""
+    if annotation is Any or annotation is inspect.Parameter.empty:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        # bool is an int: ``True == 1`` must not satisfy Literal[1], nor 1 satisfy Literal[True]
+        return any(value == a and type(value) is type(a) for a in typing.get_args(annotation))
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin in (list, Sequence, tuple) or annotation in (list, tuple):
+        return isinstance(value, (list, tuple))
+    if origin in (dict, Mapping) or annotation is dict:
+        return isinstance(value, Mapping)
+    if isinstance(annotation, type):
+        # classes we cannot build from YAML (an Accelerator instance, a Logger ...) are the user's business
+        return True
+    return True
+
+
+def check_value(key: str, value: Any, annotation: Any) -> None:
+    """Raise :class:`ConfigError` naming ``key`` unless ``value`` fits ``annotation``."""
+    if not _matches(value, annotation):
+        raise ConfigError(f"{key}={value!r}: expected {_describe(annotation)}")
+
+
+def _fail(key: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"{key}={value!r}: {allowed}")
+
+
+def _check_fields(section: Any) -> None:
+    """Type-check every field of a dataclass instance against its annotation."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        if f.name.startswith("_"):
+            continue
+        value = getattr(section, f.name)
+        check_value(f"{section.KEY}.{f.name}", value, hints[f.name])
+        if hints[f.name] is float and isinstance(value, int):
+            object.__setattr__(section, f.name, float(value))
+
+
+_Section = TypeVar("_Section")
+
+
+def section_from_dict(cls: type[_Section], data: Any, key: Optional[str] = None) -> _Section:
+    """Build the dataclass ``cls`` from a mapping, an instance of ``cls`` or ``None`` (defaults).
+
+    Example::
+
+        sync = section_from_dict(SyncConfig, {"bucket_mb": 10})
+    """
+    key = key or getattr(cls, "KEY", cls.__name__)
+    if data is None:
+        return cls()
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{key}={data!r}: expected a mapping of {_field_names(cls)} or a {cls.__name__}")
+    names = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+    for name in data:
+        if name not in names:
+            raise ConfigError(f"{key}.{name}: unknown key; allowed: {_field_names(cls)}")
+    return cls(**dict(data))
+
+
+def _field_names(cls: type) -> str:
+    return ", ".join(f.name for f in dataclasses.fields(cls) if not f.name.startswith("_"))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Strategy sections. The full key of each is fixed: ``strategy.<section>``.
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CompileConfig:
+    """``strategy.compile``: static compilation of the LightningModule.
+
+    Static compilation is the next capability to land (regional compile, in-graph collectives); until it does,
+    only ``enabled: false`` is accepted. Compile the model yourself meanwhile: it is trained eagerly otherwise.
+
+    Example::
+
+        StaticDistStrategy(compile={"enabled": False})
+    """
+
+    KEY = "strategy.compile"
+
+    enabled: bool = False
+    """Compile the LightningModule inside the strategy (not implemented yet: must be false)."""
+    backend: str = "inductor"
+    """The torch.compile backend to use once compilation is enabled."""
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    """The torch.compile mode."""
+    fullgraph: bool = False
+    """Fail on any graph break instead of splitting the graph."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if self.enabled:
+            _fail(f"{self.KEY}.enabled", self.enabled, "static compilation inside the strategy is not implemented yet; allowed: false")
+
+
+@dataclass
+class MeshConfig:
+    """``strategy.mesh``: the shape of the data-parallel ``DeviceMesh``, built at run time from the actual world.
+
+    ``dp_replicate * dp_shard`` must equal the world size; ``-1`` infers one of them. Only ``dp_shard: 1`` (plain
+    replication, a 1-D ``dp`` mesh) is implemented so far.
+
+    Example::
+
+        StaticDistStrategy(mesh={"dp_replicate": -1, "dp_shard": 1})
+    """
+
+    KEY = "strategy.mesh"
+
+    dp_replicate: int = -1
+    """Replica groups (gradients all-reduced across them); -1: world size / dp_shard."""
+    dp_shard: int = 1
+    """Ranks sharing one replica's gradients and optimizer state; only 1 is implemented so far."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        for name in ("dp_replicate", "dp_shard"):
+            value = getattr(self, name)
+            if value != -1 and value < 1:
+                _fail(f"{self.KEY}.{name}", value, "must be -1 (infer) or an integer >= 1")
+        if self.dp_replicate == -1 and self.dp_shard == -1:
+            _fail(f"{self.KEY}.dp_shard", self.dp_shard, "at most one of dp_replicate and dp_shard may be -1")
+        if self.dp_shard not in (1, -1) or (self.dp_shard == -1 and self.dp_replicate != -1):
+            _fail(f"{self.KEY}.dp_shard", self.dp_shard, "sharded data parallelism is not implemented yet; allowed: 1")
+
+
+@dataclass
+class SyncConfig:
+    """``strategy.sync``: how gradients are synchronised across the mesh's ``dp`` group.
+
+    Parameters are grouped into flat buckets in reverse registration order (the order backward produces their
+    gradients); each bucket launches its asynchronous collective as soon as its last gradient is ready.
+
+    Example::
+
+        StaticDistStrategy(sync={"bucket_mb": 10, "first_bucket_mb": 0.5})
+    """
+
+    KEY = "strategy.sync"
+
+    mode: Literal["hooks"] = "hooks"
+    """``hooks``: bucketed async collectives launched from post-accumulate-grad hooks."""
+    bucket_mb: float = 25.0
+    """Capacity of each bucket after the first, in MiB."""
+    first_bucket_mb: float = 1.0
+    """Capacity of the first bucket, in MiB: small, so the first collective starts early in backward."""
+    broadcast_buffers: bool = True
+    """Broadcast module buffers (BatchNorm statistics ...) from rank 0 before every training forward, like DDP."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        for name in ("bucket_mb", "first_bucket_mb"):
+            value = getattr(self, name)
+            if not 0 < value <= 4096:
+                _fail(f"{self.KEY}.{name}", value, "must be a number of MiB in (0, 4096]")
+
+
+@dataclass
+class CompressionConfig:
+    """``strategy.compression``: gradient compression applied to each bucket's collective.
+
+    Only ``name: none`` is implemented so far; compressors plug into the synchroniser's ``BucketReducer``.
+
+    Example::
+
+        StaticDistStrategy(compression={"name": "none"})
+    """
+
+    KEY = "strategy.compression"
+
+    name: str = "none"
+    """The compressor; allowed so far: ``none``."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if self.name != "none":
+            _fail(f"{self.KEY}.name", self.name, "gradient compression is not implemented yet; allowed: 'none'")
+
+
+@dataclass
+class EmbeddingConfig:
+    """``strategy.embedding``: sharded embeddings with a hoisted all-gather.
+
+    Not implemented yet: only ``shard: false`` is accepted.
+
+    Example::
+
+        StaticDistStrategy(embedding={"shard": False})
+    """
+
+    KEY = "strategy.embedding"
+
+    shard: Union[bool, Literal["auto"]] = False
+    """Shard embeddings across data-parallel ranks (not implemented yet: must be false)."""
+    min_rows: int = 8192
+    """With ``shard: auto``, the smallest embedding that gets sharded."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if self.min_rows < 1:
+            _fail(f"{self.KEY}.min_rows", self.min_rows, "must be an integer >= 1")
+        if self.shard is not False:
+            _fail(f"{self.KEY}.shard", self.shard, "embedding sharding is not implemented yet; allowed: false")
+
+
+@dataclass
+class StrategyConfig:
+    """The ``strategy`` block: one field per section plus the collective timeout.
+
+    Example::
+
+        cfg = StrategyConfig.from_dict({"sync": {"bucket_mb": 10}, "timeout_s": 600})
+    """
+
+    KEY = "strategy"
+
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    """Static compilation."""
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    """The data-parallel DeviceMesh."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """Gradient synchronisation."""
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    """Gradient compression."""
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    """Sharded embeddings."""
+    timeout_s: float = 1800.0
+    """Timeout of every collective, in seconds (process-group timeout)."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.name != "timeout_s":
+                setattr(self, f.name, section_from_dict(typing.get_type_hints(StrategyConfig)[f.name], getattr(self, f.name)))
+        check_value(f"{self.KEY}.timeout_s", self.timeout_s, float)
+        self.timeout_s = float(self.timeout_s)
+        if self.timeout_s <= 0:
+            _fail(f"{self.KEY}.timeout_s", self.timeout_s, "must be a number of seconds > 0")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StrategyConfig:
+        return section_from_dict(cls, data)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The run file.
+# --------------------------------------------------------------------------------------------------------------
+
+DEFAULT_MODEL = "examples.charlm.CharGPT"
+DEFAULT_DATA = "examples.charlm.CharDataModule"
+
+
+def import_object(key: str, class_path: str) -> Any:
+    """Import ``package.module.Name``; errors name the config key."""
+    module_name, _, attr = class_path.rpartition(".")
+    if not module_name:
+        _fail(key, class_path, "expected a dotted import path such as 'my_pkg.models.MyModel'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        _fail(key, class_path, f"cannot import module {module_name!r} ({err})")
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        _fail(key, class_path, f"module {module_name!r} has no attribute {attr!r}")
+
+
+def check_kwargs_against(key: str, target: Any, kwargs: Mapping[str, Any], exclude: Sequence[str] = ()) -> None:
+    """Check ``kwargs`` against the signature of ``target`` (a class or a callable): names and simple types.
+
+    ``exclude``: argument names that exist but are not for the user to set (left out of the allowed list).
+    """
+    init = target.__init__ if isinstance(target, type) else target
+    params = inspect.signature(init).parameters
+    try:
+        hints = typing.get_type_hints(init)
+    except Exception:  # unresolvable forward references: check names only
+        hints = {}
+    accepts_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    allowed = [
+        n
+        for n, p in params.items()
+        if n != "self" and n not in exclude and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    for name, value in kwargs.items():
+        if name not in params or name == "self":
+            if accepts_var_kw:
+                continue
+            close = difflib.get_close_matches(name, allowed, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"{key}.{name}: unknown key; {hint}allowed: {', '.join(allowed)}")
+        if name in hints:
+            check_value(f"{key}.{name}", value, hints[name])
+
+
+@dataclass
+class ComponentConfig:
+    """A ``model`` or ``data`` block: ``class_path`` plus the keyword arguments of that class.
+
+    Example (YAML)::
+
+        model:
+          class_path: examples.charlm.CharGPT
+          n_layer: 4
+    """
+
+    class_path: str
+    init_args: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, key: str, data: Any, default_class_path: str) -> ComponentConfig:
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            _fail(key, data, "expected a mapping with class_path and the class's keyword arguments")
+        data = dict(data)
+        class_path = data.pop("class_path", default_class_path)
+        check_value(f"{key}.class_path", class_path, str)
+        target = import_object(f"{key}.class_path", class_path)
+        check_kwargs_against(key, target, data)
+        return cls(class_path=class_path, init_args=data)
+
+    def instantiate(self, key: str) -> Any:
+        """Build the object; a constructor's own ``ValueError``/``TypeError`` becomes a ConfigError naming ``key``."""
+        target = import_object(f"{key}.class_path", self.class_path)
+        try:
+            return target(**self.init_args)
+        except (ValueError, TypeError, FileNotFoundError) as err:
+            raise ConfigError(f"{key}: {err}") from err
+
+
+@dataclass
+class CallbackConfig:
+    """One block under ``callbacks``: ``enabled`` plus the callback's own options."""
+
+    enabled: bool = True
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+#: The callbacks a run file can configure, by name -> ``module:Class``. Each class's ``__init__`` keyword
+#: arguments are that block's options.
+CALLBACKS: dict[str, str] = {
+    "run_summary": "lightning_static_dist.callbacks.RunSummary",
+}
+
+#: Trainer arguments the run file may not set, and why.
+_RESERVED_TRAINER_KEYS = {
+    "strategy": "use the top-level 'strategy' block",
+    "callbacks": "use the top-level 'callbacks' block",
+}
+
+
+@dataclass
+class RunConfig:
+    """A whole ``lsd-train`` run file, validated.
+
+    Example::
+
+        cfg = load_run_config("configs/charlm_cpu.yaml", ["trainer.max_steps=50"])
+    """
+
+    seed: int = 1234
+    model: ComponentConfig = field(default_factory=lambda: ComponentConfig(DEFAULT_MODEL))
+    data: ComponentConfig = field(default_factory=lambda: ComponentConfig(DEFAULT_DATA))
+    trainer: dict[str, Any] = field(default_factory=dict)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    callbacks: dict[str, CallbackConfig] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RunConfig:
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"<top level>={data!r}: expected a mapping with keys seed, model, data, trainer, strategy, callbacks")
+        allowed = ("seed", "model", "data", "trainer", "strategy", "callbacks")
+        for name in data:
+            if name not in allowed:
+                raise ConfigError(f"{name}: unknown top-level key; allowed: {', '.join(allowed)}")
+        seed = data.get("seed", 1234)
+        check_value("seed", seed, int)
+        if seed < 0:
+            _fail("seed", seed, "must be an integer >= 0")
+        trainer = data.get("trainer") or {}
+        if not isinstance(trainer, Mapping):
+            _fail("trainer", trainer, "expected a mapping of lightning.Trainer keyword arguments")
+        from lightning import Trainer
+
+        for name, why in _RESERVED_TRAINER_KEYS.items():
+            if name in trainer:
+                _fail(f"trainer.{name}", trainer[name], f"not allowed here: {why}")
+        check_kwargs_against("trainer", Trainer, trainer, exclude=tuple(_RESERVED_TRAINER_KEYS))
+        _check_trainer_ranges(trainer)
+        return cls(
+            seed=seed,
+            model=ComponentConfig.from_dict("model", data.get("model"), DEFAULT_MODEL),
+            data=ComponentConfig.from_dict("data", data.get("data"), DEFAULT_DATA),
+            trainer=dict(trainer),
+            strategy=section_from_dict(StrategyConfig, data.get("strategy")),
+            callbacks=_callbacks_from_dict(data.get("callbacks")),
+        )
+
+
+def _check_trainer_ranges(trainer: Mapping[str, Any]) -> None:
+    """Range checks Lightning itself would only make after processes start (or never, for some)."""
+    positive = ("max_epochs", "accumulate_grad_batches", "log_every_n_steps", "num_nodes")
+    for name in positive:
+        value = trainer.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1 and not (name == "max_epochs" and value == -1):
+            _fail(f"trainer.{name}", value, "must be an integer >= 1")
+    max_steps = trainer.get("max_steps")
+    if isinstance(max_steps, int) and max_steps < -1:
+        _fail("trainer.max_steps", max_steps, "must be -1 (no limit) or an integer >= 0")
+    devices = trainer.get("devices")
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices < 1 and devices != -1:
+        _fail("trainer.devices", devices, "must be -1 (all), an integer >= 1, 'auto' or a list of device indices")
+
+
+def _callbacks_from_dict(data: Any) -> dict[str, CallbackConfig]:
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        _fail("callbacks", data, f"expected a mapping of callback blocks; allowed names: {', '.join(CALLBACKS)}")
+    out: dict[str, CallbackConfig] = {}
+    for name, block in data.items():
+        if name not in CALLBACKS:
+            raise ConfigError(f"callbacks.{name}: unknown callback; allowed: {', '.join(CALLBACKS)}")
+        block = {} if block is None else block
+        if not isinstance(block, Mapping):
+            _fail(f"callbacks.{name}", block, "expected a mapping with 'enabled' and the callback's options")
+        options = dict(block)
+        enabled = options.pop("enabled", True)
+        check_value(f"callbacks.{name}.enabled", enabled, bool)
+        check_kwargs_against(f"callbacks.{name}", import_object(f"callbacks.{name}", CALLBACKS[name]), options)
+        out[name] = CallbackConfig(enabled=enabled, options=options)
+    return out
+
+
+def load_run_config(path: Optional[str], overrides: Sequence[str] = ()) -> RunConfig:
+    """Load a YAML run file, merge ``dotted.key=value`` overrides and validate the result.
+
+    Raises:
+        ConfigError: one line naming the key, the bad value and what is allowed.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        base = OmegaConf.load(path) if path is not None else OmegaConf.create({})
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r}: no such file") from None
+    except Exception as err:  # yaml.YAMLError, OmegaConf's own errors: both mean the file is not a valid config
+        raise ConfigError(f"config file {path!r}: not valid YAML ({str(err).splitlines()[0]})") from None
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. trainer.max_steps=100")
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        data = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"overrides {list(overrides)}: {str(err).splitlines()[0]}") from None
+    if data is None:
+        data = {}
+    return RunConfig.from_dict(data)

@@ -1,0 +1,378 @@
+"""``StaticDistStrategy``: the Lightning lifecycle of data-parallel training without the DDP wrapper.
+
+The strategy owns processes, the process group, the ``DeviceMesh``, placement, checkpoints and the hooks Lightning
+calls; the mechanics live in small modules: :mod:`~lightning_static_dist.mesh` (mesh shape),
+:mod:`~lightning_static_dist.sync` (bucketed gradient collectives), :mod:`~lightning_static_dist.config` (validation).
+
+One training step, as Lightning drives it::
+
+    training_step      buffers broadcast from rank 0 (``sync.broadcast_buffers``), then the user's forward
+    backward           post-accumulate-grad hooks fill buckets; full buckets launch async collectives
+    post_backward      GradientSynchronizer.finish(): launch the rest, wait, write averaged grads back
+    optimizer step     the precision plugin unscales / clips the *synchronised* gradients, then steps
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.distributed
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from lightning_static_dist.config import (
+    CompileConfig,
+    CompressionConfig,
+    ConfigError,
+    EmbeddingConfig,
+    MeshConfig,
+    StrategyConfig,
+    SyncConfig,
+)
+from lightning_static_dist.mesh import DP_DIM, build_dp_mesh
+from lightning_static_dist.sync import GradientSynchronizer
+from lightning_static_dist.sync.broadcast import broadcast_tensors
+
+log = logging.getLogger(__name__)
+
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+_Section = Union[dict[str, Any], Any, None]
+
+
+class StaticDistStrategy(ParallelStrategy):
+    """Data-parallel training with explicit, bucketed gradient collectives over a ``DeviceMesh``.
+
+    Registered as ``"static_dist"`` (processes started like ``ddp``), ``"static_dist_spawn"`` (``spawn``, for tests
+    and scripts without a ``__main__`` guard problem) and ``"static_dist_notebook"`` (``fork``) when
+    ``lightning_static_dist`` is imported. Each keyword section takes a plain dict or its dataclass; omitted sections
+    take their defaults. Bad values raise :class:`~lightning_static_dist.config.ConfigError` here, before any
+    process starts.
+
+    Args:
+        compile: ``strategy.compile`` (:class:`~lightning_static_dist.config.CompileConfig`).
+        mesh: ``strategy.mesh`` (:class:`~lightning_static_dist.config.MeshConfig`).
+        sync: ``strategy.sync`` (:class:`~lightning_static_dist.config.SyncConfig`).
+        compression: ``strategy.compression`` (:class:`~lightning_static_dist.config.CompressionConfig`).
+        embedding: ``strategy.embedding`` (:class:`~lightning_static_dist.config.EmbeddingConfig`).
+        timeout_s: timeout of every collective, in seconds.
+        process_group_backend: ``"nccl"``/``"gloo"``; by default NCCL on CUDA and Gloo on CPU.
+        start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"``, ``"forkserver"``.
+
+    Example::
+
+        import lightning as L
+        import lightning_static_dist  # registers "static_dist"
+
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy="static_dist")
+        trainer = L.Trainer(devices=2, strategy=lightning_static_dist.StaticDistStrategy(sync={"bucket_mb": 10}))
+    """
+
+    strategy_name = "static_dist"
+
+    def __init__(
+        self,
+        accelerator: Optional[pl.accelerators.Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        *,
+        compile: _Section = None,
+        mesh: _Section = None,
+        sync: _Section = None,
+        compression: _Section = None,
+        embedding: _Section = None,
+        timeout_s: float = 1800.0,
+        process_group_backend: Optional[str] = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._config = StrategyConfig(
+            compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding, timeout_s=timeout_s
+        )
+        if start_method not in _START_METHODS:
+            raise ConfigError(f"start_method={start_method!r}: allowed: {', '.join(map(repr, _START_METHODS))}")
+        if process_group_backend not in (None, "nccl", "gloo", "mpi", "ucc"):
+            raise ConfigError(f"process_group_backend={process_group_backend!r}: allowed: None (auto), 'nccl', 'gloo'")
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self._mesh: Optional[DeviceMesh] = None
+        self._synchronizer: Optional[GradientSynchronizer] = None
+        self._buffers_to_broadcast: list[Tensor] = []
+        log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
+
+    # ------------------------------------------------------------------------------------------ configuration
+
+    @property
+    def config(self) -> StrategyConfig:
+        """The validated strategy configuration."""
+        return self._config
+
+    @property
+    def compile_config(self) -> CompileConfig:
+        return self._config.compile
+
+    @property
+    def mesh_config(self) -> MeshConfig:
+        return self._config.mesh
+
+    @property
+    def sync_config(self) -> SyncConfig:
+        return self._config.sync
+
+    @property
+    def compression_config(self) -> CompressionConfig:
+        return self._config.compression
+
+    @property
+    def embedding_config(self) -> EmbeddingConfig:
+        return self._config.embedding
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The data-parallel mesh, built in :meth:`setup_environment` from the world that actually started."""
+        if self._mesh is None:
+            raise RuntimeError("The device mesh is built when the processes start: access it in or after `setup`.")
+        return self._mesh
+
+    @property
+    def synchronizer(self) -> Optional[GradientSynchronizer]:
+        """The gradient synchroniser while fitting (``None`` before ``setup`` and outside ``fit``)."""
+        return self._synchronizer
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning asks this of strategies it does not know (sampler insertion, `self.log(sync_dist=True)`)
+        return True
+
+    # ------------------------------------------------------------------------------------- processes and ranks
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.setup_distributed()
+        if self.lightning_module is not None:
+            # the same hand-over ModelParallelStrategy uses: `self.device_mesh` inside the LightningModule
+            self.lightning_module._device_mesh = self._mesh
+
+    def setup_distributed(self) -> None:
+        """Initialise the process group and build the data-parallel mesh over it."""
+        log.debug(f"{self.__class__.__name__}: setting up distributed...")
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        _init_dist_connection(
+            self.cluster_environment,
+            self._process_group_backend,
+            timeout=timedelta(seconds=self._config.timeout_s),
+            device_id=self.root_device if self.root_device.type != "cpu" else None,
+        )
+        self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------------------------------------- setup
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.model is not None
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        # every rank starts from rank 0's weights and buffers, whatever its own initialisation drew
+        broadcast_tensors(list(self.model.parameters()) + list(self.model.buffers()), group=self._dp_group)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._attach_synchronizer()
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @property
+    def _dp_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        return self._mesh.get_group(DP_DIM) if self._mesh is not None else None
+
+    def _attach_synchronizer(self) -> None:
+        assert self.model is not None
+        sync = self._config.sync
+        self._synchronizer = GradientSynchronizer(
+            self.model.named_parameters(),
+            group=self._dp_group,
+            first_bucket_mb=sync.first_bucket_mb,
+            bucket_mb=sync.bucket_mb,
+        )
+        self._synchronizer.attach()
+        self._buffers_to_broadcast = list(self.model.buffers()) if sync.broadcast_buffers else []
+
+    @override
+    def model_to_device(self) -> None:
+        log.debug(f"{self.__class__.__name__}: moving model to device [{self.root_device}]...")
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------------------------------ training step
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._buffers_to_broadcast:
+            broadcast_tensors(self._buffers_to_broadcast, group=self._dp_group)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        # gradient clipping, the AMP scaler and `on_before_optimizer_step` all run after this: they see averages
+        if self._synchronizer is not None:
+            self._synchronizer.finish()
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulate gradients locally (Lightning enters this on non-boundary micro-batches)."""
+        if self._synchronizer is None:
+            yield None
+            return
+        with self._synchronizer.no_sync():
+            yield None
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._synchronizer is not None:
+            self._synchronizer.abandon_round()
+
+    # ------------------------------------------------------------------------------------------ collectives
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        objects = [obj]
+        torch.distributed.broadcast_object_list(objects, src, group=_group.WORLD)
+        return objects[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        """Reduce a tensor over all processes (``"mean"`` by default, ``"sum"``, or a ``ReduceOp``).
+
+        Non-tensors are returned unchanged, as in every Lightning strategy.
+        """
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -------------------------------------------------------------------------------------------- teardown
+
+    @override
+    def teardown(self) -> None:
+        log.debug(f"{self.__class__.__name__}: tearing down strategy")
+        if self._synchronizer is not None:
+            self._synchronizer.detach()
+        self._buffers_to_broadcast = []
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries = (
+            ("static_dist", "popen"),
+            ("static_dist_spawn", "spawn"),
+            ("static_dist_notebook", "fork"),
+        )
+        for name, start_method in entries:
+            if name in strategy_registry:
+                continue
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"Static data-parallel strategy (explicit bucketed collectives), start method '{start_method}'",
+                start_method=start_method,
+            )

@@ -1,0 +1,141 @@
+"""Bucket planning: which gradients travel together. Pure functions over parameter sizes; no processes, no hooks.
+
+Backward produces gradients roughly in reverse registration order (the last layer first), so buckets are filled in
+that order: the first bucket to fill is the first collective to launch. The first bucket is kept small
+(``first_bucket_mb``, default 1 MiB) so communication starts as early in backward as possible; later buckets are
+larger (``bucket_mb``, default 25 MiB) so each collective's fixed latency is paid rarely. This is the policy
+DDP's reducer uses; here it is a plain function whose result every rank can print and compare.
+
+A bucket holds gradients of one dtype and one device only: a flat buffer cannot mix them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What planning needs to know about a parameter: its position, size, dtype and device."""
+
+    index: int
+    """Position in the synchroniser's parameter list (registration order)."""
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class GradBucket:
+    """One flat buffer of gradients that is reduced by one collective.
+
+    ``offsets[i]`` is where the gradient of parameter ``param_indices[i]`` starts in the flat buffer.
+
+    Example::
+
+        bucket = plan.buckets[0]
+        for index, offset, numel in zip(bucket.param_indices, bucket.offsets, bucket.numels): ...
+    """
+
+    index: int
+    param_indices: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numels: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def numel(self) -> int:
+        """Number of gradient elements (the flat buffer may carry extra bookkeeping after them)."""
+        return self.offsets[-1] + self.numels[-1] if self.offsets else 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """The buckets of one model, in launch order, and where each parameter lives.
+
+    Example::
+
+        plan = plan_buckets(specs, first_bucket_bytes=1 << 20, bucket_bytes=25 << 20)
+        bucket_index, slot = plan.location[param_index]
+    """
+
+    buckets: tuple[GradBucket, ...]
+    location: dict[int, tuple[int, int]]
+    """Parameter index -> (bucket index, slot within the bucket)."""
+
+    @property
+    def param_indices(self) -> frozenset[int]:
+        return frozenset(self.location)
+
+    def describe(self) -> str:
+        """A one-line summary, identical on every rank for identical plans."""
+        sizes = ", ".join(f"{b.nbytes / MiB:.2f}MiB/{len(b.param_indices)}p" for b in self.buckets)
+        return f"{len(self.buckets)} buckets [{sizes}]"
+
+
+def plan_buckets(params: Sequence[ParamSpec], first_bucket_bytes: int, bucket_bytes: int) -> BucketPlan:
+    """Group parameters into buckets in reverse registration order.
+
+    A bucket is closed when adding the next parameter would exceed its capacity (the first bucket's capacity is
+    ``first_bucket_bytes``, every later one's ``bucket_bytes``) or when dtype or device change. A parameter larger
+    than the capacity gets a bucket of its own.
+
+    Example::
+
+        >>> specs = [ParamSpec(i, 1024, torch.float32, torch.device("cpu")) for i in range(4)]
+        >>> [b.param_indices for b in plan_buckets(specs, 4096, 8192).buckets]
+        [(3,), (2, 1), (0,)]
+    """
+    if first_bucket_bytes <= 0 or bucket_bytes <= 0:
+        raise ValueError(f"bucket capacities must be positive, got {first_bucket_bytes} and {bucket_bytes}")
+    groups: list[list[ParamSpec]] = []
+    filled = 0
+    for spec in sorted(params, key=lambda s: s.index, reverse=True):
+        current = groups[-1] if groups else None
+        capacity = first_bucket_bytes if len(groups) == 1 else bucket_bytes
+        if (
+            current is not None
+            and current[0].dtype == spec.dtype
+            and current[0].device == spec.device
+            and filled + spec.nbytes <= capacity
+        ):
+            current.append(spec)
+            filled += spec.nbytes
+        else:
+            groups.append([spec])
+            filled = spec.nbytes
+
+    buckets = []
+    location: dict[int, tuple[int, int]] = {}
+    for b, group in enumerate(groups):
+        offsets, numels, offset = [], [], 0
+        for slot, spec in enumerate(group):
+            offsets.append(offset)
+            numels.append(spec.numel)
+            offset += spec.numel
+            location[spec.index] = (b, slot)
+        buckets.append(
+            GradBucket(
+                index=b,
+                param_indices=tuple(s.index for s in group),
+                offsets=tuple(offsets),
+                numels=tuple(numels),
+                dtype=group[0].dtype,
+                device=group[0].device,
+            )
+        )
+    return BucketPlan(buckets=tuple(buckets), location=location)

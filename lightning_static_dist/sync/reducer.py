@@ -1,0 +1,88 @@
+"""The collective a full bucket launches: a pluggable operation (compression plugs in here).
+
+A :class:`BucketReducer` receives a flat buffer holding this rank's gradients of one bucket and returns a
+:class:`PendingReduction` at once; ``wait()`` gives back the flat buffer holding the *average* over the group.
+The built-in :class:`MeanAllReduce` is one asynchronous ``all_reduce``. A compressing reducer may run several
+collectives and return a different tensor, as long as ``wait()`` returns the averaged buffer of the same size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_static_dist.sync.plan import GradBucket
+
+
+class PendingReduction(Protocol):
+    """A reduction in flight."""
+
+    def wait(self) -> Tensor:
+        """Block until the reduction is done; return the averaged flat buffer."""
+        ...
+
+
+class BucketReducer(Protocol):
+    """Turns one bucket's local flat gradients into an asynchronous, averaging collective.
+
+    Example::
+
+        class MyReducer:
+            def launch(self, bucket, flat, group):
+                ...  # start the collectives, return an object with wait() -> averaged flat tensor
+                return pending
+
+            def payload_bytes(self, bucket, flat):
+                return flat.numel() * flat.element_size()
+    """
+
+    def launch(self, bucket: GradBucket, flat: Tensor, group: Optional[dist.ProcessGroup]) -> PendingReduction:
+        ...
+
+    def payload_bytes(self, bucket: GradBucket, flat: Tensor) -> int:
+        """Bytes this rank puts on the wire for this bucket (the payload, not the algorithm's traffic)."""
+        ...
+
+
+class _PendingWork:
+    def __init__(self, work: Optional[dist.Work], flat: Tensor) -> None:
+        self._work = work
+        self._flat = flat
+
+    def wait(self) -> Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._flat
+
+
+class MeanAllReduce:
+    """Average with one asynchronous ``all_reduce`` (sum of pre-divided values: Gloo has no ``AVG``).
+
+    Dividing *before* the sum keeps low-precision buckets (fp16/bf16) from overflowing on large worlds.
+
+    Example::
+
+        pending = MeanAllReduce().launch(bucket, flat, group)
+        averaged = pending.wait()
+    """
+
+    def launch(self, bucket: GradBucket, flat: Tensor, group: Optional[dist.ProcessGroup]) -> PendingReduction:
+        world = dist.get_world_size(group)
+        if world == 1:
+            return _PendingWork(None, flat)
+        flat.div_(world)
+        return _PendingWork(dist.all_reduce(flat, group=group, async_op=True), flat)
+
+    def payload_bytes(self, bucket: GradBucket, flat: Tensor) -> int:
+        return flat.numel() * flat.element_size()
+
+
+def all_reduce_sum(values: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """Blocking sum over the group of a small bookkeeping tensor (usage masks): same dtype as given."""
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(values, group=group)
+    return values

@@ -1,0 +1,296 @@
+"""The gradient synchroniser: post-accumulate-grad hooks fill flat buckets; a full bucket launches its collective.
+
+Usable without Lightning::
+
+    sync = GradientSynchronizer(model.named_parameters(), group=dist.group.WORLD)
+    sync.attach()
+    for x, y in data:
+        loss_fn(model(x), y).backward()
+        sync.finish()          # gradients are now averaged over the group
+        optimizer.step()
+        optimizer.zero_grad()
+
+One *round* is one backward pass followed by :meth:`GradientSynchronizer.finish`:
+
+1. Each parameter's post-accumulate-grad hook copies its gradient into its slot of the bucket's flat buffer. When
+   a bucket's last slot is filled, every full bucket from the *next bucket to launch* onwards is launched, in plan
+   order. Launching strictly in plan order is what keeps every rank issuing the same collectives in the same
+   order even when hooks fire in a different order, or a parameter gets no gradient on one rank.
+2. ``finish()`` fills what the hooks did not (a parameter unused on this rank contributes zeros), launches the
+   remaining buckets in order, waits for all of them and writes the averages back into ``param.grad``.
+
+Unused parameters. Each bucket carries one usage flag per parameter after its gradients, reduced together with
+them (a few bytes): a parameter that no rank used keeps ``grad = None`` instead of receiving an average of zeros,
+so an optimizer with weight decay or momentum treats it exactly as it would without data parallelism.
+Parameters that no rank used in the first round are left out of the plan. While the plan leaves out trainable
+parameters, ``finish()`` runs one small all-reduce of their usage; when one of them gets a gradient on any rank
+the plan is rebuilt — identically on every rank, from the same reduced mask — and the newcomers are reduced in a
+one-off bucket in that same round. No hang, no dropped gradient. The first round is this same path with an empty
+plan, so usage is decided collectively before the first bucket is planned.
+
+Assumption: ``requires_grad`` of every parameter is the same on every rank (true when it is set by the same code).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn import Parameter
+
+from lightning_static_dist.sync.plan import BucketPlan, GradBucket, MiB, ParamSpec, plan_buckets
+from lightning_static_dist.sync.reducer import BucketReducer, MeanAllReduce, PendingReduction, all_reduce_sum
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncStats:
+    """Counters a user (and the run summary) can read: what the synchroniser did so far on this rank."""
+
+    rounds: int = 0
+    """Synchronised backward passes."""
+    skipped_rounds: int = 0
+    """Backward passes under :meth:`GradientSynchronizer.no_sync` (gradient accumulation)."""
+    collectives: int = 0
+    """Collectives launched (bucket reductions and usage masks)."""
+    bytes_sent: int = 0
+    """Payload bytes this rank put on the wire, over all rounds."""
+    last_round_bytes: int = 0
+    """Payload bytes of the most recent synchronised round."""
+    plan_rebuilds: int = 0
+    """Times the bucket plan changed after the first round (parameter usage changed)."""
+
+
+class GradientSynchronizer:
+    """Averages gradients over a process group with bucketed asynchronous collectives that overlap backward.
+
+    Args:
+        named_parameters: the model's ``named_parameters()``; duplicates (tied weights) are synchronised once.
+        group: the data-parallel process group (``mesh.get_group("dp")``); ``None`` means the default group.
+        reducer: the collective each full bucket launches; :class:`MeanAllReduce` by default.
+        first_bucket_mb: capacity of the first bucket in MiB.
+        bucket_mb: capacity of every later bucket in MiB.
+
+    Example::
+
+        sync = GradientSynchronizer(model.named_parameters(), group=mesh.get_group("dp"), bucket_mb=25)
+        sync.attach()
+        with sync.no_sync():            # accumulate locally, no communication
+            model(x0).sum().backward()
+            sync.finish()                 # a no-op inside no_sync
+        model(x1).sum().backward()
+        sync.finish()                     # one synchronisation of the accumulated gradients
+    """
+
+    def __init__(
+        self,
+        named_parameters: Iterable[tuple[str, Parameter]],
+        group: Optional[dist.ProcessGroup] = None,
+        reducer: Optional[BucketReducer] = None,
+        first_bucket_mb: float = 1.0,
+        bucket_mb: float = 25.0,
+    ) -> None:
+        seen: set[int] = set()
+        self._names: list[str] = []
+        self._params: list[Parameter] = []
+        for name, param in named_parameters:
+            if id(param) not in seen:
+                seen.add(id(param))
+                self._names.append(name)
+                self._params.append(param)
+        self._group = group
+        self._reducer: BucketReducer = reducer if reducer is not None else MeanAllReduce()
+        self._first_bucket_bytes = int(first_bucket_mb * MiB)
+        self._bucket_bytes = int(bucket_mb * MiB)
+        self._plan = BucketPlan(buckets=(), location={})
+        self._first_round_done = False
+        self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
+        self._sync_enabled = True
+        self.stats = SyncStats()
+        self._reset_round()
+
+    # ----------------------------------------------------------------------------------------------- lifecycle
+
+    @property
+    def plan(self) -> BucketPlan:
+        """The current bucket plan (empty before the first synchronised round)."""
+        return self._plan
+
+    @property
+    def parameter_names(self) -> Sequence[str]:
+        return tuple(self._names)
+
+    def attach(self) -> None:
+        """Register the gradient-ready hooks on every parameter that requires grad."""
+        for index, param in enumerate(self._params):
+            if param.requires_grad and index not in self._hooks:
+                self._hooks[index] = param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, index))
+
+    def detach(self) -> None:
+        """Remove the hooks and drop any round in flight (its collectives are waited for, results discarded)."""
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+        self.abandon_round()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: no collective is launched until the context exits."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def abandon_round(self) -> None:
+        """Wait for collectives in flight and forget the round (after an exception in backward)."""
+        for pending in self._pending:
+            if pending is not None:
+                pending.wait()
+        self._reset_round()
+
+    # ------------------------------------------------------------------------------------------------- a round
+
+    def _reset_round(self) -> None:
+        buckets = self._plan.buckets
+        self._filled = [[False] * len(b.param_indices) for b in buckets]
+        self._remaining = [len(b.param_indices) for b in buckets]
+        self._pending: list[Optional[PendingReduction]] = [None] * len(buckets)
+        self._next_to_launch = 0
+        self._round_bytes = 0
+
+    def _allocate_buffers(self) -> None:
+        self._buffers = [_flat_buffer(b) for b in self._plan.buckets]
+
+    def _on_grad_ready(self, index: int, param: Parameter) -> None:
+        if not self._sync_enabled:
+            return
+        location = self._plan.location.get(index)
+        if location is None:  # not planned yet: finish() finds its gradient and decides with every rank
+            return
+        bucket_index, slot = location
+        self._fill(bucket_index, slot, param.grad)
+        if self._remaining[bucket_index] == 0:
+            self._launch_ready_buckets()
+
+    def _fill(self, bucket_index: int, slot: int, grad: Optional[Tensor]) -> None:
+        _pack(self._buffers[bucket_index], self._plan.buckets[bucket_index], slot, grad)
+        self._filled[bucket_index][slot] = True
+        self._remaining[bucket_index] -= 1
+
+    def _launch_ready_buckets(self) -> None:
+        buckets = self._plan.buckets
+        while self._next_to_launch < len(buckets) and self._remaining[self._next_to_launch] == 0:
+            self._launch(self._next_to_launch)
+            self._next_to_launch += 1
+
+    def _launch(self, bucket_index: int) -> None:
+        bucket = self._plan.buckets[bucket_index]
+        flat = self._buffers[bucket_index]
+        self._round_bytes += self._reducer.payload_bytes(bucket, flat)
+        self.stats.collectives += 1
+        self._pending[bucket_index] = self._reducer.launch(bucket, flat, self._group)
+
+    def finish(self) -> None:
+        """End the round: launch what is left, wait for every collective, write the averaged gradients back.
+
+        A no-op inside :meth:`no_sync`. Call it after every backward pass that should be synchronised.
+        """
+        if not self._sync_enabled:
+            self.stats.skipped_rounds += 1
+            return
+        # 1. planned buckets: fill the slots no hook filled (unused on this rank), launch in plan order
+        for bucket_index, bucket in enumerate(self._plan.buckets):
+            for slot, filled in enumerate(self._filled[bucket_index]):
+                if not filled:
+                    self._fill(bucket_index, slot, self._params[bucket.param_indices[slot]].grad)
+        self._launch_ready_buckets()
+        # 2. parameters outside the plan: decide together whether any of them got a gradient anywhere
+        newcomers = self._reduce_usage_of_unplanned()
+        # 3. wait and write back
+        for bucket_index, bucket in enumerate(self._plan.buckets):
+            pending = self._pending[bucket_index]
+            assert pending is not None
+            self._write_back(bucket.param_indices, bucket.offsets, bucket.numels, pending.wait())
+        if newcomers or not self._first_round_done:
+            self._adopt(newcomers)
+        self.stats.rounds += 1
+        self.stats.bytes_sent += self._round_bytes
+        self.stats.last_round_bytes = self._round_bytes
+        self._reset_round()
+
+    def _reduce_usage_of_unplanned(self) -> list[int]:
+        """Indices of unplanned parameters that got a gradient on any rank this round (same list on every rank)."""
+        unplanned = [i for i, p in enumerate(self._params) if i not in self._plan.location and p.requires_grad]
+        if not unplanned:
+            return []
+        device = self._params[unplanned[0]].device
+        used = torch.tensor([self._params[i].grad is not None for i in unplanned], dtype=torch.float32, device=device)
+        all_reduce_sum(used, self._group)
+        self._round_bytes += used.numel() * used.element_size()
+        self.stats.collectives += 1
+        return [i for i, count in zip(unplanned, used.tolist()) if count > 0]
+
+    def _adopt(self, newcomers: list[int]) -> None:
+        """Reduce the newcomers' gradients in a one-off bucket this round, then rebuild the plan with them."""
+        if newcomers:
+            one_off = plan_buckets(self._specs(newcomers), self._bucket_bytes, self._bucket_bytes)
+            for bucket in one_off.buckets:
+                flat = _flat_buffer(bucket)
+                for slot, index in enumerate(bucket.param_indices):
+                    _pack(flat, bucket, slot, self._params[index].grad)
+                self._round_bytes += self._reducer.payload_bytes(bucket, flat)
+                self.stats.collectives += 1
+                averaged = self._reducer.launch(bucket, flat, self._group).wait()
+                self._write_back(bucket.param_indices, bucket.offsets, bucket.numels, averaged)
+        members = sorted(set(self._plan.location) | set(newcomers))
+        if self._first_round_done:
+            self.stats.plan_rebuilds += 1
+        self._first_round_done = True
+        self._plan = plan_buckets(self._specs(members), self._first_bucket_bytes, self._bucket_bytes)
+        self._allocate_buffers()
+        self.attach()  # parameters whose requires_grad was switched on since the last attach
+        skipped = [self._names[i] for i, p in enumerate(self._params) if i not in self._plan.location and p.requires_grad]
+        log.debug(
+            f"{type(self).__name__}: plan {self._plan.describe()}"
+            + (f"; unused so far: {', '.join(skipped)}" if skipped else "")
+        )
+
+    def _specs(self, indices: Sequence[int]) -> list[ParamSpec]:
+        return [ParamSpec(i, self._params[i].numel(), self._params[i].dtype, self._params[i].device) for i in indices]
+
+    def _write_back(self, indices: Sequence[int], offsets: Sequence[int], numels: Sequence[int], flat: Tensor) -> None:
+        grads_end = offsets[-1] + numels[-1]
+        used_anywhere = (flat[grads_end:] > 0).tolist()
+        for slot, index in enumerate(indices):
+            if not used_anywhere[slot]:
+                continue  # no rank produced a gradient: leave it as it is (None), like single-process training
+            param = self._params[index]
+            averaged = flat[offsets[slot] : offsets[slot] + numels[slot]].view_as(param)
+            if param.grad is None:
+                param.grad = averaged.clone()
+            else:
+                param.grad.copy_(averaged)
+
+
+def _flat_buffer(bucket: GradBucket) -> Tensor:
+    """A bucket's flat buffer: its gradients, then one usage flag per parameter (see the module docstring)."""
+    return torch.empty(bucket.numel + len(bucket.param_indices), dtype=bucket.dtype, device=bucket.device)
+
+
+def _pack(flat: Tensor, bucket: GradBucket, slot: int, grad: Optional[Tensor]) -> None:
+    """Copy one parameter's local gradient (zeros if it has none) and its usage flag into the flat buffer."""
+    start, numel = bucket.offsets[slot], bucket.numels[slot]
+    if grad is None:
+        flat[start : start + numel].zero_()
+    else:
+        flat[start : start + numel].copy_(grad.reshape(-1))
+    flat[bucket.numel + slot].fill_(0.0 if grad is None else 1.0)
