@@ -48,11 +48,12 @@ def build_trainer_inputs(cfg: RunConfig) -> tuple[Any, Any, Any]:
 
 def default_loggers(root_dir: str) -> list[Any]:
     """CSV always (``metrics.csv``, read by ``lsd-report``), TensorBoard beside it when installed; one log dir."""
+    from importlib.util import find_spec
+
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-    from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE, _TENSORBOARDX_AVAILABLE
 
     csv_logger = CSVLogger(save_dir=root_dir, name="lightning_logs")
-    if not (_TENSORBOARD_AVAILABLE or _TENSORBOARDX_AVAILABLE):
+    if find_spec("tensorboard") is None and find_spec("tensorboardX") is None:
         return [csv_logger]
     return [csv_logger, TensorBoardLogger(save_dir=root_dir, name="lightning_logs", version=csv_logger.version)]
 

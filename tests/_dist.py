@@ -1,0 +1,70 @@
+"""Run a function on N real processes joined by a real Gloo process group; collect each rank's result.
+
+No mocked collectives: every test that uses this starts ``world_size`` processes (spawn), initialises
+``torch.distributed`` with Gloo over localhost, and returns what each rank returned (picklable values).
+A rank that raises fails the test with its traceback; a rank that hangs fails it after ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # plain pickle (by value): torch's queue would share tensors through file descriptors that die with us
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), timeout: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; return the results ordered by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+                break  # the other ranks are likely blocked in a collective now
+    except Exception as err:  # queue.Empty: a rank hung or died without reporting
+        errors.append(f"no result from ranks {sorted(set(range(world_size)) - set(results))} within {timeout}s ({err!r})")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,62 @@
+"""Bucket planning: pure functions, exact expectations."""
+
+import pytest
+import torch
+
+from lightning_static_dist.sync.plan import MiB, ParamSpec, plan_buckets
+
+CPU = torch.device("cpu")
+
+
+def specs(*numels: int, dtype: torch.dtype = torch.float32) -> list[ParamSpec]:
+    return [ParamSpec(i, n, dtype, CPU) for i, n in enumerate(numels)]
+
+
+def test_buckets_fill_in_reverse_registration_order() -> None:
+    # 4 params of 4 KiB; first bucket holds 4 KiB, later ones 8 KiB
+    plan = plan_buckets(specs(1024, 1024, 1024, 1024), first_bucket_bytes=4096, bucket_bytes=8192)
+    assert [b.param_indices for b in plan.buckets] == [(3,), (2, 1), (0,)]
+    assert plan.location == {3: (0, 0), 2: (1, 0), 1: (1, 1), 0: (2, 0)}
+    assert [b.offsets for b in plan.buckets] == [(0,), (0, 1024), (0,)]
+    assert [b.numel for b in plan.buckets] == [1024, 2048, 1024]
+
+
+def test_first_bucket_is_small_and_later_buckets_large() -> None:
+    # 200 parameters of 256 KiB (64 Ki floats) each: 50 MiB
+    plan = plan_buckets(specs(*[64 * 1024] * 200), first_bucket_bytes=1 * MiB, bucket_bytes=25 * MiB)
+    assert [b.nbytes for b in plan.buckets] == [1 * MiB, 25 * MiB, 24 * MiB]
+    assert [len(b.param_indices) for b in plan.buckets] == [4, 100, 96]
+
+
+def test_a_parameter_larger_than_the_capacity_gets_its_own_bucket() -> None:
+    plan = plan_buckets(specs(10, 10_000, 10), first_bucket_bytes=100, bucket_bytes=100)
+    assert [b.param_indices for b in plan.buckets] == [(2,), (1,), (0,)]
+
+
+def test_dtypes_and_devices_never_share_a_bucket() -> None:
+    mixed = [
+        ParamSpec(0, 4, torch.float32, CPU),
+        ParamSpec(1, 4, torch.bfloat16, CPU),
+        ParamSpec(2, 4, torch.bfloat16, CPU),
+        ParamSpec(3, 4, torch.float32, CPU),
+    ]
+    plan = plan_buckets(mixed, first_bucket_bytes=MiB, bucket_bytes=MiB)
+    assert [(b.param_indices, b.dtype) for b in plan.buckets] == [
+        ((3,), torch.float32),
+        ((2, 1), torch.bfloat16),
+        ((0,), torch.float32),
+    ]
+    assert plan.buckets[1].nbytes == 16
+
+
+def test_plan_is_a_function_of_its_inputs_only() -> None:
+    a = plan_buckets(specs(5, 7, 9, 11), 40, 64)
+    b = plan_buckets(list(reversed(specs(5, 7, 9, 11))), 40, 64)
+    assert a == b
+    assert a.describe() == b.describe()
+
+
+def test_empty_and_invalid() -> None:
+    assert plan_buckets([], 10, 10).buckets == ()
+    with pytest.raises(ValueError, match="positive"):
+        plan_buckets(specs(1), 0, 10)

@@ -1,0 +1,267 @@
+"""StaticDistStrategy inside real Lightning Trainers on 2 CPU ranks (Gloo), side by side with Lightning's ``ddp``.
+
+Each fit uses the spawn start method so the trained weights come back to the test process (rank 0's copy);
+per-rank facts (sampler, synchroniser counters, buffers) are written by a small callback to ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable
+
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel, DemoModel, ManualOptimBoringModel, RandomDataset
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+import lightning as L
+import lightning_static_dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning_static_dist import StaticDistStrategy
+
+pytestmark = pytest.mark.multiprocess
+
+
+# ------------------------------------------------------------------------------------------- no processes
+
+
+def test_import_registers_the_strategy_names() -> None:
+    for name in ("static_dist", "static_dist_spawn", "static_dist_notebook"):
+        assert name in StrategyRegistry
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="static_dist", logger=False)
+    assert isinstance(trainer.strategy, StaticDistStrategy)
+    assert trainer.strategy.num_processes == 2
+    assert trainer._accelerator_connector.is_distributed  # sampler insertion and sync_dist depend on it
+    assert lightning_static_dist.StaticDistStrategy is StaticDistStrategy
+
+
+def test_lightning_cli_accepts_the_class_path() -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    cli = LightningCLI(
+        BoringModel,
+        run=False,
+        args=[
+            "--trainer.accelerator=cpu",
+            "--trainer.devices=2",
+            "--trainer.strategy=lightning_static_dist.StaticDistStrategy",
+            "--trainer.strategy.sync={'bucket_mb': 5}",
+            "--trainer.logger=false",
+        ],
+    )
+    assert isinstance(cli.trainer.strategy, StaticDistStrategy)
+    assert cli.trainer.strategy.sync_config.bucket_mb == 5.0
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+class RankReport(Callback):
+    """Writes per-rank facts to ``<dir>/rank<N>.json`` at the end of fit."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.sampler_indices: list[int] = []
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        sampler = trainer.train_dataloader.sampler
+        if isinstance(sampler, DistributedSampler) and not self.sampler_indices:
+            self.sampler_indices = list(iter(sampler))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        sync = getattr(trainer.strategy, "synchronizer", None)
+        facts = {
+            "rank": trainer.global_rank,
+            "sampler": type(trainer.train_dataloader.sampler).__name__,
+            "sampler_indices": self.sampler_indices,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "stats": vars(sync.stats) if sync is not None else None,
+            "state": {k: v.float().sum().item() for k, v in pl_module.state_dict().items()},
+        }
+        with open(os.path.join(self.directory, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(facts, f)
+
+
+def fit(
+    make_model: Callable[[], L.LightningModule],
+    strategy: Any,
+    tmp_path: Any = None,
+    seed: int = 7,
+    ckpt_path: Any = None,
+    **trainer_kwargs: Any,
+) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Fit on 2 CPU ranks; return rank 0's trained state dict and each rank's report (when tmp_path is given)."""
+    L.seed_everything(seed)
+    model = make_model()
+    callbacks = [RankReport(str(tmp_path))] if tmp_path is not None else []
+    kwargs = dict(
+        accelerator="cpu",
+        devices=2,
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    kwargs.update(trainer_kwargs)
+    trainer = L.Trainer(strategy=strategy, callbacks=callbacks, **kwargs)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    reports = []
+    if tmp_path is not None:
+        for rank in range(2):
+            with open(os.path.join(tmp_path, f"rank{rank}.json")) as f:
+                reports.append(json.load(f))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, reports
+
+
+def static_dist(**kwargs: Any) -> StaticDistStrategy:
+    return StaticDistStrategy(start_method="spawn", **kwargs)
+
+
+def ddp(**kwargs: Any) -> DDPStrategy:
+    return DDPStrategy(start_method="spawn", **kwargs)
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=tol, rtol=tol, msg=lambda m: f"{key}: {m}")
+
+
+class DemoWithData(DemoModel):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(RandomDataset(32, 64), batch_size=4)
+
+
+class ShuffledBoring(BoringModel):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(RandomDataset(32, 64), batch_size=2, shuffle=True)
+
+
+# ------------------------------------------------------------------------------------------ equivalence
+
+
+@pytest.mark.parametrize(
+    ("make_model", "extra"),
+    [
+        pytest.param(BoringModel, {}, id="BoringModel"),
+        pytest.param(ManualOptimBoringModel, {}, id="ManualOptimBoringModel"),
+        pytest.param(DemoWithData, {"gradient_clip_val": 0.05}, id="DemoModel-clipped"),
+    ],
+)
+def test_lightning_demo_modules_end_with_the_weights_ddp_gives(make_model: Callable, extra: dict) -> None:
+    ours, _ = fit(make_model, static_dist(), **extra)
+    theirs, _ = fit(make_model, ddp(), **extra)
+    assert_same_weights(ours, theirs)
+    # and training did something
+    untouched, _ = fit(make_model, static_dist(), max_steps=0)
+    assert any(not torch.equal(ours[k], untouched[k]) for k in ours)
+
+
+class BatchNormNet(L.LightningModule):
+    """BatchNorm buffers, a frozen layer, a tied weight and a branch that only starts being used at step 3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.late = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 16)
+        self.back = nn.Linear(16, 16, bias=False)
+        self.back.weight = self.out.weight
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        h = self.frozen(self.bn(self.inp(batch)).relu())
+        if self.global_step >= 3:
+            h = h + self.late(h)
+        loss = self.back(self.out(h)).pow(2).mean()
+        self.log("rank_value", float(self.global_rank), sync_dist=True, on_step=False, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(RandomDataset(32, 64), batch_size=4, shuffle=True)
+
+
+def test_buffers_usage_change_sync_dist_and_sampler(tmp_path: Any) -> None:
+    (tmp_path / "ours").mkdir()
+    ours, reports = fit(BatchNormNet, static_dist(), tmp_path / "ours", max_steps=8)
+    theirs, _ = fit(BatchNormNet, DDPStrategy(start_method="spawn", find_unused_parameters=True), max_steps=8)
+    assert_same_weights(ours, theirs)  # includes BatchNorm running stats (rank 0's, broadcast like DDP)
+    r0, r1 = reports
+    # Lightning inserted a DistributedSampler: the ranks see disjoint halves of the data
+    assert r0["sampler"] == r1["sampler"] == "DistributedSampler"
+    assert set(r0["sampler_indices"]).isdisjoint(r1["sampler_indices"])
+    assert len(r0["sampler_indices"]) + len(r1["sampler_indices"]) == 64
+    # self.log(sync_dist=True) reduced across ranks: mean of rank 0 and rank 1
+    assert r0["metrics"]["rank_value"] == r1["metrics"]["rank_value"] == pytest.approx(0.5)
+    # the late branch joined the plan once, when it was first used
+    assert r0["stats"]["plan_rebuilds"] == r1["stats"]["plan_rebuilds"] == 1
+
+
+def test_accumulation_skips_communication_on_non_boundary_steps(tmp_path: Any) -> None:
+    ours, reports = fit(ShuffledBoring, static_dist(), tmp_path, max_steps=3, accumulate_grad_batches=4)
+    theirs, _ = fit(ShuffledBoring, ddp(), max_steps=3, accumulate_grad_batches=4)
+    assert_same_weights(ours, theirs)
+    for r in reports:
+        assert r["stats"]["rounds"] == 3  # one synchronisation per optimizer step
+        assert r["stats"]["skipped_rounds"] == 9  # three local micro-batches before each
+        # one bucket per round (BoringModel is tiny) plus the first round's usage mask
+        assert r["stats"]["collectives"] == 3 + 1
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_cpu_precisions_match_ddp(precision: str) -> None:
+    ours, _ = fit(BoringModel, static_dist(), precision=precision)
+    theirs, _ = fit(BoringModel, ddp(), precision=precision)
+    assert_same_weights(ours, theirs, tol=1e-2 if precision == "bf16-true" else 1e-5)
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+class Steady(BoringModel):
+    """BoringModel with Adam (optimizer state to restore) and no scheduler."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(RandomDataset(32, 64), batch_size=4)
+
+
+def test_checkpoint_round_trips_with_a_single_device_trainer(tmp_path: Any) -> None:
+    # static_dist -> plain single-device Lightning
+    ours, _ = fit(Steady, static_dist(), max_epochs=1, max_steps=-1, default_root_dir=str(tmp_path / "a"), enable_checkpointing=True)
+    ckpt = next((tmp_path / "a").rglob("*.ckpt"))
+    loaded = Steady.load_from_checkpoint(str(ckpt))
+    assert_same_weights({k: v for k, v in loaded.state_dict().items()}, ours, tol=0)
+    single = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+                       enable_checkpointing=False, enable_model_summary=False)
+    single.fit(Steady(), ckpt_path=str(ckpt))
+    assert single.global_step == 8 + 16  # the 2-rank epoch took 8 steps; one rank alone needs 16 per epoch
+
+    # plain single-device Lightning -> static_dist (resume)
+    single = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+                       enable_model_summary=False, default_root_dir=str(tmp_path / "b"))
+    single.fit(Steady())
+    ckpt = next((tmp_path / "b").rglob("*.ckpt"))
+    resumed, _ = fit(Steady, static_dist(), max_epochs=2, max_steps=-1, ckpt_path=str(ckpt))
+    assert not torch.equal(resumed["layer.weight"], Steady.load_from_checkpoint(str(ckpt)).layer.weight)
+
+
+def test_resume_continues_exactly(tmp_path: Any) -> None:
+    straight, _ = fit(Steady, static_dist(), max_epochs=2, max_steps=-1)
+    fit(Steady, static_dist(), max_epochs=1, max_steps=-1, default_root_dir=str(tmp_path), enable_checkpointing=True)
+    ckpt = next(tmp_path.rglob("*.ckpt"))
+    resumed, _ = fit(Steady, static_dist(), max_epochs=2, max_steps=-1, ckpt_path=str(ckpt))
+    assert_same_weights(resumed, straight, tol=0)

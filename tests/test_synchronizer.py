@@ -1,0 +1,187 @@
+"""The gradient synchroniser on 2 real Gloo ranks, against torch's DistributedDataParallel on the same data."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from _dist import run_ranks
+from lightning_static_dist.sync import GradientSynchronizer
+from lightning_static_dist.sync.broadcast import broadcast_tensors
+
+pytestmark = pytest.mark.multiprocess
+
+
+class Zoo(nn.Module):
+    """Every parameter kind the synchroniser must handle: tied, unused, frozen, BatchNorm, a root parameter,
+    and a branch whose use depends on the data (``use_branch``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.fc1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 8)
+        self.branch = nn.Linear(8, 8)
+        self.unused = nn.Linear(8, 8)  # never called
+        self.scale = nn.Parameter(torch.ones(()))  # a parameter on the root, not in a leaf module
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, idx: torch.Tensor, use_branch: bool = False) -> torch.Tensor:
+        h = self.frozen(self.emb(idx).mean(1))
+        h = self.fc2(self.bn(self.fc1(h)).relu()) * self.scale
+        if use_branch:
+            h = h + self.branch(h)
+        return self.head(h)
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 11, (6, 5), generator=g)
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+
+
+def _ours_vs_ddp(rank: int, world: int, schedule: list[list[bool]], first_bucket_mb: float, bucket_mb: float) -> dict:
+    """Train Zoo with DDP and with the synchroniser side by side; ``schedule[step][rank]`` says who uses the branch."""
+    torch.manual_seed(0)
+    base = Zoo()
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    ddp = DistributedDataParallel(theirs, find_unused_parameters=True)
+    sync = GradientSynchronizer(ours.named_parameters(), first_bucket_mb=first_bucket_mb, bucket_mb=bucket_mb)
+    sync.attach()
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=0.1, weight_decay=0.1)
+    opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=0.1, weight_decay=0.1)
+    mismatches = []
+    for step, users in enumerate(schedule):
+        idx = _batch(rank, step)
+        broadcast_tensors(list(ours.buffers()))  # what the strategy does before each training forward
+        ours(idx, use_branch=users[rank]).logsumexp(-1).mean().backward()
+        sync.finish()
+        ddp(idx, use_branch=users[rank]).logsumexp(-1).mean().backward()
+        for (name, g_ours), g_theirs in zip(_grads(ours).items(), _grads(theirs).values()):
+            if (g_ours is None) != (g_theirs is None):
+                mismatches.append(f"step {step} {name}: ours {g_ours is None=} theirs {g_theirs is None=}")
+            elif g_ours is not None and not torch.allclose(g_ours, g_theirs, atol=1e-6, rtol=1e-6):
+                mismatches.append(f"step {step} {name}: max diff {(g_ours - g_theirs).abs().max():.3g}")
+        opt_ours.step()
+        opt_theirs.step()
+        opt_ours.zero_grad()
+        opt_theirs.zero_grad()
+    return {
+        "mismatches": mismatches,
+        "weights": {n: p.detach().clone() for n, p in ours.named_parameters()},
+        "ddp_weights": {n: p.detach().clone() for n, p in theirs.named_parameters()},
+        "stats": sync.stats,
+        "planned": sorted(sync.parameter_names[i] for i in sync.plan.param_indices),
+        "buckets": len(sync.plan.buckets),
+    }
+
+
+def test_gradients_equal_ddp_with_tied_unused_frozen_and_batchnorm() -> None:
+    results = run_ranks(_ours_vs_ddp, 2, args=([[False, False]] * 3, 1.0, 25.0))
+    for r in results:
+        assert r["mismatches"] == []
+        for name, w in r["weights"].items():
+            torch.testing.assert_close(w, r["ddp_weights"][name], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(results[0]["weights"], results[1]["weights"], atol=0, rtol=0)
+    # the never-used branch and the frozen layer are not in the plan; the tied weight is planned once
+    planned = results[0]["planned"]
+    assert not any(n.startswith(("unused.", "branch.", "frozen.")) for n in planned)
+    assert "emb.weight" in planned and "head.weight" not in planned
+    assert results[0]["stats"].rounds == 3 and results[0]["stats"].plan_rebuilds == 0
+
+
+def test_many_small_buckets_launch_in_order_and_still_match_ddp() -> None:
+    # ~0.1 KB buckets: every parameter its own collective; hooks fire in an order plan order must tame
+    results = run_ranks(_ours_vs_ddp, 2, args=([[False, False]] * 2, 1e-4, 1e-4))
+    assert results[0]["mismatches"] == [] and results[1]["mismatches"] == []
+    assert results[0]["buckets"] >= 8
+
+
+def test_usage_that_differs_between_ranks_and_changes_over_time() -> None:
+    # steps 0-1: nobody uses the branch (left out of the plan); step 2: only rank 1 does (plan rebuilt);
+    # step 3: only rank 0; step 4: nobody (planned but unused: grads stay None like DDP's)
+    schedule = [[False, False], [False, False], [False, True], [True, False], [False, False]]
+    results = run_ranks(_ours_vs_ddp, 2, args=(schedule, 1.0, 25.0))
+    for r in results:
+        assert r["mismatches"] == []
+        assert "branch.weight" in r["planned"]
+        assert r["stats"].plan_rebuilds == 1
+    torch.testing.assert_close(results[0]["weights"], results[1]["weights"], atol=0, rtol=0)
+
+
+def _accumulate(rank: int, world: int, micro_batches: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    sync = GradientSynchronizer(model.named_parameters())
+    sync.attach()
+    counts = []
+    for i in range(micro_batches):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i))
+        boundary = i == micro_batches - 1
+        if boundary:
+            model(x).pow(2).sum().backward()
+            sync.finish()
+        else:
+            with sync.no_sync():
+                model(x).pow(2).sum().backward()
+                sync.finish()
+        counts.append(sync.stats.collectives)
+        reference(x).pow(2).sum().backward()
+    for p in reference.parameters():  # the accumulated local sums, averaged once by hand
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    return {
+        "counts": counts,
+        "skipped": sync.stats.skipped_rounds,
+        "grads": [p.grad.clone() for p in model.parameters()],
+        "reference": [p.grad.clone() for p in reference.parameters()],
+    }
+
+
+def test_accumulation_communicates_only_on_the_boundary() -> None:
+    results = run_ranks(_accumulate, 2, args=(4,))
+    for r in results:
+        # no collective during the 3 accumulation micro-batches; the boundary round reduces the sums
+        assert r["counts"][:3] == [0, 0, 0]
+        assert r["counts"][3] > 0
+        assert r["skipped"] == 3
+        torch.testing.assert_close(r["grads"], r["reference"], atol=1e-6, rtol=1e-6)
+
+
+def _mixed_dtypes(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8).to(torch.bfloat16))
+    sync = GradientSynchronizer(model.named_parameters())
+    sync.attach()
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    model[1](model[0](x).to(torch.bfloat16)).float().sum().backward()
+    local = [p.grad.float().clone() for p in model.parameters()]
+    sync.finish()
+    return {
+        "grads": [p.grad.float() for p in model.parameters()],
+        "dtypes": [p.grad.dtype for p in model.parameters()],
+        "local": local,
+        "bucket_dtypes": [b.dtype for b in sync.plan.buckets],
+    }
+
+
+def test_each_dtype_gets_its_own_bucket_and_the_mean_is_right() -> None:
+    r0, r1 = run_ranks(_mixed_dtypes, 2)
+    assert sorted(map(str, r0["bucket_dtypes"])) == ["torch.bfloat16", "torch.float32"]
+    assert r0["dtypes"] == [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
+    for g0, g1, l0, l1 in zip(r0["grads"], r1["grads"], r0["local"], r1["local"]):
+        torch.testing.assert_close(g0, g1, atol=0, rtol=0)
+        torch.testing.assert_close(g0, (l0 + l1) / 2, atol=2e-2, rtol=2e-2)  # bf16 rounding
