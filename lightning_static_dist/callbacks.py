@@ -54,7 +54,7 @@ class RunSummary(Callback):
 
     def __init__(self, warmup_steps: int = 5, loss_key: str = "train_loss") -> None:
         if warmup_steps < 0:
-            raise ValueError(f"callbacks.run_summary.warmup_steps={warmup_steps}: must be an integer >= 0")
+            raise ValueError(f"warmup_steps={warmup_steps}: must be an integer >= 0")
         self.warmup_steps = warmup_steps
         self.loss_key = loss_key
         self.step_seconds: list[float] = []

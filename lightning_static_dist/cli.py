@@ -127,6 +127,8 @@ def report(run_dir: str, plot: bool = True) -> str:
         raise FileNotFoundError(f"lsd-report: no metrics.csv under {run_dir!r}: is it a finished run's directory?")
     log_dir = runs[-1]
     series = read_metrics(os.path.join(log_dir, "metrics.csv"))
+    if not series:
+        raise FileNotFoundError(f"lsd-report: {log_dir}/metrics.csv holds no values yet: did the run log anything?")
     lines = [f"run: {log_dir}", f"{'metric':<28} {'first':>12} {'last':>12} {'min':>12} {'points':>7}"]
     for key in sorted(series):
         values = [v for _, v in series[key]]

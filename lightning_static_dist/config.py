@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import importlib
 import inspect
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -314,9 +315,9 @@ class StrategyConfig:
             if f.name != "timeout_s":
                 setattr(self, f.name, section_from_dict(typing.get_type_hints(StrategyConfig)[f.name], getattr(self, f.name)))
         check_value(f"{self.KEY}.timeout_s", self.timeout_s, float)
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            _fail(f"{self.KEY}.timeout_s", self.timeout_s, "must be a finite number of seconds > 0")
         self.timeout_s = float(self.timeout_s)
-        if self.timeout_s <= 0:
-            _fail(f"{self.KEY}.timeout_s", self.timeout_s, "must be a number of seconds > 0")
 
     @classmethod
     def from_dict(cls, data: Any) -> StrategyConfig:
@@ -340,10 +341,12 @@ def import_object(key: str, class_path: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as err:
         _fail(key, class_path, f"cannot import module {module_name!r} ({err})")
-    try:
-        return getattr(module, attr)
-    except AttributeError:
+    target = getattr(module, attr, None)
+    if target is None:
         _fail(key, class_path, f"module {module_name!r} has no attribute {attr!r}")
+    if not callable(target):
+        _fail(key, class_path, f"{class_path!r} is a {type(target).__name__}, not a class")
+    return target
 
 
 def check_kwargs_against(key: str, target: Any, kwargs: Mapping[str, Any], exclude: Sequence[str] = ()) -> None:
@@ -418,8 +421,9 @@ class CallbackConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-#: The callbacks a run file can configure, by name -> ``module:Class``. Each class's ``__init__`` keyword
-#: arguments are that block's options.
+#: The callbacks a run file can configure, by name -> import path. Each class's ``__init__`` keyword arguments
+#: are that block's options; its ``ValueError`` messages start with ``option=value:`` so that the loader can
+#: prefix the full key (``callbacks.run_summary.warmup_steps=-1: ...``).
 CALLBACKS: dict[str, str] = {
     "run_summary": "lightning_static_dist.callbacks.RunSummary",
 }
@@ -509,7 +513,12 @@ def _callbacks_from_dict(data: Any) -> dict[str, CallbackConfig]:
         options = dict(block)
         enabled = options.pop("enabled", True)
         check_value(f"callbacks.{name}.enabled", enabled, bool)
-        check_kwargs_against(f"callbacks.{name}", import_object(f"callbacks.{name}", CALLBACKS[name]), options)
+        callback_cls = import_object(f"callbacks.{name}", CALLBACKS[name])
+        check_kwargs_against(f"callbacks.{name}", callback_cls, options)
+        try:
+            callback_cls(**options)  # callbacks are cheap to build: range checks run here, before any process
+        except ValueError as err:
+            raise ConfigError(f"callbacks.{name}.{err}") from None
         out[name] = CallbackConfig(enabled=enabled, options=options)
     return out
 
@@ -520,7 +529,7 @@ def load_run_config(path: Optional[str], overrides: Sequence[str] = ()) -> RunCo
     Raises:
         ConfigError: one line naming the key, the bad value and what is allowed.
     """
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     try:
@@ -532,10 +541,12 @@ def load_run_config(path: Optional[str], overrides: Sequence[str] = ()) -> RunCo
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. trainer.max_steps=100")
+    if not isinstance(base, DictConfig):
+        raise ConfigError(f"config file {path!r}: the top level must be a mapping with keys seed, model, data, trainer, strategy, callbacks")
     try:
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
         data = OmegaConf.to_container(merged, resolve=True)
-    except OmegaConfBaseException as err:
+    except (OmegaConfBaseException, TypeError, ValueError) as err:  # e.g. a list merged over a mapping
         raise ConfigError(f"overrides {list(overrides)}: {str(err).splitlines()[0]}") from None
     if data is None:
         data = {}

@@ -1,0 +1,171 @@
+"""Benchmark ``cpu2-charlm``: the char-level GPT on 2 CPU ranks (Gloo), Lightning ``ddp`` vs ``static_dist``.
+
+Contenders run interleaved (A B A B ...) in one invocation, each as a real 2-process job started the way users
+start it (Lightning's subprocess launcher). Figures: median step time over all timed steps of a contender, the ratio
+of medians, the median of the per-round ratios, and gradient bytes per step. Eager rows only: compiled rows arrive
+with static compilation.
+
+    python benchmarks/cpu2_charlm.py                 # 3 rounds x 2 contenders x 60 steps, writes results/
+    python benchmarks/cpu2_charlm.py --rounds 1 --steps 20 --no-record   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "charlm_cpu.yaml")
+CONTENDERS = ("ddp", "static_dist")
+
+
+def worker(contender: str, steps: int, warmup: int, out: str) -> None:
+    """One 2-rank training job; rank 0 writes its step times and byte counts to ``out``."""
+    sys.path.insert(0, ROOT)
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_static_dist import StaticDistStrategy, load_run_config
+    from lightning_static_dist.callbacks import RunSummary
+
+    cfg = load_run_config(
+        CONFIG,
+        [
+            f"trainer.max_steps={steps}",
+            "trainer.limit_val_batches=0",
+            "trainer.enable_checkpointing=false",
+            "trainer.enable_model_summary=false",
+            "trainer.gradient_clip_val=null",
+            "trainer.logger=false",
+        ],
+    )
+    L.seed_everything(cfg.seed)
+    model, data = cfg.model.instantiate("model"), cfg.data.instantiate("data")
+    if contender == "ddp":
+        strategy = DDPStrategy()
+    else:
+        s = cfg.strategy
+        strategy = StaticDistStrategy(
+            compile=s.compile, mesh=s.mesh, sync=s.sync, compression=s.compression, embedding=s.embedding
+        )
+    summary = RunSummary(warmup_steps=warmup)
+    trainer = L.Trainer(strategy=strategy, callbacks=[summary], **cfg.trainer)
+    trainer.fit(model, datamodule=data)
+    if trainer.is_global_zero:
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        sync = getattr(trainer.strategy, "synchronizer", None)
+        record = {
+            "step_s": summary.step_seconds[warmup:],
+            "tokens_per_step": summary.tokens_per_step * trainer.world_size,
+            "final_loss": summary.summary["train_loss_last10"],
+            # ddp all-reduces every gradient once per step; static_dist reports what it actually sent
+            "bytes_per_step": sync.stats.last_round_bytes if sync is not None else grad_bytes,
+            "bytes_source": "measured (synchroniser)" if sync is not None else "gradient bytes (DDP all-reduces all)",
+        }
+        with open(out, "w") as f:
+            json.dump(record, f)
+
+
+def run_one(contender: str, steps: int, warmup: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", contender, "--steps", str(steps),
+               "--warmup", str(warmup), "--out", out]
+        started = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"{contender} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            record = json.load(f)
+        record["wall_s"] = time.perf_counter() - started
+        return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--no-record", action="store_true", help="print only; do not write benchmarks/results/")
+    parser.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.steps, args.warmup, args.out)
+        return
+
+    runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
+    for r in range(args.rounds):
+        for contender in CONTENDERS:  # interleaved: A B A B ...
+            record = run_one(contender, args.steps, args.warmup)
+            runs[contender].append(record)
+            print(f"round {r + 1}/{args.rounds} {contender:<12} median step {1e3 * statistics.median(record['step_s']):7.1f} ms")
+
+    rows = []
+    for contender in CONTENDERS:
+        all_steps = [s for rec in runs[contender] for s in rec["step_s"]]
+        median_s = statistics.median(all_steps)
+        rows.append({
+            "contender": contender,
+            "sync_mode": "hooks" if contender == "static_dist" else "ddp reducer",
+            "compile": False,
+            "step_ms_median": round(1e3 * median_s, 2),
+            "step_ms_per_round": [round(1e3 * statistics.median(rec["step_s"]), 2) for rec in runs[contender]],
+            "tokens_per_s": round(runs[contender][0]["tokens_per_step"] / median_s),
+            "bytes_per_step": runs[contender][-1]["bytes_per_step"],
+            "bytes_source": runs[contender][-1]["bytes_source"],
+            "final_loss": [round(rec["final_loss"], 4) for rec in runs[contender]],
+            "timed_steps": len(all_steps),
+        })
+    by_name = {row["contender"]: row for row in rows}
+    per_round = [
+        statistics.median(s["step_s"]) / statistics.median(d["step_s"])
+        for s, d in zip(runs["static_dist"], runs["ddp"])
+    ]
+    summary = {
+        "step_time_ratio_static_dist_vs_ddp": round(by_name["static_dist"]["step_ms_median"] / by_name["ddp"]["step_ms_median"], 4),
+        "step_time_ratio_per_round_median": round(statistics.median(per_round), 4),
+        "target": "<= 1.0 (static_dist no slower than Lightning ddp, eager)",
+    }
+
+    print(f"\n{'contender':<12} {'step ms (median)':>17} {'tokens/s':>10} {'bytes/step':>12}  per-round ms")
+    for row in rows:
+        print(f"{row['contender']:<12} {row['step_ms_median']:>17.1f} {row['tokens_per_s']:>10,} "
+              f"{row['bytes_per_step']:>12,}  {row['step_ms_per_round']}")
+    print(f"\nstatic_dist / ddp step time: {summary['step_time_ratio_static_dist_vs_ddp']:.3f} "
+          f"(median of per-round ratios {summary['step_time_ratio_per_round_median']:.3f})")
+
+    if args.no_record:
+        return
+    import lightning
+    import torch
+
+    today = datetime.date.today().isoformat()
+    record = {
+        "scenario": "cpu2-charlm",
+        "date": today,
+        "hardware": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "ranks": 2,
+                     "backend": "gloo"},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__},
+        "command": "python benchmarks/cpu2_charlm.py " + " ".join(
+            f"--{k} {getattr(args, k)}" for k in ("rounds", "steps", "warmup")),
+        "config": os.path.relpath(CONFIG, ROOT),
+        "rows": rows,
+        "summary": summary,
+    }
+    path = os.path.join(ROOT, "benchmarks", "results", f"cpu2-charlm-{today}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
+    print(f"recorded: {os.path.relpath(path, ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

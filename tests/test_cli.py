@@ -1,0 +1,229 @@
+"""The console scripts as a user runs them: ``lsd-train`` (``python -m lightning_static_dist``) and ``lsd-report``.
+
+Bad configs must fail in seconds with exit code 2 and one ``lsd-train: error:`` line, before any process group
+exists. One end-to-end test trains a tiny model on 2 CPU ranks through the default ``popen`` launcher (Lightning
+re-runs the same command line for rank 1) and reads the run back with ``lsd-report``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_static_dist.cli import report, train_main
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_CONFIG = "configs/charlm_cpu.yaml"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def lsd_train(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``lsd-train ARGS`` from the repository root, where the configs' ``examples.charlm`` class paths resolve."""
+    return subprocess.run([sys.executable, "-m", "lightning_static_dist", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def lsd_report(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``lsd-report ARGS``: the installed console script beside this interpreter, else its entry point."""
+    script = Path(sys.executable).with_name("lsd-report")
+    if script.exists():
+        cmd = [str(script), *args]
+    else:
+        cmd = [sys.executable, "-c", "from lightning_static_dist.cli import report_main; report_main()", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------ lsd-train: errors
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("trainer.max_stepz=3", ["trainer.max_stepz", "max_steps"]),
+        ("model.n_head=5", ["model", "n_head=5", "n_embd=128"]),  # a constructor's own check, before processes
+        ("data.path=/nonexistent", ["data", "/nonexistent"]),
+    ],
+    ids=["trainer-typo", "model-constructor", "data-path-missing"],
+)
+def test_train_config_error_exits_2_before_any_process_group(override: str, named: list[str]) -> None:
+    started = time.monotonic()
+    result = lsd_train(CPU_CONFIG, override, timeout=120)
+    elapsed = time.monotonic() - started
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("lsd-train: error:"), result.stderr
+    for fragment in named:
+        assert fragment in last_line, f"{fragment!r} not in {last_line!r}"
+    assert "Traceback" not in output
+    assert "Initializing distributed" not in output
+    assert elapsed < 60, f"a config error took {elapsed:.0f} s to report"
+
+
+def test_train_callback_constructor_error_exits_2() -> None:
+    result = lsd_train(CPU_CONFIG, "callbacks.run_summary.warmup_steps=-1", timeout=120)
+    assert result.returncode == 2, result.stderr
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("lsd-train: error:") and "callbacks.run_summary.warmup_steps" in last_line
+
+
+def test_print_config_shows_the_merged_overrides(capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # train_main puts the working directory on sys.path
+    train_main([CPU_CONFIG, "trainer.max_steps=7", "strategy.sync.bucket_mb=10", "model.n_layer=2", "--print-config"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["trainer"]["max_steps"] == 7
+    assert printed["trainer"]["devices"] == 2
+    assert printed["strategy"]["sync"]["bucket_mb"] == 10.0
+    assert printed["model"]["class_path"] == "examples.charlm.CharGPT"
+    assert printed["model"]["init_args"]["n_layer"] == 2
+    assert printed["callbacks"]["run_summary"] == {"enabled": True, "options": {"warmup_steps": 5}}
+
+
+# ------------------------------------------------------------------------------------ lsd-report
+
+SUMMARY = {
+    "strategy": "StaticDistStrategy",
+    "world_size": 2,
+    "steps": 30,
+    "batches": 30,
+    "train_loss_last10": 3.25,
+    "val_loss": 3.5,
+    "val_ppl": 33.1,
+    "step_ms_median": 12.5,
+    "tokens_per_s": 81920.0,
+    "sync_rounds": 30,
+    "sync_collectives": 31,
+    "bytes_sent_per_rank": 2640000,
+    "bytes_per_round": 88000,
+    "bucket_plan": "1 buckets [0.08MiB/16p]",
+}
+
+
+def write_run(log_dir: Path, rows: list[dict[str, object]], summary: dict[str, object] | None = None) -> Path:
+    """A finished run's log dir as Lightning's CSVLogger and RunSummary leave it."""
+    log_dir.mkdir(parents=True)
+    with open(log_dir / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["epoch", "step", "train_loss", "val_loss"])
+        writer.writeheader()
+        writer.writerows(rows)
+    if summary is not None:
+        (log_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return log_dir
+
+
+RUN_ROWS = [
+    {"epoch": 0, "step": 9, "train_loss": 5.0, "val_loss": ""},
+    {"epoch": 0, "step": 14, "train_loss": "", "val_loss": 4.5},
+    {"epoch": 0, "step": 19, "train_loss": 4.0, "val_loss": ""},
+    {"epoch": 0, "step": 29, "train_loss": 3.0, "val_loss": ""},
+    {"epoch": 0, "step": 29, "train_loss": "", "val_loss": 3.5},
+]
+
+
+def _row(lines: list[str], name: str, text: str) -> list[str]:
+    rows = [line.split() for line in lines if line.split()[:1] == [name]]
+    assert len(rows) == 1, f"no single row for {name!r} in:\n{text}"
+    return rows[0]
+
+
+def metric_row(text: str, metric: str) -> list[str]:
+    """``[metric, first, last, min, points]`` from the metrics table (above the summary's first rule)."""
+    lines = text.splitlines()
+    end = next((i for i, line in enumerate(lines) if line.startswith("---")), len(lines))
+    return _row(lines[:end], metric, text)
+
+
+def summary_row(text: str, key: str) -> list[str]:
+    """``[key, value...]`` from the run summary table (below its first rule)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("---"))
+    return _row(lines[start:], key, text)
+
+
+def test_report_prints_metrics_and_summary_and_plots(tmp_path: Path) -> None:
+    log_dir = write_run(tmp_path / "lightning_logs" / "version_0", RUN_ROWS, SUMMARY)
+    text = report(str(tmp_path))
+    assert f"run: {log_dir}" in text
+    # metric, first, last, min, points
+    assert metric_row(text, "train_loss") == ["train_loss", "5", "3", "3", "3"]
+    assert metric_row(text, "val_loss") == ["val_loss", "4.5", "3.5", "3.5", "2"]
+    assert "lightning-static-dist run summary" in text
+    assert summary_row(text, "world_size") == ["world_size", "2"]
+    assert summary_row(text, "bytes_sent_per_rank") == ["bytes_sent_per_rank", "2,640,000"]
+    assert summary_row(text, "bucket_plan")[1:] == ["1", "buckets", "[0.08MiB/16p]"]
+    png = log_dir / "curves.png"
+    assert f"plot: {png}" in text
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert png.stat().st_size > 1000
+
+
+def test_report_without_plot_or_summary(tmp_path: Path) -> None:
+    log_dir = write_run(tmp_path / "version_0", RUN_ROWS)
+    text = report(str(log_dir), plot=False)
+    assert metric_row(text, "train_loss")[-1] == "3"
+    assert "run summary" not in text and "plot:" not in text
+    assert not (log_dir / "curves.png").exists()
+
+
+def test_report_reads_the_newest_run(tmp_path: Path) -> None:
+    old = write_run(tmp_path / "lightning_logs" / "version_0", RUN_ROWS)
+    new = write_run(tmp_path / "lightning_logs" / "version_1", [{"epoch": 0, "step": 4, "train_loss": 7.0, "val_loss": ""}])
+    os.utime(old / "metrics.csv", (1_000_000, 1_000_000))
+    text = report(str(tmp_path), plot=False)
+    assert f"run: {new}" in text
+    assert metric_row(text, "train_loss") == ["train_loss", "7", "7", "7", "1"]
+
+
+def test_report_on_an_empty_dir_exits_2_with_a_clear_message(tmp_path: Path) -> None:
+    result = lsd_report(str(tmp_path))
+    assert result.returncode == 2
+    assert "no metrics.csv under" in result.stderr and str(tmp_path) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# ------------------------------------------------------------------------------------ end to end, 2 CPU ranks
+
+
+@pytest.mark.multiprocess
+def test_train_two_cpu_ranks_then_report(tmp_path: Path) -> None:
+    overrides = [
+        "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32",
+        "data.block_size=32", "data.batch_size=8", "data.max_bytes=200000",
+        "trainer.max_steps=12", "trainer.val_check_interval=6", "trainer.limit_val_batches=2",
+        f"trainer.default_root_dir={tmp_path}", "callbacks.run_summary.warmup_steps=2",
+    ]
+    result = lsd_train(CPU_CONFIG, *overrides, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in output  # rank 1 really ran
+
+    (summary_path,) = tmp_path.glob("lightning_logs/version_*/summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert summary["strategy"] == "StaticDistStrategy"
+    assert summary["world_size"] == 2
+    assert summary["steps"] == 12
+    assert summary["sync_rounds"] == 12
+    assert summary["bytes_sent_per_rank"] > 0
+
+    with open(summary_path.parent / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    train_losses = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
+    val_losses = [float(r["val_loss"]) for r in rows if r.get("val_loss")]
+    assert train_losses and val_losses
+    assert len(val_losses) == 2  # validation at steps 6 and 12
+
+    report_result = lsd_report(str(tmp_path), "--no-plot")
+    assert report_result.returncode == 0, report_result.stderr
+    assert f"run: {summary_path.parent}" in report_result.stdout
+    assert metric_row(report_result.stdout, "val_loss")[-1] == "2"
+    assert summary_row(report_result.stdout, "world_size") == ["world_size", "2"]
+    assert summary_row(report_result.stdout, "sync_rounds") == ["sync_rounds", "12"]
