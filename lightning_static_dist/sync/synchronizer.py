@@ -111,6 +111,7 @@ class GradientSynchronizer:
         self._first_bucket_bytes = int(first_bucket_mb * MiB)
         self._bucket_bytes = int(bucket_mb * MiB)
         self._plan = BucketPlan(buckets=(), location={})
+        self._buffers: list[_BucketBuffer] = []
         self._first_round_done = False
         self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._sync_enabled = True
@@ -160,15 +161,11 @@ class GradientSynchronizer:
     # ------------------------------------------------------------------------------------------------- a round
 
     def _reset_round(self) -> None:
-        buckets = self._plan.buckets
-        self._filled = [[False] * len(b.param_indices) for b in buckets]
-        self._remaining = [len(b.param_indices) for b in buckets]
-        self._pending: list[Optional[PendingReduction]] = [None] * len(buckets)
+        for buffer in self._buffers:
+            buffer.reset()
+        self._pending: list[Optional[PendingReduction]] = [None] * len(self._plan.buckets)
         self._next_to_launch = 0
         self._round_bytes = 0
-
-    def _allocate_buffers(self) -> None:
-        self._buffers = [_flat_buffer(b) for b in self._plan.buckets]
 
     def _on_grad_ready(self, index: int, param: Parameter) -> None:
         if not self._sync_enabled:
@@ -177,27 +174,21 @@ class GradientSynchronizer:
         if location is None:  # not planned yet: finish() finds its gradient and decides with every rank
             return
         bucket_index, slot = location
-        self._fill(bucket_index, slot, param.grad)
-        if self._remaining[bucket_index] == 0:
+        buffer = self._buffers[bucket_index]
+        buffer.pack(slot, param.grad)
+        if buffer.remaining == 0:
             self._launch_ready_buckets()
 
-    def _fill(self, bucket_index: int, slot: int, grad: Optional[Tensor]) -> None:
-        _pack(self._buffers[bucket_index], self._plan.buckets[bucket_index], slot, grad)
-        self._filled[bucket_index][slot] = True
-        self._remaining[bucket_index] -= 1
-
     def _launch_ready_buckets(self) -> None:
-        buckets = self._plan.buckets
-        while self._next_to_launch < len(buckets) and self._remaining[self._next_to_launch] == 0:
-            self._launch(self._next_to_launch)
+        while self._next_to_launch < len(self._buffers) and self._buffers[self._next_to_launch].remaining == 0:
+            self._pending[self._next_to_launch] = self._launch(self._buffers[self._next_to_launch])
             self._next_to_launch += 1
 
-    def _launch(self, bucket_index: int) -> None:
-        bucket = self._plan.buckets[bucket_index]
-        flat = self._buffers[bucket_index]
-        self._round_bytes += self._reducer.payload_bytes(bucket, flat)
+    def _launch(self, buffer: _BucketBuffer) -> PendingReduction:
+        flat = buffer.seal()
+        self._round_bytes += self._reducer.payload_bytes(buffer.bucket, flat)
         self.stats.collectives += 1
-        self._pending[bucket_index] = self._reducer.launch(bucket, flat, self._group)
+        return self._reducer.launch(buffer.bucket, flat, self._group)
 
     def finish(self) -> None:
         """End the round: launch what is left, wait for every collective, write the averaged gradients back.
@@ -208,18 +199,16 @@ class GradientSynchronizer:
             self.stats.skipped_rounds += 1
             return
         # 1. planned buckets: fill the slots no hook filled (unused on this rank), launch in plan order
-        for bucket_index, bucket in enumerate(self._plan.buckets):
-            for slot, filled in enumerate(self._filled[bucket_index]):
-                if not filled:
-                    self._fill(bucket_index, slot, self._params[bucket.param_indices[slot]].grad)
+        for buffer in self._buffers:
+            for slot in buffer.unfilled():
+                buffer.pack(slot, self._params[buffer.bucket.param_indices[slot]].grad)
         self._launch_ready_buckets()
         # 2. parameters outside the plan: decide together whether any of them got a gradient anywhere
         newcomers = self._reduce_usage_of_unplanned()
         # 3. wait and write back
-        for bucket_index, bucket in enumerate(self._plan.buckets):
-            pending = self._pending[bucket_index]
+        for buffer, pending in zip(self._buffers, self._pending):
             assert pending is not None
-            self._write_back(bucket.param_indices, bucket.offsets, bucket.numels, pending.wait())
+            buffer.unpack(pending.wait(), self._params)
         if newcomers or not self._first_round_done:
             self._adopt(newcomers)
         self.stats.rounds += 1
@@ -244,19 +233,16 @@ class GradientSynchronizer:
         if newcomers:
             one_off = plan_buckets(self._specs(newcomers), self._bucket_bytes, self._bucket_bytes)
             for bucket in one_off.buckets:
-                flat = _flat_buffer(bucket)
+                buffer = _BucketBuffer(bucket, self._params)
                 for slot, index in enumerate(bucket.param_indices):
-                    _pack(flat, bucket, slot, self._params[index].grad)
-                self._round_bytes += self._reducer.payload_bytes(bucket, flat)
-                self.stats.collectives += 1
-                averaged = self._reducer.launch(bucket, flat, self._group).wait()
-                self._write_back(bucket.param_indices, bucket.offsets, bucket.numels, averaged)
+                    buffer.pack(slot, self._params[index].grad)
+                buffer.unpack(self._launch(buffer).wait(), self._params)
         members = sorted(set(self._plan.location) | set(newcomers))
         if self._first_round_done:
             self.stats.plan_rebuilds += 1
         self._first_round_done = True
         self._plan = plan_buckets(self._specs(members), self._first_bucket_bytes, self._bucket_bytes)
-        self._allocate_buffers()
+        self._buffers = [_BucketBuffer(bucket, self._params) for bucket in self._plan.buckets]
         self.attach()  # parameters whose requires_grad was switched on since the last attach
         skipped = [self._names[i] for i, p in enumerate(self._params) if i not in self._plan.location and p.requires_grad]
         log.debug(
@@ -267,30 +253,55 @@ class GradientSynchronizer:
     def _specs(self, indices: Sequence[int]) -> list[ParamSpec]:
         return [ParamSpec(i, self._params[i].numel(), self._params[i].dtype, self._params[i].device) for i in indices]
 
-    def _write_back(self, indices: Sequence[int], offsets: Sequence[int], numels: Sequence[int], flat: Tensor) -> None:
-        grads_end = offsets[-1] + numels[-1]
-        used_anywhere = (flat[grads_end:] > 0).tolist()
-        for slot, index in enumerate(indices):
+
+class _BucketBuffer:
+    """A bucket's flat buffer — its gradients, then one usage flag per parameter — with one view per slot.
+
+    The views are made once per plan, so a gradient-ready hook costs one ``copy_`` and the write-back one more.
+    """
+
+    def __init__(self, bucket: GradBucket, params: Sequence[Parameter]) -> None:
+        self.bucket = bucket
+        self.flat = torch.empty(bucket.numel + len(bucket.param_indices), dtype=bucket.dtype, device=bucket.device)
+        self.views = self._slot_views(self.flat, params)
+        self.reset()
+
+    def _slot_views(self, flat: Tensor, params: Sequence[Parameter]) -> list[Tensor]:
+        b = self.bucket
+        return [flat[o : o + n].view(params[i].shape) for i, o, n in zip(b.param_indices, b.offsets, b.numels)]
+
+    def reset(self) -> None:
+        self.used = [False] * len(self.bucket.param_indices)
+        self.filled = [False] * len(self.bucket.param_indices)
+        self.remaining = len(self.bucket.param_indices)
+
+    def unfilled(self) -> list[int]:
+        return [slot for slot, filled in enumerate(self.filled) if not filled]
+
+    def pack(self, slot: int, grad: Optional[Tensor]) -> None:
+        """Copy one parameter's local gradient (zeros if it has none) into its slot."""
+        if grad is None:
+            self.views[slot].zero_()
+        else:
+            self.views[slot].copy_(grad)
+        self.used[slot] = grad is not None
+        self.filled[slot] = True
+        self.remaining -= 1
+
+    def seal(self) -> Tensor:
+        """Write the usage flags (one op for the bucket) and return the flat buffer to reduce."""
+        self.flat[self.bucket.numel :].copy_(torch.tensor(self.used, dtype=self.flat.dtype))
+        return self.flat
+
+    def unpack(self, averaged: Tensor, params: Sequence[Parameter]) -> None:
+        """Write the averaged gradients back into ``param.grad`` for parameters some rank used."""
+        views = self.views if averaged is self.flat else self._slot_views(averaged, params)
+        used_anywhere = (averaged[self.bucket.numel :] > 0).tolist()
+        for slot, index in enumerate(self.bucket.param_indices):
             if not used_anywhere[slot]:
                 continue  # no rank produced a gradient: leave it as it is (None), like single-process training
-            param = self._params[index]
-            averaged = flat[offsets[slot] : offsets[slot] + numels[slot]].view_as(param)
+            param = params[index]
             if param.grad is None:
-                param.grad = averaged.clone()
+                param.grad = views[slot].clone()
             else:
-                param.grad.copy_(averaged)
-
-
-def _flat_buffer(bucket: GradBucket) -> Tensor:
-    """A bucket's flat buffer: its gradients, then one usage flag per parameter (see the module docstring)."""
-    return torch.empty(bucket.numel + len(bucket.param_indices), dtype=bucket.dtype, device=bucket.device)
-
-
-def _pack(flat: Tensor, bucket: GradBucket, slot: int, grad: Optional[Tensor]) -> None:
-    """Copy one parameter's local gradient (zeros if it has none) and its usage flag into the flat buffer."""
-    start, numel = bucket.offsets[slot], bucket.numels[slot]
-    if grad is None:
-        flat[start : start + numel].zero_()
-    else:
-        flat[start : start + numel].copy_(grad.reshape(-1))
-    flat[bucket.numel + slot].fill_(0.0 if grad is None else 1.0)
+                param.grad.copy_(views[slot])
