@@ -171,7 +171,7 @@ class StaticDistStrategy(ParallelStrategy):
 
     @property
     def synchronizer(self) -> Optional[GradientSynchronizer]:
-        """The gradient synchroniser while fitting (``None`` before ``setup`` and outside ``fit``)."""
+        """The gradient synchroniser while fitting (``None`` before ``setup``, outside ``fit`` and on one rank)."""
         return self._synchronizer
 
     @property
@@ -262,7 +262,8 @@ class StaticDistStrategy(ParallelStrategy):
         broadcast_tensors(list(self.model.parameters()) + list(self.model.buffers()), group=self._dp_group)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._attach_synchronizer()
+            if self.world_size > 1:  # one rank has nothing to average: no buckets, no copies
+                self._attach_synchronizer()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -274,6 +275,7 @@ class StaticDistStrategy(ParallelStrategy):
     def _attach_synchronizer(self) -> None:
         assert self.model is not None
         sync = self._config.sync
+        self._buffers_to_broadcast = list(self.model.buffers()) if sync.broadcast_buffers else []
         self._synchronizer = GradientSynchronizer(
             self.model.named_parameters(),
             group=self._dp_group,
@@ -281,7 +283,6 @@ class StaticDistStrategy(ParallelStrategy):
             bucket_mb=sync.bucket_mb,
         )
         self._synchronizer.attach()
-        self._buffers_to_broadcast = list(self.model.buffers()) if sync.broadcast_buffers else []
 
     @override
     def model_to_device(self) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+from lightning.pytorch.demos.boring_classes import BoringModel
 from torch.utils.data import DataLoader
 
 import lightning as L
@@ -20,11 +20,16 @@ pytestmark = [
 
 
 class Adam16(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        # data drawn here, from its own generator: identical whichever process builds the dataloader
+        self.data = torch.randn(256, 32, generator=torch.Generator().manual_seed(0))
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(RandomDataset(32, 256), batch_size=8)
+        return DataLoader(self.data, batch_size=8)
 
 
 def _fit(strategy: Any, devices: int, precision: str, **kwargs: Any) -> dict[str, torch.Tensor]:
@@ -32,7 +37,9 @@ def _fit(strategy: Any, devices: int, precision: str, **kwargs: Any) -> dict[str
     model = Adam16()
     trainer = L.Trainer(
         accelerator="gpu", devices=devices, strategy=strategy, precision=precision, max_steps=12,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,  # Lightning's DistributedSampler reshuffles this loader; keep one order
+        **kwargs,
     )
     trainer.fit(model)
     return {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
@@ -40,8 +47,8 @@ def _fit(strategy: Any, devices: int, precision: str, **kwargs: Any) -> dict[str
 
 @pytest.mark.parametrize("precision", ["32-true", "16-mixed", "bf16-mixed"])
 def test_one_gpu_matches_single_device_training(precision: str) -> None:
-    # world size 1 over NCCL: the synchroniser still plans, fills and writes back every bucket;
-    # 16-mixed exercises the AMP scaler unscaling the synchronised gradients before clipping
+    # world size 1 over NCCL: the strategy's lifecycle (placement, precision plugins, clipping, the AMP scaler)
+    # without the synchroniser, which has nothing to average on one rank
     ours = _fit(StaticDistStrategy(start_method="spawn"), 1, precision, gradient_clip_val=0.5)
     theirs = _fit(SingleDeviceStrategy(device=torch.device("cuda", 0)), 1, precision, gradient_clip_val=0.5)
     for key in ours:
@@ -54,3 +61,30 @@ def test_two_gpus_match_ddp_over_nccl() -> None:
     theirs = _fit(DDPStrategy(start_method="spawn"), 2, "bf16-mixed")
     for key in ours:
         torch.testing.assert_close(ours[key], theirs[key], atol=1e-5, rtol=1e-5)
+
+
+def test_synchronizer_buckets_cuda_gradients_in_place() -> None:
+    # one rank: the average is the gradient itself, so pack -> flat buffer -> unpack must return it bit for bit,
+    # through bf16 and fp32 buckets on the GPU, with hooks firing on autograd's device thread
+    import torch.distributed as dist
+
+    from _dist import free_port
+    from lightning_static_dist.sync import GradientSynchronizer
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64).bfloat16()).cuda()
+        sync = GradientSynchronizer(model.named_parameters(), first_bucket_mb=0.001, bucket_mb=0.01)
+        sync.attach()
+        x = torch.randn(16, 64, device="cuda")
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            model[1](model[0](x).bfloat16()).float().square().mean().backward()
+            local = [p.grad.clone() for p in model.parameters()]
+            sync.finish()
+            for before, p in zip(local, model.parameters()):
+                assert torch.equal(before, p.grad)
+        assert sync.stats.rounds == 2 and len(sync.plan.buckets) >= 2
+    finally:
+        dist.destroy_process_group()
