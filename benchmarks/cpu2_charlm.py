@@ -52,10 +52,7 @@ def worker(contender: str, steps: int, warmup: int, out: str) -> None:
     if contender == "ddp":
         strategy = DDPStrategy()
     else:
-        s = cfg.strategy
-        strategy = StaticDistStrategy(
-            compile=s.compile, mesh=s.mesh, sync=s.sync, compression=s.compression, embedding=s.embedding
-        )
+        strategy = StaticDistStrategy.from_config(cfg.strategy)
     summary = RunSummary(warmup_steps=warmup)
     trainer = L.Trainer(strategy=strategy, callbacks=[summary], **cfg.trainer)
     trainer.fit(model, datamodule=data)

@@ -26,15 +26,7 @@ def build_trainer_inputs(cfg: RunConfig) -> tuple[Any, Any, Any]:
 
     L.seed_everything(cfg.seed, workers=True)
     model, datamodule = cfg.model.instantiate("model"), cfg.data.instantiate("data")
-    strategy_cfg = cfg.strategy
-    strategy = StaticDistStrategy(
-        compile=strategy_cfg.compile,
-        mesh=strategy_cfg.mesh,
-        sync=strategy_cfg.sync,
-        compression=strategy_cfg.compression,
-        embedding=strategy_cfg.embedding,
-        timeout_s=strategy_cfg.timeout_s,
-    )
+    strategy = StaticDistStrategy.from_config(cfg.strategy)
     callbacks = [
         import_object(f"callbacks.{name}", CALLBACKS[name])(**block.options)
         for name, block in cfg.callbacks.items()

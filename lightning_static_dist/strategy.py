@@ -14,6 +14,7 @@ One training step, as Lightning drives it::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -47,15 +48,7 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightning_static_dist.config import (
-    CompileConfig,
-    CompressionConfig,
-    ConfigError,
-    EmbeddingConfig,
-    MeshConfig,
-    StrategyConfig,
-    SyncConfig,
-)
+from lightning_static_dist.config import ConfigError, StrategyConfig
 from lightning_static_dist.mesh import DP_DIM, build_dp_mesh
 from lightning_static_dist.sync import GradientSynchronizer
 from lightning_static_dist.sync.broadcast import broadcast_tensors
@@ -139,28 +132,19 @@ class StaticDistStrategy(ParallelStrategy):
 
     @property
     def config(self) -> StrategyConfig:
-        """The validated strategy configuration."""
+        """The validated strategy configuration (``strategy.config.sync.bucket_mb`` ...)."""
         return self._config
 
-    @property
-    def compile_config(self) -> CompileConfig:
-        return self._config.compile
+    @classmethod
+    def from_config(cls, config: StrategyConfig, **kwargs: Any) -> StaticDistStrategy:
+        """Build the strategy from a validated ``strategy`` block (``RunConfig.strategy``); ``kwargs`` go to ``__init__``.
 
-    @property
-    def mesh_config(self) -> MeshConfig:
-        return self._config.mesh
+        Example::
 
-    @property
-    def sync_config(self) -> SyncConfig:
-        return self._config.sync
-
-    @property
-    def compression_config(self) -> CompressionConfig:
-        return self._config.compression
-
-    @property
-    def embedding_config(self) -> EmbeddingConfig:
-        return self._config.embedding
+            strategy = StaticDistStrategy.from_config(load_run_config("configs/charlm_cpu.yaml").strategy)
+        """
+        sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        return cls(**sections, **kwargs)
 
     @property
     def device_mesh(self) -> DeviceMesh:

@@ -53,7 +53,7 @@ def test_lightning_cli_accepts_the_class_path() -> None:
         ],
     )
     assert isinstance(cli.trainer.strategy, StaticDistStrategy)
-    assert cli.trainer.strategy.sync_config.bucket_mb == 5.0
+    assert cli.trainer.strategy.config.sync.bucket_mb == 5.0
 
 
 # ------------------------------------------------------------------------------------------ helpers
