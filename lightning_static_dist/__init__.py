@@ -22,6 +22,8 @@ from lightning_static_dist.config import (
     SyncConfig,
     load_run_config,
 )
+from lightning_static_dist.callbacks import GraphReport, RunSummary
+from lightning_static_dist.compile import CompileReport, allow_compiled_models_in_trainer
 from lightning_static_dist.strategy import StaticDistStrategy
 from lightning_static_dist.sync import GradientSynchronizer
 
@@ -31,10 +33,13 @@ __all__ = [
     "CompileConfig",
     "CompressionConfig",
     "ConfigError",
+    "CompileReport",
     "EmbeddingConfig",
     "GradientSynchronizer",
+    "GraphReport",
     "MeshConfig",
     "RunConfig",
+    "RunSummary",
     "StaticDistStrategy",
     "StrategyConfig",
     "SyncConfig",
@@ -42,3 +47,4 @@ __all__ = [
 ]
 
 StaticDistStrategy.register_strategies(StrategyRegistry)
+allow_compiled_models_in_trainer()

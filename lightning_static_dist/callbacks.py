@@ -128,3 +128,53 @@ def format_summary(summary: dict[str, Any]) -> str:
     rule = "-" * (width + 24)
     rows = [f"{key:<{width}}  {fmt(value)}" for key, value in summary.items()]
     return "\n".join([rule, "lightning-static-dist run summary", rule, *rows, rule])
+
+
+class GraphReport(Callback):
+    """Report what static compilation did: printed once on rank 0 after the first step, logged as metrics.
+
+    Logs ``static_dist/graph_breaks``, ``static_dist/recompiles`` and ``static_dist/compile_s`` (cumulative, the
+    maximum over ranks) every ``trainer.log_every_n_steps`` steps, and prints the report again at the end of
+    training when something was recompiled since. The strategy adds one when it compiles a model and none is present.
+
+    Args:
+        log_metrics: log the metrics.
+        print_summary: print the report on rank 0.
+
+    Example::
+
+        trainer = L.Trainer(strategy=StaticDistStrategy(compile={"enabled": True}), callbacks=[GraphReport()])
+    """
+
+    def __init__(self, log_metrics: bool = True, print_summary: bool = True) -> None:
+        self.log_metrics = log_metrics
+        self.print_summary = print_summary
+        self._printed_recompiles: Optional[int] = None
+
+    @staticmethod
+    def _report(trainer: pl.Trainer) -> Any:
+        return getattr(trainer.strategy, "compile_report", None)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        report = self._report(trainer)
+        if report is None:
+            return
+        if self.print_summary and self._printed_recompiles is None:
+            self._printed_recompiles = len(report.recompiles)
+            rank_zero_info(f"static_dist compile report (after the first step):\n{report.summary()}")
+        if self.log_metrics and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+            values = {
+                "static_dist/graph_breaks": float(len(report.graph_breaks)),
+                "static_dist/recompiles": float(len(report.recompiles)),
+                "static_dist/compile_s": report.compile_s,
+            }
+            pl_module.log_dict(values, on_step=True, on_epoch=False, sync_dist=True, reduce_fx="max")
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report = self._report(trainer)
+        if report is not None and self.print_summary and len(report.recompiles) != self._printed_recompiles:
+            rank_zero_info(f"static_dist compile report (end of training):\n{report.summary()}")

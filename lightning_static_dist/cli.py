@@ -22,6 +22,7 @@ def build_trainer_inputs(cfg: RunConfig) -> tuple[Any, Any, Any]:
     """Instantiate (trainer, model, datamodule) from a validated run config."""
     import lightning as L
 
+    from lightning_static_dist.callbacks import GraphReport
     from lightning_static_dist.strategy import StaticDistStrategy
 
     L.seed_everything(cfg.seed, workers=True)
@@ -32,6 +33,9 @@ def build_trainer_inputs(cfg: RunConfig) -> tuple[Any, Any, Any]:
         for name, block in cfg.callbacks.items()
         if block.enabled
     ]
+    if "graph_report" in cfg.callbacks and not cfg.callbacks["graph_report"].enabled:
+        # the strategy adds a GraphReport when it compiles and finds none: an inert one keeps it switched off
+        callbacks.append(GraphReport(log_metrics=False, print_summary=False))
     trainer_kwargs = dict(cfg.trainer)
     trainer_kwargs.setdefault("logger", default_loggers(trainer_kwargs.get("default_root_dir") or os.getcwd()))
     trainer = L.Trainer(strategy=strategy, callbacks=callbacks, **trainer_kwargs)

@@ -149,31 +149,48 @@ def _field_names(cls: type) -> str:
 
 @dataclass
 class CompileConfig:
-    """``strategy.compile``: static compilation of the LightningModule.
+    """``strategy.compile``: static compilation of the LightningModule inside the strategy.
 
-    Static compilation is the next capability to land (regional compile, in-graph collectives); until it does,
-    only ``enabled: false`` is accepted. Compile the model yourself meanwhile: it is trained eagerly otherwise.
+    Regional by default: each block of the model's largest ``nn.ModuleList``/``nn.Sequential`` of repeated blocks is
+    compiled separately (one compiled artefact shared by identical blocks), so gradients become ready block by block
+    and the synchroniser's collectives keep overlapping backward. A model passed as ``torch.compile(model)`` is
+    compiled this way too, with its backend.
 
     Example::
 
-        StaticDistStrategy(compile={"enabled": False})
+        StaticDistStrategy(compile={"enabled": True, "backend": "inductor", "regional": "auto"})
     """
 
     KEY = "strategy.compile"
 
     enabled: bool = False
-    """Compile the LightningModule inside the strategy (not implemented yet: must be false)."""
+    """Compile the LightningModule inside the strategy."""
     backend: str = "inductor"
-    """The torch.compile backend to use once compilation is enabled."""
+    """Any registered dynamo backend: ``inductor``, ``aot_eager`` (debugging), ``inductor_distributed`` ..."""
     mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
-    """The torch.compile mode."""
+    """The inductor mode (only with ``backend: inductor``)."""
     fullgraph: bool = False
-    """Fail on any graph break instead of splitting the graph."""
+    """Fail on any graph break, naming its location, instead of splitting the graph."""
+    dynamic: bool = False
+    """false: static shapes; a train loader whose last batch is short has that batch dropped (with a warning)
+    instead of recompiling for it."""
+    regional: Union[bool, Literal["auto"]] = "auto"
+    """``auto``: compile repeated blocks one by one, else the whole model; ``true``: blocks or an error;
+    ``false``: the whole model (every gradient then becomes ready at the end of backward)."""
+    fallback: Literal["eager", "error"] = "eager"
+    """A region that fails to compile: run it eagerly (logged once, counted) or raise."""
+    optimizer: bool = False
+    """Also compile ``optimizer.step()``."""
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        if self.enabled:
-            _fail(f"{self.KEY}.enabled", self.enabled, "static compilation inside the strategy is not implemented yet; allowed: false")
+        import torch._dynamo
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if self.backend not in backends:
+            _fail(f"{self.KEY}.backend", self.backend, f"not a registered dynamo backend; allowed: {', '.join(sorted(backends))}")
+        if self.mode != "default" and self.backend != "inductor":
+            _fail(f"{self.KEY}.mode", self.mode, f"a mode needs backend 'inductor' (backend is {self.backend!r}); allowed with it: 'default'")
 
 
 @dataclass
@@ -426,6 +443,7 @@ class CallbackConfig:
 #: prefix the full key (``callbacks.run_summary.warmup_steps=-1: ...``).
 CALLBACKS: dict[str, str] = {
     "run_summary": "lightning_static_dist.callbacks.RunSummary",
+    "graph_report": "lightning_static_dist.callbacks.GraphReport",
 }
 
 #: Trainer arguments the run file may not set, and why.

@@ -46,9 +46,19 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.compile import to_uncompiled
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
+from lightning_static_dist.callbacks import GraphReport
+from lightning_static_dist.compile import (
+    backend_of,
+    CompileReport,
+    compile_optimizer_step,
+    compile_regions,
+    drop_short_last_batch,
+)
 from lightning_static_dist.config import ConfigError, StrategyConfig
+from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_parameters
 from lightning_static_dist.mesh import DP_DIM, build_dp_mesh
 from lightning_static_dist.sync import GradientSynchronizer
 from lightning_static_dist.sync.broadcast import broadcast_tensors
@@ -126,6 +136,8 @@ class StaticDistStrategy(ParallelStrategy):
         self._mesh: Optional[DeviceMesh] = None
         self._synchronizer: Optional[GradientSynchronizer] = None
         self._buffers_to_broadcast: list[Tensor] = []
+        self._compile_report: Optional[CompileReport] = None
+        self._graphs_checked = True
         log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
 
     # ------------------------------------------------------------------------------------------ configuration
@@ -242,15 +254,59 @@ class StaticDistStrategy(ParallelStrategy):
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        # a rank with another model would pair its broadcasts and buckets with the wrong tensors: stop it here
+        check_same_on_all_ranks("the model's parameters", describe_parameters(self.model), self._dp_group)
         # every rank starts from rank 0's weights and buffers, whatever its own initialisation drew
         broadcast_tensors(list(self.model.parameters()) + list(self.model.buffers()), group=self._dp_group)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.world_size > 1:  # one rank has nothing to average: no buckets, no copies
                 self._attach_synchronizer()
+        self._compile(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    # ----------------------------------------------------------------------------------------------- compile
+
+    @property
+    def compile_report(self) -> Optional[CompileReport]:
+        """What static compilation did on this rank (``None`` when the model is not compiled)."""
+        return self._compile_report
+
+    def _compile(self, trainer: pl.Trainer) -> None:
+        """Compile the LightningModule's regions, from the config or from a ``torch.compile``-d model."""
+        module = self.lightning_module
+        assert module is not None
+        config = self._config.compile
+        if module._compiler_ctx is not None:
+            # the user passed torch.compile(model): undo Lightning's whole-step compile, keep the backend
+            backend = backend_of(module._compiler_ctx["dynamo_ctx"]) or config.backend
+            to_uncompiled(module)
+            config = dataclasses.replace(config, enabled=True, backend=backend)
+            rank_zero_info(f"static_dist: recompiling the torch.compile()-d model regionally (backend {backend!r})")
+        if not config.enabled or self._compile_report is not None:
+            return
+        self._compile_report = compile_regions(module, config)
+        if config.optimizer and trainer.state.fn == TrainerFn.FITTING:
+            for optimizer in self.optimizers:
+                compile_optimizer_step(optimizer, self._compile_report)
+        if not any(isinstance(c, GraphReport) for c in trainer.callbacks):
+            trainer.callbacks.append(GraphReport())
+        self._graphs_checked = False
+
+    def _check_graphs_once(self) -> None:
+        # before the first gradient collective (round 1 plans nothing until its end): ranks compiled the same graphs
+        if self._compile_report is None or self._graphs_checked:
+            return
+        self._graphs_checked = True
+        lines = sorted(g.structure for g in self._compile_report.graphs) + self._compile_report.regions
+        check_same_on_all_ranks("what they compiled (graph structures)", lines, self._dp_group)
+
+    @override
+    def on_train_start(self) -> None:
+        if self._compile_report is not None and not self._config.compile.dynamic:
+            drop_short_last_batch(self.lightning_module.trainer)
 
     @property
     def _dp_group(self) -> Optional[torch.distributed.ProcessGroup]:
@@ -286,6 +342,7 @@ class StaticDistStrategy(ParallelStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         # gradient clipping, the AMP scaler and `on_before_optimizer_step` all run after this: they see averages
         if self._synchronizer is not None:
+            self._check_graphs_once()
             self._synchronizer.finish()
 
     @contextmanager
@@ -342,6 +399,7 @@ class StaticDistStrategy(ParallelStrategy):
         if self._synchronizer is not None:
             self._synchronizer.detach()
         self._buffers_to_broadcast = []
+
         super().teardown()
 
     @classmethod

@@ -1,0 +1,342 @@
+"""Benchmark ``gpu1-gpt2s``: GPT-2 small on one GPU, plain PyTorch vs Lightning vs ``static_dist`` (world size 1).
+
+Workload: ``examples.charlm.CharGPT`` at GPT-2 small size (vocab 50304, block 1024, 12 layers, 12 heads, d=768,
+bias, dropout 0), batch 16 x 1024 tokens, bf16 autocast, fused AdamW (lr 6e-4, wd 0.1, the model's two param
+groups), a fixed pool of random tokens generated on the GPU from a seeded generator (the loss stays near
+ln(50304) ~ 10.8: the figures are about speed, not learning). Contenders, each in a fresh process per round and
+interleaved (round 1: A B C D E, round 2: A B C D E ...):
+
+    plain_eager        hand-written loop: autocast forward + loss, backward, fused AdamW step, zero_grad(None)
+    plain_compile      the same, with forward + loss under torch.compile (Lightning compiles training_step,
+                       which holds the loss too, so this is its like-for-like)
+    lightning_eager    lightning.Trainer(devices=1, precision="bf16-mixed").fit(model)
+    lightning_compile  the same Trainer, fit(torch.compile(model))
+    static_dist        the same Trainer, strategy=StaticDistStrategy(compile={...}) (--static-dist-compile)
+
+Figures: a step is timed from a CUDA synchronize to a CUDA synchronize (Lightning: on_train_batch_start to
+on_train_batch_end, which holds zero_grad, training_step, backward and the optimizer step). After ``--warmup``
+steps, ``--steps`` are timed; tokens/s = batch * seq / median step. ``tokens_per_s_loop`` divides by the wall time
+of the whole timed window instead, so it also charges what a framework does between steps. MFU = (6 N + 12 L d T)
+* tokens/s / 989e12 (nanoGPT's estimate, H100/H200 bf16 dense peak), N = every unique parameter: position
+embedding included, the tied head counted once. ``first_step_overhead_s`` = first step minus the median step
+(tracing + compilation); ``warmup_overhead_s`` sums that excess over all warmup steps, so recompiles count too.
+Each worker gets a fresh inductor/Triton cache (cold compile) unless ``--warm-cache``. Peak memory is
+torch.cuda.max_memory_allocated(). Target: static_dist >= 1.05x lightning_compile tokens/s.
+
+    python benchmarks/gpu1_gpt2s.py                                   # 3 rounds, all five, writes results/
+    python benchmarks/gpu1_gpt2s.py --rounds 1 --contenders lightning_compile,static_dist --out-dir "$OUT"
+    python benchmarks/gpu1_gpt2s.py --tiny --rounds 1 --no-record     # CPU smoke test of every code path
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONTENDERS = ("plain_eager", "plain_compile", "lightning_eager", "lightning_compile", "static_dist")
+FULL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, batch=16)
+TINY = dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, batch=4)
+PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16, the anchor's denominator
+ANCHOR = {"tokens_per_s": 499_000, "mfu": 0.434, "contender": "lightning_compile"}
+DEFAULT_STATIC_COMPILE = {"enabled": True, "backend": "inductor", "regional": "auto"}
+# every worker, so that nothing NCCL or symmetric memory might touch tries NVLink multicast
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+POOL = 8  # distinct batches, cycled: enough to keep the loss honest, small enough to sit on the GPU
+
+
+def worker(name: str, args: argparse.Namespace) -> None:
+    """Train one contender for warmup + steps steps and write its timings to ``args.out``."""
+    sys.path.insert(0, ROOT)
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    from examples.charlm import CharGPT
+
+    cfg, total = (TINY if args.tiny else FULL), args.warmup + args.steps
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.set_float32_matmul_precision("high")
+
+    class GPT(CharGPT):
+        """CharGPT with the same two param groups, but a fused AdamW on CUDA."""
+
+        def configure_optimizers(self):  # type: ignore[override]
+            reference = super().configure_optimizers()  # warmup_steps=0: a bare AdamW, no scheduler
+            groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in reference.param_groups]
+            return torch.optim.AdamW(groups, lr=self.hparams.lr, betas=(0.9, 0.95), fused=cuda)
+
+    class Batches(Dataset):
+        """``total`` items, each a whole (x, y) batch from the pool: one epoch is exactly the run."""
+
+        def __init__(self) -> None:
+            g = torch.Generator(device=device).manual_seed(1234)
+            tokens = torch.randint(0, cfg["vocab_size"], (POOL, cfg["batch"], cfg["block_size"] + 1),
+                                   generator=g, device=device)
+            self.x, self.y = tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous()
+
+        def __len__(self) -> int:
+            return total
+
+        def __getitem__(self, i: int):
+            return self.x[i % POOL], self.y[i % POOL]
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    torch.manual_seed(0)  # the same initial weights for every contender
+    model = GPT(**{k: v for k, v in cfg.items() if k != "batch"}, dropout=0.0, bias=True, lr=6e-4,
+                weight_decay=0.1, warmup_steps=0)
+    # batch_size=None: the dataset already yields batches, so no per-step collate on either side
+    loader = DataLoader(Batches(), batch_size=None, shuffle=False, num_workers=0)
+    starts: list[float] = []
+    ends: list[float] = []
+    last_loss = None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+
+    if name.startswith("plain"):
+        model.to(device).train()
+        optimizer = model.configure_optimizers()
+
+        def loss_fn(x, y):
+            return model.loss(model(x), y)
+
+        step_loss = torch.compile(loss_fn) if name == "plain_compile" else loss_fn
+        for x, y in loader:
+            sync()
+            starts.append(time.perf_counter())
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = step_loss(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sync()
+            ends.append(time.perf_counter())
+            last_loss = loss.detach()
+    else:
+        import lightning as L
+
+        class StepTimer(L.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+                sync()
+                starts.append(time.perf_counter())
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+                nonlocal last_loss
+                sync()
+                ends.append(time.perf_counter())
+                last_loss = outputs["loss"].detach()
+
+        strategy = "auto"
+        if name == "static_dist":
+            from lightning_static_dist import StaticDistStrategy
+
+            strategy = StaticDistStrategy(compile=json.loads(args.static_dist_compile))
+        trainer = L.Trainer(
+            accelerator="gpu" if cuda else "cpu", devices=1, strategy=strategy, precision="bf16-mixed",
+            max_steps=total, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[StepTimer()],
+            # the loader yields ready batches; at world size 1 a DistributedSampler would only get in the way
+            use_distributed_sampler=False,
+        )
+        trainer.fit(torch.compile(model) if name == "lightning_compile" else model, train_dataloaders=loader)
+
+    from torch._dynamo.utils import counters
+
+    step_s = [e - s for s, e in zip(starts, ends)]
+    if len(step_s) != total:
+        raise RuntimeError(f"{name}: timed {len(step_s)} steps, expected {total}")
+    timed = step_s[args.warmup:]
+    median = statistics.median(timed)
+    record = {
+        "step_s": timed,
+        "loop_s": ends[-1] - starts[args.warmup],
+        "first_step_overhead_s": step_s[0] - median,
+        "warmup_overhead_s": sum(s - median for s in step_s[: args.warmup]),
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "final_loss": last_loss.item(),
+        "n_params": model.num_parameters(),
+        # 0 means nothing was compiled, whatever the contender asked for
+        "dynamo_graphs": counters["stats"]["unique_graphs"],
+        "tokens_per_step": cfg["batch"] * cfg["block_size"],
+        "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),
+        "device_count": torch.cuda.device_count() if cuda else 0,
+    }
+    with open(args.out, "w") as f:
+        json.dump(record, f)
+
+
+def run_one(name: str, args: argparse.Namespace) -> dict:
+    """One contender in a fresh process; on failure, print its stderr tail and return {"error": last line}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--out", out, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--static-dist-compile", args.static_dist_compile]
+        cmd += ["--tiny"] if args.tiny else []
+        env = {**os.environ, **SAFE_ENV, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        if not args.warm_cache:  # cold compile, as a user's first run sees it
+            env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"), TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
+        started = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.worker_timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {args.worker_timeout} s"}
+        if proc.returncode != 0:
+            lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+            # the exception line ("ConfigError: ..."), not the hint some libraries print after it
+            raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", line)]
+            print(f"--- {name} failed (exit {proc.returncode}); stderr tail:\n{proc.stderr[-2500:]}\n---")
+            return {"error": (raised or lines or [f"exit {proc.returncode}"])[-1][:300]}
+        with open(out) as f:
+            record = json.load(f)
+        record["wall_s"] = time.perf_counter() - started
+        return record
+
+
+def build_rows(runs: dict[str, list[dict]], tiny: bool) -> list[dict]:
+    rows = []
+    for name, recs in runs.items():
+        failed = [r for r in recs if "error" in r]
+        row: dict = {"contender": name, "status": f"failed: {failed[0]['error']}" if failed else "ok"}
+        ok = [r for r in recs if "error" not in r]
+        if ok:
+            median_s = statistics.median(s for r in ok for s in r["step_s"])
+            tokens, n = ok[0]["tokens_per_step"], ok[0]["n_params"]
+            cfg = TINY if tiny else FULL
+            flops_per_token = 6 * n + 12 * cfg["n_layer"] * cfg["n_embd"] * cfg["block_size"]
+            peaks = [r["peak_mem_gib"] for r in ok if r["peak_mem_gib"] is not None]
+            row.update({
+                "tokens_per_s": round(tokens / median_s),
+                "tokens_per_s_per_round": [round(tokens / statistics.median(r["step_s"])) for r in ok],
+                "tokens_per_s_loop": round(statistics.median(tokens * len(r["step_s"]) / r["loop_s"] for r in ok)),
+                "mfu": None if tiny else round(flops_per_token * tokens / median_s / PEAK_FLOPS, 4),
+                "step_ms_median": round(1e3 * median_s, 2),
+                "first_step_overhead_s": round(statistics.median(r["first_step_overhead_s"] for r in ok), 2),
+                "warmup_overhead_s": round(statistics.median(r["warmup_overhead_s"] for r in ok), 2),
+                "worker_wall_s": [round(r["wall_s"], 1) for r in ok],
+                "peak_mem_gib": round(max(peaks), 2) if peaks else None,
+                "final_loss": [round(r["final_loss"], 4) for r in ok],
+                "n_params": n,
+                "dynamo_graphs": ok[-1]["dynamo_graphs"],
+                "timed_steps": sum(len(r["step_s"]) for r in ok),
+            })
+        rows.append(row)
+    return rows
+
+
+def build_summary(rows: list[dict], static_compile: dict) -> dict:
+    by = {r["contender"]: r for r in rows if r["status"] == "ok"}
+
+    def ratio(a: str, b: str, key: str = "tokens_per_s"):
+        return round(by[a][key] / by[b][key], 4) if a in by and b in by and by[b][key] else None
+
+    summary = {
+        "static_dist_vs_lightning_compile": ratio("static_dist", "lightning_compile"),
+        "lightning_compile_vs_plain_compile": ratio("lightning_compile", "plain_compile"),
+        "target": "static_dist_vs_lightning_compile >= 1.05",
+        "anchor": {**ANCHOR, "note": "BENCHMARKS.md's anchor for Lightning+compile on this workload; "
+                                     "absolute figures compare only on the same GPU, ratios travel"},
+    }
+    if static_compile.get("regional") not in (None, False):
+        # whole-model compile = Lightning's fit(torch.compile(model)); both cold unless --warm-cache
+        summary["compile_s_regional_vs_whole"] = ratio("static_dist", "lightning_compile", "first_step_overhead_s")
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 40; --tiny: 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 15; --tiny: 2)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma list, run in this order")
+    parser.add_argument("--static-dist-compile", default=json.dumps(DEFAULT_STATIC_COMPILE),
+                        help="JSON for StaticDistStrategy(compile=...)")
+    parser.add_argument("--tiny", action="store_true", help="CPU-sized smoke test: tiny model, no MFU")
+    parser.add_argument("--warm-cache", action="store_true", help="share the inductor/Triton cache between workers")
+    parser.add_argument("--worker-timeout", type=float, default=900.0, help="seconds before a worker counts as failed")
+    parser.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--no-record", action="store_true", help="print only; write no JSON record")
+    parser.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.steps = args.steps if args.steps is not None else (3 if args.tiny else 40)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 15)
+    static_compile = json.loads(args.static_dist_compile)  # fail here, not in every worker, on bad JSON
+    if args.worker:
+        worker(args.worker, args)
+        return
+    names = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    unknown = sorted(set(names) - set(CONTENDERS))
+    if unknown or not names:
+        parser.error(f"--contenders: unknown {unknown}; allowed: {', '.join(CONTENDERS)}")
+
+    import lightning
+    import torch
+
+    today = datetime.date.today().isoformat()
+    scenario = "gpu1-gpt2s-tiny" if args.tiny else "gpu1-gpt2s"
+    path = os.path.join(args.out_dir, f"{scenario}-{today}.json")
+    runs: dict[str, list[dict]] = {c: [] for c in names}
+    for r in range(args.rounds):
+        for name in names:  # interleaved: A B C D E, A B C D E ...
+            if any("error" in rec for rec in runs[name]):
+                continue  # a contender that failed once is not retried every round
+            rec = run_one(name, args)
+            runs[name].append(rec)
+            figure = (f"{rec['tokens_per_step'] / statistics.median(rec['step_s']):12,.0f} tokens/s, first step "
+                      f"+{rec['first_step_overhead_s']:.1f} s" if "error" not in rec else f"FAILED: {rec['error']}")
+            print(f"round {r + 1}/{args.rounds} {name:<18} {figure}", flush=True)
+
+        rows = build_rows(runs, args.tiny)
+        summary = build_summary(rows, static_compile)
+        first_ok = next((rec for recs in runs.values() for rec in recs if "error" not in rec), {})
+        record = {
+            "scenario": scenario,
+            "date": today,
+            "hardware": {"device": first_ok.get("device"), "count": first_ok.get("device_count")},
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "lightning": lightning.__version__, "cuda": torch.version.cuda},
+            "command": "python benchmarks/gpu1_gpt2s.py " + " ".join(map(shlex.quote, sys.argv[1:])),
+            "config": {**(TINY if args.tiny else FULL), "steps": args.steps, "warmup": args.warmup,
+                       "rounds_done": r + 1, "static_dist_compile": static_compile,
+                       "inductor_cache": "shared" if args.warm_cache else "fresh per worker (cold compile)"},
+            "rows": rows,
+            "summary": summary,
+        }
+        if not args.no_record:  # after every round, so a run cut short still leaves its figures behind
+            os.makedirs(args.out_dir, exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(record, f, indent=2)
+
+    print(f"\n{'contender':<18} {'tokens/s':>10} {'loop tok/s':>10} {'MFU':>6} {'step ms':>8} {'1st step +s':>11} "
+          f"{'warmup +s':>9} {'peak GiB':>8} {'loss':>7} {'graphs':>6}  status")
+    for row in rows:
+        if row["status"] != "ok":
+            print(f"{row['contender']:<18} {'-':>10} {'-':>10} {'-':>6} {'-':>8} {'-':>11} {'-':>9} {'-':>8} {'-':>7} {'-':>6}  "
+                  f"{row['status']}")
+            continue
+        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        print(f"{row['contender']:<18} {row['tokens_per_s']:>10,} {row['tokens_per_s_loop']:>10,} "
+              f"{fmt(row['mfu'], '.3f'):>6} {row['step_ms_median']:>8.1f} {row['first_step_overhead_s']:>11.1f} "
+              f"{row['warmup_overhead_s']:>9.1f} {fmt(row['peak_mem_gib'], '.1f'):>8} {row['final_loss'][-1]:>7.3f} {row['dynamo_graphs']:>6}  ok")
+    print(f"\nstatic_dist / lightning_compile tokens/s: {summary['static_dist_vs_lightning_compile']} (target >= 1.05); "
+          f"lightning_compile / plain_compile: {summary['lightning_compile_vs_plain_compile']}; "
+          f"anchor {ANCHOR['tokens_per_s']:,} tokens/s, MFU {ANCHOR['mfu']}")
+    if not args.no_record:
+        print(f"recorded: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,396 @@
+"""Static compilation of a LightningModule: regional by default, with a per-region eager fallback and a report.
+
+Why regional. A whole-model ``torch.compile`` turns backward into one autograd node: every gradient becomes ready at
+the very end, so hook-driven collectives cannot overlap with backward (measured in DESIGN.md: all hooks fired at
+98–100 % of backward). Compiling each repeated block separately keeps one autograd node per block, so gradients —
+and the synchroniser's buckets — become ready block by block, as in eager mode. Identical blocks share one compiled
+artefact: dynamo caches on the code object of ``Block.forward`` and guards on the module's type, not its identity,
+so N blocks cost one compilation.
+
+What is recorded (:class:`CompileReport`): every graph the backend compiled (node count, structural hash), graph
+breaks with reason and user location, recompiles with the guard that failed, device transfers found inside graphs
+(placement belongs to the strategy, not the graph), seconds spent compiling, and regions that fell back to eager.
+Graph breaks and recompiles are read from dynamo's own artifact loggers (``graph_breaks``, ``recompiles``), which
+this module enables quietly — they print nothing unless the user asked for them with ``TORCH_LOGS``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch._dynamo
+from torch import nn
+
+from lightning_static_dist.config import CompileConfig, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class CompileFailure(RuntimeError):
+    """A region failed to compile and ``strategy.compile.fallback`` is ``error`` (or a ``fullgraph`` break)."""
+
+
+@dataclass
+class GraphRecord:
+    """One graph handed to the backend."""
+
+    nodes: int
+    structure: str
+    """Hash of the graph's op sequence: equal on every rank that traced the same program."""
+    compile_s: float
+
+
+@dataclass
+class CompileReport:
+    """What compilation did so far, on this rank.
+
+    Example::
+
+        report = strategy.compile_report
+        print(report.summary())    # regions, graphs, breaks, recompiles, seconds
+    """
+
+    regions: list[str] = field(default_factory=list)
+    graphs: list[GraphRecord] = field(default_factory=list)
+    graph_breaks: list[tuple[str, str]] = field(default_factory=list)
+    """(reason, user location) per graph break."""
+    recompiles: list[str] = field(default_factory=list)
+    """The guard failure that caused each recompile."""
+    fallbacks: dict[str, str] = field(default_factory=dict)
+    """Region -> the reason it runs eagerly."""
+    placement: list[str] = field(default_factory=list)
+    """Device transfers found inside captured graphs, with their source location."""
+
+    @property
+    def compile_s(self) -> float:
+        return sum(g.compile_s for g in self.graphs)
+
+    def fingerprint(self) -> str:
+        """A short hash of the regions and graph structures (order-independent per region)."""
+        parts = sorted(g.structure for g in self.graphs) + self.regions
+        return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+    def summary(self) -> str:
+        lines = [
+            f"compiled regions: {len(self.regions)} ({', '.join(self.regions[:4])}{' ...' if len(self.regions) > 4 else ''})",
+            f"graphs compiled: {len(self.graphs)} in {self.compile_s:.1f} s",
+            f"graph breaks: {len(self.graph_breaks)}",
+            *[f"  - {reason} at {where}" for reason, where in self.graph_breaks[:10]],
+            f"recompiles: {len(self.recompiles)}",
+            *[f"  - {guard}" for guard in self.recompiles[:10]],
+        ]
+        if self.fallbacks:
+            lines.append("eager fallbacks: " + "; ".join(f"{r}: {why}" for r, why in self.fallbacks.items()))
+        if self.placement:
+            lines.append("device transfers inside graphs (placement belongs to the strategy):")
+            lines.extend(f"  - {p}" for p in self.placement[:10])
+        return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------- region finding
+
+
+def find_regions(module: nn.Module, regional: Any) -> list[tuple[str, nn.Module]]:
+    """The modules to compile: each block of the largest container of repeated blocks, or the whole module.
+
+    A container is an ``nn.ModuleList`` or ``nn.Sequential`` with at least two children of one class; the blocks of
+    the container with the most parameters are the regions. ``regional=false`` compiles the whole module.
+
+    Example::
+
+        >>> [name for name, _ in find_regions(gpt, "auto")]
+        ['blocks.0', 'blocks.1', 'blocks.2', 'blocks.3']
+    """
+    if regional is False:
+        return [("<whole>", module)]
+    best: tuple[int, str, list[tuple[str, nn.Module]]] = (0, "", [])
+    for name, child in module.named_modules():
+        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < 2:
+            continue
+        kinds = {type(block) for block in child}
+        if len(kinds) != 1:
+            continue
+        size = sum(p.numel() for p in child.parameters())
+        if size > best[0]:
+            best = (size, name, [(f"{name}.{i}", block) for i, block in enumerate(child)])
+    if best[2]:
+        return best[2]
+    if regional is True:
+        raise ConfigError(
+            f"strategy.compile.regional=True: {type(module).__name__} has no nn.ModuleList/nn.Sequential of repeated"
+            " blocks to compile one by one; allowed: 'auto' (falls back to the whole model) or false"
+        )
+    return [("<whole>", module)]
+
+
+# -------------------------------------------------------------------------------------------- the backend
+
+
+def _resolve_backend(config: CompileConfig) -> Callable[..., Any]:
+    """The compiler function for ``config.backend``/``config.mode``, as ``torch.compile`` would pick it."""
+    if config.backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        options = torch._inductor.list_mode_options(config.mode, config.dynamic) if config.mode != "default" else {}
+        return lambda gm, example_inputs: compile_fx(gm, example_inputs, config_patches=options)
+    try:
+        return torch._dynamo.lookup_backend(config.backend)
+    except Exception:  # dynamo raises InvalidBackend with a long message
+        raise ConfigError(
+            f"strategy.compile.backend={config.backend!r}: not a registered dynamo backend;"
+            f" allowed: {', '.join(sorted(torch._dynamo.list_backends()))}"
+        ) from None
+
+
+def _structure(gm: torch.fx.GraphModule) -> str:
+    ops = [f"{n.op}:{getattr(n.target, '__name__', n.target)}" for n in gm.graph.nodes]
+    return hashlib.sha1("\n".join(ops).encode()).hexdigest()[:12]
+
+
+_TRANSFER_METHODS = {"to", "cuda", "cpu"}
+
+
+def _device_transfers(gm: torch.fx.GraphModule) -> list[str]:
+    """Nodes that move a tensor to an explicit device inside the graph, with their user source line."""
+    found = []
+    for node in gm.graph.nodes:
+        explicit = any(isinstance(a, (torch.device, str)) and _looks_like_device(a) for a in node.args[1:])
+        explicit = explicit or "device" in node.kwargs
+        is_move = (node.op == "call_method" and node.target in _TRANSFER_METHODS and (node.target != "to" or explicit))
+        if is_move:
+            trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+            where = trace[-2].strip() if len(trace) >= 2 else "<unknown location>"
+            found.append(f"{node.format_node()[:120]} ({where})")
+    return found
+
+
+def _looks_like_device(value: Any) -> bool:
+    if isinstance(value, torch.device):
+        return True
+    return isinstance(value, str) and re.fullmatch(r"(cpu|cuda|mps|xpu|meta)(:\d+)?", value) is not None
+
+
+class RecordingBackend:
+    """Wraps the configured compiler: records each graph (structure, compile seconds, device transfers).
+
+    One instance serves every region: dynamo guards on the backend object, so a backend per region would make
+    identical blocks recompile instead of sharing one artefact.
+    """
+
+    def __init__(self, config: CompileConfig, report: CompileReport) -> None:
+        self._compiler = _resolve_backend(config)
+        self._report = report
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        started = time.perf_counter()
+        compiled = self._compiler(gm, example_inputs)
+        self._report.graphs.append(GraphRecord(len(gm.graph.nodes), _structure(gm), time.perf_counter() - started))
+        for transfer in _device_transfers(gm):
+            if transfer not in self._report.placement:
+                self._report.placement.append(transfer)
+                log.warning(f"static_dist: device transfer inside a compiled graph: {transfer}")
+        return compiled
+
+
+# -------------------------------------------------------------------------------------------- dynamo's logs
+
+
+class _DynamoLogCapture(logging.Handler):
+    """Collects dynamo's ``graph_breaks`` and ``recompiles`` artifact records into a report."""
+
+    _AT = re.compile(r" at (\S+:\d+)")
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.report: Optional[CompileReport] = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.report is None:
+            return
+        message = record.getMessage()
+        if record.name.endswith("__recompiles"):
+            guards = [line.strip(" -") for line in message.splitlines() if line.strip().startswith("- ")]
+            self.report.recompiles.append("; ".join(guards) or message.splitlines()[0])
+            return
+        if "Graph Break Reason:" not in message and "Graph break" not in message:
+            return
+        reason = next((l.split(":", 1)[1].strip() for l in message.splitlines() if "Graph Break Reason:" in l), "")
+        where = self._AT.search(message.splitlines()[0])
+        entry = (reason or message.splitlines()[0][:120], where.group(1) if where else "<unknown location>")
+        if entry not in self.report.graph_breaks:
+            self.report.graph_breaks.append(entry)
+
+
+_CAPTURE = _DynamoLogCapture()
+
+
+def _capture_dynamo_logs(report: CompileReport) -> None:
+    import torch._dynamo  # noqa: F401  (imports the modules that own the artifact loggers)
+    from torch._logging._internal import log_registry
+
+    _CAPTURE.report = report
+    for qname in list(log_registry.artifact_log_qnames):
+        if qname.endswith(("__graph_breaks", "__recompiles")):
+            logger = logging.getLogger(qname)
+            if _CAPTURE not in logger.handlers:
+                logger.addHandler(_CAPTURE)
+            # enabled for us; still not printed unless TORCH_LOGS asked for it (then propagate is already True)
+            logger.setLevel(logging.DEBUG)
+
+
+# -------------------------------------------------------------------------------------------- compiling
+
+
+class _RegionForward:
+    """A region's forward: compiled, or eager after a compile failure (``fallback: eager``)."""
+
+    def __init__(self, region: str, eager: Callable[..., Any], compiled: Callable[..., Any], config: CompileConfig,
+                 report: CompileReport) -> None:
+        self.region = region
+        self.eager = eager
+        self.compiled = compiled
+        self.config = config
+        self.report = report
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.region in self.report.fallbacks:
+            return self.eager(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as err:
+            reason = _first_line(err)
+            if self.config.fullgraph and isinstance(err, torch._dynamo.exc.Unsupported):
+                where = self.report.graph_breaks[-1][1] if self.report.graph_breaks else "<unknown location>"
+                raise CompileFailure(
+                    f"strategy.compile.fullgraph=true: graph break in region {self.region!r} at {where}: {reason}"
+                ) from None
+            if self.config.fallback == "error":
+                raise CompileFailure(f"region {self.region!r} failed to compile: {reason}") from err
+            # compilation fails before the graph runs, so running the region eagerly now repeats nothing
+            self.report.fallbacks[self.region] = reason
+            log.warning(f"static_dist: region {self.region!r} failed to compile and runs eagerly: {reason}")
+            return self.eager(*args, **kwargs)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("Traceback"):
+            return line.strip()[:300]
+    return type(err).__name__
+
+
+def compile_regions(module: nn.Module, config: CompileConfig, report: Optional[CompileReport] = None) -> CompileReport:
+    """Compile ``module`` in place as ``config`` says; return the report that fills as graphs compile.
+
+    Example::
+
+        report = compile_regions(model, CompileConfig(enabled=True, backend="aot_eager"))
+        model(x)            # compiles on first call
+        print(report.summary())
+    """
+    report = report if report is not None else CompileReport()
+    _capture_dynamo_logs(report)
+    backend = RecordingBackend(config, report)
+    for name, region in find_regions(module, config.regional):
+        eager = region.forward
+        compiled = torch.compile(eager, backend=backend, fullgraph=config.fullgraph, dynamic=config.dynamic)
+        # an instance attribute shadows the class's forward: nn.Module.__call__ (and its hooks) stay as they are
+        region.forward = _RegionForward(name, eager, compiled, config, report)
+        report.regions.append(name)
+    log.debug(f"compiled {len(report.regions)} regions of {type(module).__name__} with {config.backend}")
+    return report
+
+
+def compile_optimizer_step(optimizer: torch.optim.Optimizer, report: CompileReport) -> None:
+    """Compile ``optimizer.step()``; a closure, when Lightning passes one, runs eagerly before the compiled step.
+
+    Lightning's precision plugins call ``optimizer.step(closure=...)`` with forward and backward inside the closure;
+    tracing that would pull the whole training step into the optimizer's graph, so the closure is called first.
+    """
+    inner = optimizer._optimizer if hasattr(optimizer, "_optimizer") else optimizer  # LightningOptimizer
+    eager_step = inner.step
+    compiled_step = _RegionForward("optimizer.step", eager_step, torch.compile(eager_step), CompileConfig(), report)
+
+    def step(closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = closure() if closure is not None else None
+        compiled_step()
+        return loss
+
+    inner.step = step
+    report.regions.append("optimizer.step")
+
+
+def drop_short_last_batch(trainer: Any) -> None:
+    """With static shapes, a short last training batch would compile a second graph: drop it, and say so once."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+    from torch.utils.data import BatchSampler, DataLoader
+
+    loaders = trainer.train_dataloader
+    for loader in loaders if isinstance(loaders, (list, tuple)) else loaders.values() if isinstance(loaders, dict) else [loaders]:
+        if not isinstance(loader, DataLoader) or not isinstance(loader.batch_sampler, BatchSampler):
+            continue
+        batches = loader.batch_sampler
+        remainder = len(batches.sampler) % batches.batch_size
+        if not batches.drop_last and remainder:
+            batches.drop_last = True  # BatchSampler reads it on every epoch
+            rank_zero_warn(
+                f"static_dist: the last training batch of each epoch would hold {remainder} samples instead of"
+                f" {batches.batch_size} and compile a second graph; it is dropped (strategy.compile.dynamic=false)."
+                " Set strategy.compile.dynamic=true to keep it."
+            )
+
+
+def uncompile_regions(module: nn.Module) -> None:
+    """Undo :func:`compile_regions` (restores every region's eager forward)."""
+    for sub in module.modules():
+        forward = sub.__dict__.get("forward")
+        if isinstance(forward, _RegionForward):
+            del sub.forward
+
+
+def backend_of(dynamo_ctx: Any) -> Optional[str]:
+    """The backend name a ``torch.compile``-d model was compiled with, if it can be read (private, guarded).
+
+    The name sits a few ``_torchdynamo_orig_backend`` wrappers deep, and the depth differs between torch versions.
+    """
+    obj = getattr(dynamo_ctx, "callback", None)
+    registered = set(torch._dynamo.list_backends(exclude_tags=()))
+    for _ in range(6):
+        if obj is None:
+            return None
+        for name in (getattr(obj, "compiler_name", None), getattr(obj, "__name__", None)):
+            if isinstance(name, str) and name in registered:
+                return name
+        obj = getattr(obj, "_torchdynamo_orig_backend", None)
+    return None
+
+
+def allow_compiled_models_in_trainer() -> None:
+    """Let ``trainer.fit(torch.compile(model))`` through Lightning's compile check for this strategy.
+
+    Lightning 2.6's ``_verify_strategy_supports_compile`` accepts only SingleDevice/DDP/FSDP strategies with a
+    hard-coded ``isinstance`` (DESIGN.md); the strategy then takes the compiled model apart and compiles it its own
+    way (regionally, with the user's backend). Other strategies keep Lightning's check unchanged.
+    """
+    import lightning.pytorch.trainer.trainer as trainer_module
+
+    original = trainer_module._verify_strategy_supports_compile
+    if getattr(original, "_static_dist", False):
+        return
+
+    def verify(model: Any, strategy: Any) -> None:
+        from lightning_static_dist.strategy import StaticDistStrategy
+
+        if not isinstance(strategy, StaticDistStrategy):
+            original(model, strategy)
+
+    verify._static_dist = True  # type: ignore[attr-defined]
+    trainer_module._verify_strategy_supports_compile = verify
