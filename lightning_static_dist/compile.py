@@ -165,10 +165,19 @@ def _device_transfers(gm: torch.fx.GraphModule) -> list[str]:
         explicit = explicit or "device" in node.kwargs
         is_move = (node.op == "call_method" and node.target in _TRANSFER_METHODS and (node.target != "to" or explicit))
         if is_move:
-            trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-            where = trace[-2].strip() if len(trace) >= 2 else "<unknown location>"
-            found.append(f"{node.format_node()[:120]} ({where})")
+            found.append(f"{node.format_node()[:120]} at {_user_location(node)}")
     return found
+
+
+def _user_location(node: torch.fx.Node) -> str:
+    """``file:line: code`` of the user code that produced ``node`` (from dynamo's stack trace meta)."""
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    for i in range(len(trace) - 1, -1, -1):
+        match = re.match(r'\s*File "(.+)", line (\d+)', trace[i])
+        if match:
+            code = trace[i + 1].strip() if i + 1 < len(trace) else ""
+            return f"{match.group(1)}:{match.group(2)}: {code}"
+    return "<unknown location>"
 
 
 def _looks_like_device(value: Any) -> bool:
@@ -265,9 +274,10 @@ class _RegionForward:
         try:
             return self.compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:
-            reason = _first_line(err)
+            reason = _reason(err)
             if self.config.fullgraph and isinstance(err, torch._dynamo.exc.Unsupported):
-                where = self.report.graph_breaks[-1][1] if self.report.graph_breaks else "<unknown location>"
+                stack = getattr(err, "real_stack", None)
+                where = f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "<unknown location>"
                 raise CompileFailure(
                     f"strategy.compile.fullgraph=true: graph break in region {self.region!r} at {where}: {reason}"
                 ) from None
@@ -279,12 +289,11 @@ class _RegionForward:
             return self.eager(*args, **kwargs)
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    for line in text.splitlines():
-        if line.strip() and not line.startswith("Traceback"):
-            return line.strip()[:300]
-    return type(err).__name__
+def _reason(err: BaseException) -> str:
+    """One line saying why compilation failed: the backend's own exception when dynamo wrapped one."""
+    inner = getattr(err, "inner_exception", None) or err.__cause__ or err
+    lines = [line.strip() for line in str(inner).strip().splitlines() if line.strip()]
+    return f"{type(inner).__name__}: {lines[0][:300] if lines else ''}".rstrip(": ")
 
 
 def compile_regions(module: nn.Module, config: CompileConfig, report: Optional[CompileReport] = None) -> CompileReport:
@@ -387,10 +396,18 @@ def allow_compiled_models_in_trainer() -> None:
         return
 
     def verify(model: Any, strategy: Any) -> None:
+        from lightning.pytorch.utilities.compile import to_uncompiled
+
         from lightning_static_dist.strategy import StaticDistStrategy
 
         if not isinstance(strategy, StaticDistStrategy):
             original(model, strategy)
+            return
+        if model._compiler_ctx is not None:
+            # take Lightning's whole-step compile apart here, before a spawn launcher pickles the model (its
+            # dynamo-wrapped methods do not pickle); the strategy compiles it regionally with the same backend
+            strategy.requested_backend = backend_of(model._compiler_ctx["dynamo_ctx"]) or strategy.config.compile.backend
+            to_uncompiled(model)
 
     verify._static_dist = True  # type: ignore[attr-defined]
     trainer_module._verify_strategy_supports_compile = verify

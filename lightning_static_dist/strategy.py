@@ -46,12 +46,10 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.compile import to_uncompiled
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lightning_static_dist.callbacks import GraphReport
 from lightning_static_dist.compile import (
-    backend_of,
     CompileReport,
     compile_optimizer_step,
     compile_regions,
@@ -137,6 +135,8 @@ class StaticDistStrategy(ParallelStrategy):
         self._synchronizer: Optional[GradientSynchronizer] = None
         self._buffers_to_broadcast: list[Tensor] = []
         self._compile_report: Optional[CompileReport] = None
+        self.requested_backend: Optional[str] = None
+        """Set when ``trainer.fit(torch.compile(model))`` asked for compilation with this backend."""
         self._graphs_checked = True
         log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
 
@@ -279,12 +279,10 @@ class StaticDistStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         config = self._config.compile
-        if module._compiler_ctx is not None:
-            # the user passed torch.compile(model): undo Lightning's whole-step compile, keep the backend
-            backend = backend_of(module._compiler_ctx["dynamo_ctx"]) or config.backend
-            to_uncompiled(module)
-            config = dataclasses.replace(config, enabled=True, backend=backend)
-            rank_zero_info(f"static_dist: recompiling the torch.compile()-d model regionally (backend {backend!r})")
+        if self.requested_backend is not None:
+            # the user passed torch.compile(model); Lightning's compile check (see compile.py) unwrapped it
+            config = dataclasses.replace(config, enabled=True, backend=self.requested_backend)
+            rank_zero_info(f"static_dist: compiling the torch.compile()-d model regionally (backend {config.backend!r})")
         if not config.enabled or self._compile_report is not None:
             return
         self._compile_report = compile_regions(module, config)
