@@ -21,8 +21,9 @@ of the whole timed window instead, so it also charges what a framework does betw
 embedding included, the tied head counted once. ``first_step_overhead_s`` = first step minus the median step
 (tracing + compilation); ``warmup_overhead_s`` sums that excess over all warmup steps, so recompiles count too.
 ``worker_wall_s`` (the whole process) also catches compile work done before the first step. Each worker gets a
-fresh inductor/Triton cache (cold compile) unless ``--warm-cache``. Peak memory is torch.cuda.max_memory_allocated();
-``dynamo_graphs`` counts the graphs dynamo compiled (0: nothing was compiled, whatever was asked). Target: static_dist >= 1.05x lightning_compile tokens/s.
+fresh inductor/Triton cache (cold compile) unless ``--warm-cache``. Peak memory: torch.cuda.max_memory_allocated().
+``dynamo_graphs``: graphs dynamo compiled (0: nothing was compiled, whatever was asked). The record is rewritten
+after every round, so a run cut short keeps what it measured. Target: static_dist >= 1.05x lightning_compile.
 
     python benchmarks/gpu1_gpt2s.py                                   # 3 rounds, all five, writes results/
     python benchmarks/gpu1_gpt2s.py --rounds 1 --contenders lightning_compile,static_dist --out-dir "$OUT"

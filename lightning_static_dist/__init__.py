@@ -1,7 +1,7 @@
 """lightning-static-dist: statically planned data-parallel training for PyTorch Lightning.
 
 Importing the package registers the strategy names ``static_dist``, ``static_dist_spawn`` and
-``static_dist_notebook`` in Lightning's ``StrategyRegistry``::
+``static_dist_notebook`` in Lightning's ``StrategyRegistry`` and the dynamo backend ``inductor_distributed``::
 
     import lightning as L
     import lightning_static_dist
@@ -23,7 +23,12 @@ from lightning_static_dist.config import (
     load_run_config,
 )
 from lightning_static_dist.callbacks import GraphReport, RunSummary
-from lightning_static_dist.compile import CompileReport, allow_compiled_models_in_trainer
+from lightning_static_dist.compile import (
+    CompileReport,
+    allow_compiled_models_in_trainer,
+    inductor_distributed,
+    register_inductor_distributed,
+)
 from lightning_static_dist.strategy import StaticDistStrategy
 from lightning_static_dist.sync import GradientSynchronizer
 
@@ -42,9 +47,11 @@ __all__ = [
     "RunSummary",
     "StaticDistStrategy",
     "StrategyConfig",
+    "inductor_distributed",
     "SyncConfig",
     "load_run_config",
 ]
 
 StaticDistStrategy.register_strategies(StrategyRegistry)
 allow_compiled_models_in_trainer()
+register_inductor_distributed()

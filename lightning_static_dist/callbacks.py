@@ -85,6 +85,7 @@ class RunSummary(Callback):
         median_s = statistics.median(timed) if timed else float("nan")
         sync = getattr(trainer.strategy, "synchronizer", None)
         stats = sync.stats if sync is not None else None
+        graph = getattr(trainer.strategy, "graph_sync", None)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
         tail = self.losses[-10:]
         self.summary = {
@@ -97,10 +98,11 @@ class RunSummary(Callback):
             "val_ppl": metrics.get("val_ppl"),
             "step_ms_median": median_s * 1e3,
             "tokens_per_s": self.tokens_per_step * trainer.world_size / median_s if timed else None,
-            "sync_rounds": stats.rounds if stats else None,
+            "sync_mode": "graph" if graph is not None else "hooks" if stats else None,
+            "sync_rounds": (stats.rounds if stats else 0) + (graph.rounds if graph else 0) if stats else None,
             "sync_collectives": stats.collectives if stats else None,
-            "bytes_sent_per_rank": stats.bytes_sent if stats else None,
-            "bytes_per_round": stats.last_round_bytes if stats else None,
+            "bytes_sent_per_rank": stats.bytes_sent + (graph.rounds * graph.bytes_per_round if graph else 0) if stats else None,
+            "bytes_per_round": graph.bytes_per_round if graph else stats.last_round_bytes if stats else None,
             "bucket_plan": sync.plan.describe() if sync is not None else None,
         }
         log_dir = trainer.log_dir  # a collective under distributed strategies: every rank must ask

@@ -238,8 +238,10 @@ class SyncConfig:
 
     KEY = "strategy.sync"
 
-    mode: Literal["hooks"] = "hooks"
-    """``hooks``: bucketed async collectives launched from post-accumulate-grad hooks."""
+    mode: Literal["hooks", "graph"] = "hooks"
+    """``hooks``: bucketed async collectives launched from post-accumulate-grad hooks (any model, any usage).
+    ``graph``: functional collectives traced into the compiled backward (compiled autograd + the
+    ``inductor_distributed`` backend); needs every rank to use every trainable parameter on every step."""
     bucket_mb: float = 25.0
     """Capacity of each bucket after the first, in MiB."""
     first_bucket_mb: float = 1.0

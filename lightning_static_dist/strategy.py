@@ -9,6 +9,7 @@ One training step, as Lightning drives it::
     training_step      buffers broadcast from rank 0 (``sync.broadcast_buffers``), then the user's forward
     backward           post-accumulate-grad hooks fill buckets; full buckets launch async collectives
     post_backward      GradientSynchronizer.finish(): launch the rest, wait, write averaged grads back
+                       (sync.mode=graph: from step 2 the collectives are traced into the compiled backward)
     optimizer step     the precision plugin unscales / clips the *synchronised* gradients, then steps
 """
 
@@ -60,6 +61,7 @@ from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_
 from lightning_static_dist.mesh import DP_DIM, build_dp_mesh
 from lightning_static_dist.sync import GradientSynchronizer
 from lightning_static_dist.sync.broadcast import broadcast_tensors
+from lightning_static_dist.sync.graph import GraphGradientSync, compiled_backward
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +137,8 @@ class StaticDistStrategy(ParallelStrategy):
         self._synchronizer: Optional[GradientSynchronizer] = None
         self._buffers_to_broadcast: list[Tensor] = []
         self._compile_report: Optional[CompileReport] = None
+        self._graph_sync: Optional[GraphGradientSync] = None
+        self._graph_backend = "inductor_distributed"
         self.requested_backend: Optional[str] = None
         """Set when ``trainer.fit(torch.compile(model))`` asked for compilation with this backend."""
         self._graphs_checked = True
@@ -169,6 +173,11 @@ class StaticDistStrategy(ParallelStrategy):
     def synchronizer(self) -> Optional[GradientSynchronizer]:
         """The gradient synchroniser while fitting (``None`` before ``setup``, outside ``fit`` and on one rank)."""
         return self._synchronizer
+
+    @property
+    def graph_sync(self) -> Optional[GraphGradientSync]:
+        """With ``sync.mode: graph``, the traced collectives (from the second step on); else ``None``."""
+        return self._graph_sync
 
     @property
     def is_distributed(self) -> bool:
@@ -337,20 +346,51 @@ class StaticDistStrategy(ParallelStrategy):
         return super().training_step(*args, **kwargs)
 
     @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
+        if self._graph_sync is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        with compiled_backward(self._graph_backend):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         # gradient clipping, the AMP scaler and `on_before_optimizer_step` all run after this: they see averages
-        if self._synchronizer is not None:
+        if self._graph_sync is not None:
+            self._graph_sync.rounds += int(self._graph_sync.enabled)
+        elif self._synchronizer is not None:
             self._check_graphs_once()
             self._synchronizer.finish()
+            if self._config.sync.mode == "graph" and self._synchronizer.stats.rounds == 1:
+                self._switch_to_graph_sync()
+
+    def _switch_to_graph_sync(self) -> None:
+        """After the first round (run by the hook synchroniser, which decides usage collectively): graph mode."""
+        assert self._synchronizer is not None and self.model is not None
+        partial = {name: n for name, n in self._synchronizer.usage_counts.items() if n < self.world_size}
+        if partial:
+            names = ", ".join(f"{name} ({n}/{self.world_size} ranks)" for name, n in list(partial.items())[:5])
+            raise RuntimeError(
+                "static_dist: strategy.sync.mode=graph needs every rank to produce a gradient for every trainable"
+                f" parameter on every step; these did not: {names}. Use strategy.sync.mode=hooks, or freeze them."
+            )
+        self._synchronizer.detach()
+        self._graph_sync = GraphGradientSync(self.model.parameters(), group=self._dp_group)
+        self._graph_sync.attach()
+        compile_cfg = self._config.compile
+        self._graph_backend = (
+            "inductor_distributed" if not compile_cfg.enabled or compile_cfg.backend == "inductor" else compile_cfg.backend
+        )
+        rank_zero_info(f"static_dist: gradient collectives now traced into the compiled backward ({self._graph_backend})")
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Accumulate gradients locally (Lightning enters this on non-boundary micro-batches)."""
-        if self._synchronizer is None:
+        sync = self._graph_sync or self._synchronizer
+        if sync is None:
             yield None
             return
-        with self._synchronizer.no_sync():
+        with sync.no_sync():
             yield None
 
     @override
@@ -396,6 +436,9 @@ class StaticDistStrategy(ParallelStrategy):
         log.debug(f"{self.__class__.__name__}: tearing down strategy")
         if self._synchronizer is not None:
             self._synchronizer.detach()
+        if self._graph_sync is not None:
+            self._graph_sync.detach()
+            self._graph_sync = None
         self._buffers_to_broadcast = []
 
         super().teardown()

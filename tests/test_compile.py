@@ -240,3 +240,61 @@ def test_ranks_with_different_models_stop_at_once_with_the_difference() -> None:
         assert float(seconds.rstrip("s")) < 10
         assert "ranks disagree on the model's parameters" in message
         assert "rank 0 has 'param weight (4, 4)" in message and "rank 1 has 'param weight (5, 4)" in message
+
+
+# ---------------------------------------------------------------------------------------------- sync.mode: graph
+
+
+def _fit_sync_mode(mode: str, backend: str) -> dict[str, torch.Tensor]:
+    L.seed_everything(0)
+    model = tiny_gpt(n_layer=2)
+    strategy = StaticDistStrategy(start_method="spawn", sync={"mode": mode}, compile={"enabled": True, "backend": backend})
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=4, accumulate_grad_batches=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )
+    trainer.fit(model, datamodule=CharDataModule(block_size=16, batch_size=4, max_bytes=50_000))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.multiprocess
+def test_graph_mode_gradients_equal_hooks_mode() -> None:
+    # steps 2+ run their collectives inside the compiled backward: aot_eager, and inductor_distributed with its
+    # bucketing/reordering passes over functional all-reduces on Gloo
+    hooks = _fit_sync_mode("hooks", "aot_eager")
+    graph = _fit_sync_mode("graph", "aot_eager")
+    graph_inductor = _fit_sync_mode("graph", "inductor_distributed")
+    for key in hooks:
+        torch.testing.assert_close(graph[key], hooks[key], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(graph_inductor[key], hooks[key], atol=1e-4, rtol=1e-4)
+
+
+class RankBranch(L.LightningModule):
+    """Rank 0 uses a branch that rank 1 never touches: fine for hooks, not for a static traced graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        h = self.a(batch[0])
+        if self.global_rank == 0:
+            h = self.b(h)
+        return h.square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=4)
+
+
+@pytest.mark.multiprocess
+def test_graph_mode_refuses_rank_dependent_usage_with_a_clear_error() -> None:
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=StaticDistStrategy(start_method="spawn", sync={"mode": "graph"}),
+        max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    with pytest.raises(Exception, match=r"sync.mode=graph needs every rank .* b.weight \(1/2 ranks\)"):
+        trainer.fit(RankBranch())

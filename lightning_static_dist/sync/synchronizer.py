@@ -115,6 +115,8 @@ class GradientSynchronizer:
         self._first_round_done = False
         self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._sync_enabled = True
+        self.usage_counts: dict[str, int] = {}
+        """Ranks that produced a gradient, per parameter outside the plan, from the latest usage check."""
         self.stats = SyncStats()
         self._reset_round()
 
@@ -226,7 +228,9 @@ class GradientSynchronizer:
         all_reduce_sum(used, self._group)
         self._round_bytes += used.numel() * used.element_size()
         self.stats.collectives += 1
-        return [i for i, count in zip(unplanned, used.tolist()) if count > 0]
+        counts = used.tolist()
+        self.usage_counts = {self._names[i]: int(count) for i, count in zip(unplanned, counts)}
+        return [i for i, count in zip(unplanned, counts) if count > 0]
 
     def _adopt(self, newcomers: list[int]) -> None:
         """Reduce the newcomers' gradients in a one-off bucket this round, then rebuild the plan with them."""
