@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from lightning_static_dist.overlap.intervals import median_of
 from lightning_static_dist.config import CALLBACKS, ConfigError, RunConfig, import_object, load_run_config
 
 
@@ -125,10 +126,14 @@ def report(run_dir: str, plot: bool = True) -> str:
     series = read_metrics(os.path.join(log_dir, "metrics.csv"))
     if not series:
         raise FileNotFoundError(f"lsd-report: {log_dir}/metrics.csv holds no values yet: did the run log anything?")
-    lines = [f"run: {log_dir}", f"{'metric':<28} {'first':>12} {'last':>12} {'min':>12} {'points':>7}"]
+    width = max(28, *(len(k) for k in series))
+    lines = [f"run: {log_dir}", f"{'metric':<{width}} {'first':>12} {'last':>12} {'min':>12} {'median':>12} {'points':>7}"]
     for key in sorted(series):
         values = [v for _, v in series[key]]
-        lines.append(f"{key:<28} {values[0]:>12.5g} {values[-1]:>12.5g} {min(values):>12.5g} {len(values):>7}")
+        lines.append(
+            f"{key:<{width}} {values[0]:>12.5g} {values[-1]:>12.5g} {min(values):>12.5g}"
+            f" {median_of(values):>12.5g} {len(values):>7}"
+        )
     summary_path = os.path.join(log_dir, "summary.json")
     if os.path.exists(summary_path):
         from lightning_static_dist.callbacks import format_summary

@@ -446,6 +446,7 @@ class CallbackConfig:
 CALLBACKS: dict[str, str] = {
     "run_summary": "lightning_static_dist.callbacks.RunSummary",
     "graph_report": "lightning_static_dist.callbacks.GraphReport",
+    "overlap_monitor": "lightning_static_dist.overlap.monitor.OverlapMonitor",
 }
 
 #: Trainer arguments the run file may not set, and why.

@@ -59,6 +59,7 @@ from lightning_static_dist.compile import (
 from lightning_static_dist.config import ConfigError, StrategyConfig
 from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_parameters
 from lightning_static_dist.mesh import DP_DIM, build_dp_mesh
+from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.sync import GradientSynchronizer
 from lightning_static_dist.sync.broadcast import broadcast_tensors
 from lightning_static_dist.sync.graph import GraphGradientSync, compiled_backward
@@ -138,6 +139,8 @@ class StaticDistStrategy(ParallelStrategy):
         self._buffers_to_broadcast: list[Tensor] = []
         self._compile_report: Optional[CompileReport] = None
         self._graph_sync: Optional[GraphGradientSync] = None
+        self.recorder: Optional[StepRecorder] = None
+        """The overlap monitor's recorder, when one is attached."""
         self._graph_backend = "inductor_distributed"
         self.requested_backend: Optional[str] = None
         """Set when ``trainer.fit(torch.compile(model))`` asked for compilation with this backend."""
@@ -330,6 +333,7 @@ class StaticDistStrategy(ParallelStrategy):
             bucket_mb=sync.bucket_mb,
         )
         self._synchronizer.attach()
+        self._synchronizer.recorder = self.recorder
 
     @override
     def model_to_device(self) -> None:
@@ -339,11 +343,34 @@ class StaticDistStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------------------------------ training step
 
+    def attach_recorder(self, recorder: StepRecorder) -> None:
+        """Let the overlap monitor's recorder see compute phases and collectives (the monitor calls this)."""
+        self.recorder = recorder
+        if self._synchronizer is not None:
+            self._synchronizer.recorder = recorder
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._buffers_to_broadcast:
             broadcast_tensors(self._buffers_to_broadcast, group=self._dp_group)
-        return super().training_step(*args, **kwargs)
+        if self.recorder is None:
+            return super().training_step(*args, **kwargs)
+        self.recorder.begin("forward")
+        output = super().training_step(*args, **kwargs)
+        self.recorder.end("forward")
+        return output
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if self.recorder is not None:
+            self.recorder.begin("backward")
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.recorder is not None:
+            self.recorder.end("optimizer")
+        return output
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
@@ -355,6 +382,13 @@ class StaticDistStrategy(ParallelStrategy):
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         # gradient clipping, the AMP scaler and `on_before_optimizer_step` all run after this: they see averages
+        if self.recorder is not None:
+            self.recorder.end("backward")  # before the wait: waiting is not compute
+        self._synchronize_gradients()
+        if self.recorder is not None:
+            self.recorder.begin("optimizer")
+
+    def _synchronize_gradients(self) -> None:
         if self._graph_sync is not None:
             self._graph_sync.rounds += int(self._graph_sync.enabled)
         elif self._synchronizer is not None:

@@ -136,7 +136,7 @@ def _row(lines: list[str], name: str, text: str) -> list[str]:
 
 
 def metric_row(text: str, metric: str) -> list[str]:
-    """``[metric, first, last, min, points]`` from the metrics table (above the summary's first rule)."""
+    """``[metric, first, last, min, median, points]`` from the metrics table (above the summary's first rule)."""
     lines = text.splitlines()
     end = next((i for i, line in enumerate(lines) if line.startswith("---")), len(lines))
     return _row(lines[:end], metric, text)
@@ -154,8 +154,8 @@ def test_report_prints_metrics_and_summary_and_plots(tmp_path: Path) -> None:
     text = report(str(tmp_path))
     assert f"run: {log_dir}" in text
     # metric, first, last, min, points
-    assert metric_row(text, "train_loss") == ["train_loss", "5", "3", "3", "3"]
-    assert metric_row(text, "val_loss") == ["val_loss", "4.5", "3.5", "3.5", "2"]
+    assert metric_row(text, "train_loss") == ["train_loss", "5", "3", "3", "4", "3"]
+    assert metric_row(text, "val_loss") == ["val_loss", "4.5", "3.5", "3.5", "4", "2"]
     assert "lightning-static-dist run summary" in text
     assert summary_row(text, "world_size") == ["world_size", "2"]
     assert summary_row(text, "bytes_sent_per_rank") == ["bytes_sent_per_rank", "2,640,000"]
@@ -180,7 +180,7 @@ def test_report_reads_the_newest_run(tmp_path: Path) -> None:
     os.utime(old / "metrics.csv", (1_000_000, 1_000_000))
     text = report(str(tmp_path), plot=False)
     assert f"run: {new}" in text
-    assert metric_row(text, "train_loss") == ["train_loss", "7", "7", "7", "1"]
+    assert metric_row(text, "train_loss") == ["train_loss", "7", "7", "7", "7", "1"]
 
 
 def test_report_on_an_empty_dir_exits_2_with_a_clear_message(tmp_path: Path) -> None:

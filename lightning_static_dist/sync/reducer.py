@@ -49,13 +49,16 @@ class BucketReducer(Protocol):
 
 class _PendingWork:
     def __init__(self, work: Optional[dist.Work], flat: Tensor) -> None:
-        self._work = work
+        self.work = work
+        """The collective's work handle (the overlap recorder reads its completion time)."""
         self._flat = flat
+        self._waited = work is None
 
     def wait(self) -> Tensor:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        if not self._waited:
+            assert self.work is not None
+            self.work.wait()
+            self._waited = True
         return self._flat
 
 

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
+from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.sync.plan import BucketPlan, GradBucket, MiB, ParamSpec, plan_buckets
 from lightning_static_dist.sync.reducer import BucketReducer, MeanAllReduce, PendingReduction, all_reduce_sum
 
@@ -115,6 +116,8 @@ class GradientSynchronizer:
         self._first_round_done = False
         self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._sync_enabled = True
+        self.recorder: Optional[StepRecorder] = None
+        """Set by the overlap monitor: marks buckets ready, issued and waited."""
         self.usage_counts: dict[str, int] = {}
         """Ranks that produced a gradient, per parameter outside the plan, from the latest usage check."""
         self.stats = SyncStats()
@@ -179,18 +182,24 @@ class GradientSynchronizer:
         buffer = self._buffers[bucket_index]
         buffer.pack(slot, param.grad)
         if buffer.remaining == 0:
+            if self.recorder is not None:
+                self.recorder.bucket_ready(bucket_index)
             self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
         while self._next_to_launch < len(self._buffers) and self._buffers[self._next_to_launch].remaining == 0:
-            self._pending[self._next_to_launch] = self._launch(self._buffers[self._next_to_launch])
+            self._pending[self._next_to_launch] = self._launch(self._buffers[self._next_to_launch], self._next_to_launch)
             self._next_to_launch += 1
 
-    def _launch(self, buffer: _BucketBuffer) -> PendingReduction:
+    def _launch(self, buffer: _BucketBuffer, record_as: int) -> PendingReduction:
         flat = buffer.seal()
-        self._round_bytes += self._reducer.payload_bytes(buffer.bucket, flat)
+        nbytes = self._reducer.payload_bytes(buffer.bucket, flat)
+        self._round_bytes += nbytes
         self.stats.collectives += 1
-        return self._reducer.launch(buffer.bucket, flat, self._group)
+        pending = self._reducer.launch(buffer.bucket, flat, self._group)
+        if self.recorder is not None:
+            self.recorder.bucket_issued(record_as, nbytes, pending)
+        return pending
 
     def finish(self) -> None:
         """End the round: launch what is left, wait for every collective, write the averaged gradients back.
@@ -201,16 +210,22 @@ class GradientSynchronizer:
             self.stats.skipped_rounds += 1
             return
         # 1. planned buckets: fill the slots no hook filled (unused on this rank), launch in plan order
-        for buffer in self._buffers:
-            for slot in buffer.unfilled():
+        for bucket_index, buffer in enumerate(self._buffers):
+            unfilled = buffer.unfilled()
+            for slot in unfilled:
                 buffer.pack(slot, self._params[buffer.bucket.param_indices[slot]].grad)
+            if unfilled and self.recorder is not None:
+                self.recorder.bucket_ready(bucket_index)
         self._launch_ready_buckets()
         # 2. parameters outside the plan: decide together whether any of them got a gradient anywhere
         newcomers = self._reduce_usage_of_unplanned()
         # 3. wait and write back
-        for buffer, pending in zip(self._buffers, self._pending):
+        for bucket_index, (buffer, pending) in enumerate(zip(self._buffers, self._pending)):
             assert pending is not None
-            buffer.unpack(pending.wait(), self._params)
+            averaged = pending.wait()
+            if self.recorder is not None:
+                self.recorder.bucket_waited(bucket_index)
+            buffer.unpack(averaged, self._params)
         if newcomers or not self._first_round_done:
             self._adopt(newcomers)
         self.stats.rounds += 1
@@ -236,11 +251,17 @@ class GradientSynchronizer:
         """Reduce the newcomers' gradients in a one-off bucket this round, then rebuild the plan with them."""
         if newcomers:
             one_off = plan_buckets(self._specs(newcomers), self._bucket_bytes, self._bucket_bytes)
-            for bucket in one_off.buckets:
+            for i, bucket in enumerate(one_off.buckets):
                 buffer = _BucketBuffer(bucket, self._params)
                 for slot, index in enumerate(bucket.param_indices):
                     buffer.pack(slot, self._params[index].grad)
-                buffer.unpack(self._launch(buffer).wait(), self._params)
+                record_as = len(self._buffers) + i  # after the planned buckets of this round
+                if self.recorder is not None:
+                    self.recorder.bucket_ready(record_as)
+                averaged = self._launch(buffer, record_as).wait()
+                if self.recorder is not None:
+                    self.recorder.bucket_waited(record_as)
+                buffer.unpack(averaged, self._params)
         members = sorted(set(self._plan.location) | set(newcomers))
         if self._first_round_done:
             self.stats.plan_rebuilds += 1

@@ -1,0 +1,183 @@
+"""``OverlapMonitor``: log how much gradient communication was hidden behind compute, in every Trainer logger.
+
+Every ``every_n_steps`` optimizer steps each rank records its step (compute phases and collectives, see
+:mod:`~lightning_static_dist.overlap.recorder`), computes the metrics of
+:func:`~lightning_static_dist.overlap.intervals.step_metrics`, and the ranks aggregate them with a torchmetrics
+``Metric`` (mean and max over ranks, synchronised like any metric). The means are logged as
+``static_dist/<name>``, the maxima as ``static_dist/<name>_max``. Every ``timeline_every_n_steps`` steps rank 0
+gathers all ranks' timelines and draws ``<log_dir>/timeline/step_<N>.png`` (added to TensorBoard when present).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional
+
+import torch
+from torchmetrics import Metric
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_static_dist.overlap.intervals import step_metrics
+from lightning_static_dist.overlap.recorder import StepRecorder
+from lightning_static_dist.overlap.timeline import StepTimeline
+
+#: The metrics this monitor logs, in the order of the aggregation vector.
+METRICS = (
+    "overlap_ratio",
+    "hidden_comm_fraction",
+    "comm_ms",
+    "compute_ms",
+    "exposed_comm_ms",
+    "trigger_delay_ms",
+    "trigger_delay_max_ms",
+    "bytes_sent",
+)
+
+
+class RankAggregate(Metric):
+    """Mean and max over ranks of a vector of per-rank figures, ignoring NaN (a rank with nothing to measure).
+
+    Example::
+
+        aggregate = RankAggregate(size=3)
+        mean_and_max = aggregate(torch.tensor([0.5, float("nan"), 2.0]))   # synced over ranks on every call
+    """
+
+    full_state_update = False
+
+    def __init__(self, size: int) -> None:
+        super().__init__(dist_sync_on_step=True)
+        self.add_state("total", default=torch.zeros(size, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.zeros(size, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("maximum", default=torch.full((size,), -math.inf, dtype=torch.float64), dist_reduce_fx="max")
+
+    def update(self, values: torch.Tensor) -> None:
+        values = values.to(self.total)
+        finite = ~torch.isnan(values)
+        self.total += torch.where(finite, values, 0.0)
+        self.count += finite.to(self.count)
+        self.maximum = torch.maximum(self.maximum, torch.where(finite, values, -math.inf))
+
+    def compute(self) -> torch.Tensor:
+        mean = torch.where(self.count > 0, self.total / self.count.clamp(min=1), math.nan)
+        maximum = torch.where(torch.isinf(self.maximum), math.nan, self.maximum)
+        return torch.cat([mean, maximum])
+
+
+class OverlapMonitor(Callback):
+    """Logs ``static_dist/overlap_ratio``, ``hidden_comm_fraction``, ``comm_ms``, ``compute_ms``,
+    ``exposed_comm_ms``, ``trigger_delay_ms`` and ``bytes_sent`` (plus ``_max`` over ranks) every
+    ``every_n_steps`` steps, and draws a timeline every ``timeline_every_n_steps`` steps (0: never).
+
+    Args:
+        every_n_steps: record and log every this many optimizer steps (unrecorded steps cost nothing).
+        prog_bar: show the overlap ratio in the progress bar.
+        timeline_every_n_steps: write ``<log_dir>/timeline/step_<N>.png`` every this many steps; 0 disables.
+
+    Example::
+
+        trainer = L.Trainer(strategy="static_dist", callbacks=[OverlapMonitor(every_n_steps=10, prog_bar=True)])
+    """
+
+    def __init__(self, every_n_steps: int = 1, prog_bar: bool = False, timeline_every_n_steps: int = 0) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps={every_n_steps}: must be an integer >= 1")
+        if timeline_every_n_steps < 0:
+            raise ValueError(f"timeline_every_n_steps={timeline_every_n_steps}: must be an integer >= 0 (0: never)")
+        self.every_n_steps = every_n_steps
+        self.prog_bar = prog_bar
+        self.timeline_every_n_steps = timeline_every_n_steps
+        self.history: list[dict[str, float]] = []
+        """The aggregated metrics of every logged step (every rank holds the same values)."""
+        self.timeline_paths: list[str] = []
+        self._recorder: Optional[StepRecorder] = None
+        self._aggregate: Optional[RankAggregate] = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        attach = getattr(trainer.strategy, "attach_recorder", None)
+        if attach is None:
+            rank_zero_warn("OverlapMonitor measures the static_dist strategy only; it does nothing here.")
+            return
+        self._recorder = StepRecorder(trainer.strategy.root_device)
+        attach(self._recorder)
+        self._aggregate = RankAggregate(len(METRICS)).to(trainer.strategy.root_device)
+
+    def _recording(self, trainer: pl.Trainer) -> bool:
+        return self._recorder is not None and trainer.global_step % self.every_n_steps == 0
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._recorder is None:
+            return
+        self._recorder.active = self._recording(trainer)
+        self._recorder.begin_step(trainer.global_step, trainer.global_rank)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._recorder is None or not self._recorder.active:
+            return
+        timeline = self._recorder.end_step()
+        self._recorder.active = False
+        # on_train_batch_end runs after the optimizer step: global_step already counts it
+        step = trainer.global_step - 1
+        if timeline is None or not _stepped(trainer, batch_idx):
+            return  # an accumulation micro-batch: nothing was synchronised
+        assert self._aggregate is not None
+        per_rank = step_metrics(timeline)
+        synced = self._aggregate(torch.tensor([per_rank[k] for k in METRICS], dtype=torch.float64))
+        self._aggregate.reset()
+        values = synced.tolist()
+        row = {f"static_dist/{k}": values[i] for i, k in enumerate(METRICS)}
+        row.update({f"static_dist/{k}_max": values[len(METRICS) + i] for i, k in enumerate(METRICS)})
+        row.pop("static_dist/trigger_delay_max_ms_max")
+        self.history.append({"step": float(step), **row})
+        for key, value in row.items():
+            pl_module.log(key, value, on_step=True, on_epoch=False, prog_bar=self.prog_bar and key.endswith("/overlap_ratio"))
+        if self.timeline_every_n_steps and step % self.timeline_every_n_steps == 0:
+            self._draw(trainer, timeline, step)
+
+    def _draw(self, trainer: pl.Trainer, timeline: StepTimeline, step: int) -> None:
+        from lightning_static_dist.overlap.picture import render_timeline
+
+        timelines: list[Optional[StepTimeline]] = [None] * trainer.world_size
+        if trainer.world_size > 1:
+            torch.distributed.all_gather_object(timelines, timeline)
+        else:
+            timelines = [timeline]
+        log_dir = trainer.log_dir  # a collective: every rank asks
+        if not trainer.is_global_zero or log_dir is None:
+            return
+        path = render_timeline(
+            [t for t in timelines if t is not None],
+            os.path.join(log_dir, "timeline", f"step_{step}.png"),
+            title=f"step {step}: compute and gradient collectives per rank",
+        )
+        self.timeline_paths.append(path)
+        _add_to_tensorboard(trainer, path, step)
+
+
+def _stepped(trainer: pl.Trainer, batch_idx: int) -> bool:
+    """Whether this batch ended with an optimizer step (not an accumulation micro-batch)."""
+    accumulate = trainer.accumulate_grad_batches
+    return accumulate == 1 or (batch_idx + 1) % accumulate == 0 or (batch_idx + 1) == trainer.num_training_batches
+
+
+def _add_to_tensorboard(trainer: pl.Trainer, path: str, step: int) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            import matplotlib.image
+
+            image = matplotlib.image.imread(path)[..., :3]
+            logger.experiment.add_image("static_dist/timeline", image, global_step=step, dataformats="HWC")
