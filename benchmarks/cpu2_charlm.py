@@ -13,7 +13,9 @@ of medians, the median of the per-round ratios, and gradient bytes per step.
     static_dist_graph    StaticDistStrategy, compile.enabled, sync.mode graph (collectives in the compiled backward,
                          inductor_distributed)
 
-Overlap ratios need the overlap monitor, which is not built yet: this table has step times and bytes only.
+static_dist rows also run the OverlapMonitor every 5th step and report the median overlap_ratio,
+hidden_comm_fraction and exposed_comm_ms over the run (DDP's reducer cannot be observed the same way; in graph mode
+the collectives run inside the compiled graph, where the monitor does not see them: NaN).
 
     python benchmarks/cpu2_charlm.py                 # 3 rounds x 2 contenders x 60 steps, writes results/
     python benchmarks/cpu2_charlm.py --rounds 1 --steps 20 --no-record   # a quick look
@@ -52,6 +54,7 @@ def worker(contender: str, steps: int, warmup: int, out: str) -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_static_dist import StaticDistStrategy, load_run_config
+    from lightning_static_dist.overlap.intervals import median_of
     from lightning_static_dist.callbacks import RunSummary
 
     cfg = load_run_config(
@@ -82,8 +85,12 @@ def worker(contender: str, steps: int, warmup: int, out: str) -> None:
         if contender == "static_dist_graph":
             strategy_cfg.sync = dataclasses.replace(strategy_cfg.sync, mode="graph")
         strategy = StaticDistStrategy.from_config(strategy_cfg)
+    from lightning_static_dist import OverlapMonitor
+
     summary = RunSummary(warmup_steps=warmup)
-    trainer = L.Trainer(strategy=strategy, callbacks=[summary], **cfg.trainer)
+    monitor = OverlapMonitor(every_n_steps=5)
+    callbacks = [summary] + ([monitor] if contender.startswith("static_dist") else [])
+    trainer = L.Trainer(strategy=strategy, callbacks=callbacks, **cfg.trainer)
     trainer.fit(model, datamodule=data)
     if trainer.is_global_zero:
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -95,6 +102,10 @@ def worker(contender: str, steps: int, warmup: int, out: str) -> None:
             # ddp all-reduces every gradient once per step; static_dist reports what it actually sent
             "bytes_per_step": sync.stats.last_round_bytes if sync is not None else grad_bytes,
             "bytes_source": "measured (synchroniser)" if sync is not None else "gradient bytes (DDP all-reduces all)",
+            "overlap": {
+                key: median_of([row[f"static_dist/{key}"] for row in monitor.history[1:]])
+                for key in ("overlap_ratio", "hidden_comm_fraction", "exposed_comm_ms", "comm_ms", "trigger_delay_ms")
+            } if monitor.history else None,
         }
         with open(out, "w") as f:
             json.dump(record, f)
@@ -149,6 +160,7 @@ def main() -> None:
             "bytes_per_step": runs[contender][-1]["bytes_per_step"],
             "bytes_source": runs[contender][-1]["bytes_source"],
             "final_loss": [round(rec["final_loss"], 4) for rec in runs[contender]],
+            "overlap_per_round": [rec.get("overlap") for rec in runs[contender]],
             "timed_steps": len(all_steps),
         })
     by_name = {row["contender"]: row for row in rows}
@@ -168,10 +180,14 @@ def main() -> None:
         "target": "<= 1.0: static_dist no slower than Lightning ddp at the same compile setting",
     }
 
-    print(f"\n{'contender':<20} {'step ms (median)':>17} {'tokens/s':>10} {'bytes/step':>12}  per-round ms")
+    print(f"\n{'contender':<20} {'step ms (median)':>17} {'tokens/s':>10} {'bytes/step':>12} {'overlap':>8} "
+          f"{'hidden':>7} {'exposed ms':>10}  per-round ms")
     for row in rows:
+        ov = row["overlap_per_round"][-1] or {}
         print(f"{row['contender']:<20} {row['step_ms_median']:>17.1f} {row['tokens_per_s']:>10,} "
-              f"{row['bytes_per_step']:>12,}  {row['step_ms_per_round']}")
+              f"{row['bytes_per_step']:>12,} {ov.get('overlap_ratio', float('nan')):>8.3f} "
+              f"{ov.get('hidden_comm_fraction', float('nan')):>7.3f} {ov.get('exposed_comm_ms', float('nan')):>10.2f}"
+              f"  {row['step_ms_per_round']}")
     print()
     for key, value in summary.items():
         print(f"{key}: {value}")
