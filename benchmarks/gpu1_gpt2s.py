@@ -13,6 +13,7 @@ interleaved (round 1: A B C D E, round 2: A B C D E ...):
     lightning_compile  the same Trainer, fit(torch.compile(model))
     static_dist        the same Trainer, strategy=StaticDistStrategy(compile={...}) (--static-dist-compile)
     static_dist_whole  the same with compile.regional=false: the whole model in one graph (compile-time baseline)
+    static_dist_monitor  static_dist with the OverlapMonitor recording every step (monitor-cost scenario)
 
 Every contender's training_step skips self.log: Lightning's fit(torch.compile(model)) compiles training_step and
 dynamo fails on self.log there (lightning 2.6.6 with torch 2.13), so all contenders run the same step body.
@@ -29,7 +30,7 @@ fresh inductor/Triton cache (cold compile) unless ``--warm-cache``. Peak memory:
 ``dynamo_graphs``: graphs dynamo compiled (0: nothing was compiled, whatever was asked). The record is rewritten
 after every round, so a run cut short keeps what it measured. Target: static_dist >= 1.05x lightning_compile.
 
-    python benchmarks/gpu1_gpt2s.py                                   # 3 rounds, all six, writes results/
+    python benchmarks/gpu1_gpt2s.py                                   # 3 rounds, all seven, writes results/
     python benchmarks/gpu1_gpt2s.py --rounds 1 --contenders lightning_compile,static_dist --out-dir "$OUT"
     python benchmarks/gpu1_gpt2s.py --tiny --rounds 1 --no-record     # CPU smoke test of every code path
 """
@@ -50,7 +51,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONTENDERS = ("plain_eager", "plain_compile", "lightning_eager", "lightning_compile", "static_dist", "static_dist_whole")
+CONTENDERS = ("plain_eager", "plain_compile", "lightning_eager", "lightning_compile", "static_dist", "static_dist_whole",
+              "static_dist_monitor")
 FULL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, batch=16)
 TINY = dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, batch=4)
 PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16, the anchor's denominator
@@ -159,10 +161,16 @@ def worker(name: str, args: argparse.Namespace) -> None:
             if name == "static_dist_whole":
                 compile_cfg["regional"] = False  # the same strategy compiling the whole model: the compile-time baseline
             strategy = StaticDistStrategy(compile=compile_cfg)
+        callbacks = [StepTimer()]
+        if name == "static_dist_monitor":
+            from lightning_static_dist import OverlapMonitor
+
+            # the monitor-cost scenario: the recorder on every step (CUDA events, one sync per recorded step)
+            callbacks.append(OverlapMonitor(every_n_steps=1))
         trainer = L.Trainer(
             accelerator="gpu" if cuda else "cpu", devices=1, strategy=strategy, precision="bf16-mixed",
             max_steps=total, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[StepTimer()],
+            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
             # the loader yields ready batches; at world size 1 a DistributedSampler would only get in the way
             use_distributed_sampler=False,
         )
@@ -268,6 +276,9 @@ def build_summary(rows: list[dict], static_compile: dict, tiny: bool) -> dict:
     if not tiny and "lightning_compile" in by:
         summary["lightning_compile_vs_anchor"] = round(
             by["lightning_compile"]["tokens_per_s"] / ANCHOR["tokens_per_s"], 4)
+    if "static_dist_monitor" in by and "static_dist" in by:
+        # monitor-cost (BENCHMARKS.md): target <= 0.01
+        summary["monitor_slowdown"] = round(1 - by["static_dist_monitor"]["tokens_per_s"] / by["static_dist"]["tokens_per_s"], 4)
     if static_compile.get("regional") not in (None, False):
         # whole-model compile = the same strategy with regional: false; both cold unless --warm-cache
         summary["compile_s_regional_vs_whole"] = ratio("static_dist", "static_dist_whole", "first_step_overhead_s")
