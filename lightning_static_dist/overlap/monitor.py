@@ -126,25 +126,38 @@ class OverlapMonitor(Callback):
     ) -> None:
         if self._recorder is None or not self._recorder.active:
             return
-        timeline = self._recorder.end_step()
+        # an accumulation micro-batch synchronised nothing: not kept
+        timeline = self._recorder.end_step(keep=_stepped(trainer, batch_idx))
         self._recorder.active = False
-        # on_train_batch_end runs after the optimizer step: global_step already counts it
-        step = trainer.global_step - 1
-        if timeline is None or not _stepped(trainer, batch_idx):
-            return  # an accumulation micro-batch: nothing was synchronised
-        assert self._aggregate is not None
+        if timeline is not None:
+            self._publish(trainer, pl_module, timeline)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._recorder is not None:
+            held = self._recorder.flush()  # CUDA holds the last recorded step back by one
+            if held is not None:
+                self._publish(trainer, None, held)
+
+    def _publish(self, trainer: pl.Trainer, pl_module: Optional[pl.LightningModule], timeline: StepTimeline) -> None:
         per_rank = step_metrics(timeline)
-        synced = self._aggregate(torch.tensor([per_rank[k] for k in METRICS], dtype=torch.float64))
-        self._aggregate.reset()
-        values = synced.tolist()
+        values = [per_rank[k] for k in METRICS]
+        if trainer.world_size > 1:
+            assert self._aggregate is not None
+            values = self._aggregate(torch.tensor(values, dtype=torch.float64)).tolist()
+            self._aggregate.reset()
+        else:  # one rank: the mean and the max are the value itself, and nothing needs synchronising
+            values = values + values
         row = {f"static_dist/{k}": values[i] for i, k in enumerate(METRICS)}
-        row.update({f"static_dist/{k}_max": values[len(METRICS) + i] for i, k in enumerate(METRICS)})
-        row.pop("static_dist/trigger_delay_max_ms_max")
-        self.history.append({"step": float(step), **row})
-        for key, value in row.items():
-            pl_module.log(key, value, on_step=True, on_epoch=False, prog_bar=self.prog_bar and key.endswith("/overlap_ratio"))
-        if self.timeline_every_n_steps and step % self.timeline_every_n_steps == 0:
-            self._draw(trainer, timeline, step)
+        if trainer.world_size > 1:
+            row.update({f"static_dist/{k}_max": values[len(METRICS) + i] for i, k in enumerate(METRICS[:-2])})
+            row["static_dist/bytes_sent_max"] = values[-1]
+        self.history.append({"step": float(timeline.step), **row})
+        if pl_module is not None:  # on_train_end cannot log any more
+            for key, value in row.items():
+                pl_module.log(key, value, on_step=True, on_epoch=False, prog_bar=self.prog_bar and key.endswith("/overlap_ratio"))
+        if self.timeline_every_n_steps and timeline.step % self.timeline_every_n_steps == 0:
+            self._draw(trainer, timeline, timeline.step)
 
     def _draw(self, trainer: pl.Trainer, timeline: StepTimeline, step: int) -> None:
         from lightning_static_dist.overlap.picture import render_timeline

@@ -4,7 +4,7 @@
 Clocks. On CPU (Gloo) a mark is ``time.perf_counter()``; a collective's completion time comes from its work
 handle's future, whose callback Gloo runs the moment the operation finishes (on its own thread), so the interval is
 the real one — not the later moment ``finish()`` got round to waiting for it. On CUDA a mark is a CUDA event on the
-current stream, resolved once at the end of the step (one synchronisation per *monitored* step); a collective's
+current stream, read one recorded step later, when it has long completed (no step waits for the GPU); a collective's
 duration comes from NCCL's own timing (``TORCH_NCCL_ENABLE_TIMING=1``) where available, else its interval ends
 where the compute stream waited for it (an upper bound, said so in the docs).
 
@@ -16,6 +16,7 @@ bucket ready, issued and waited. When :attr:`StepRecorder.active` is false every
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -36,6 +37,7 @@ class StepRecorder:
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
+        self._held: Optional[_RawStep] = None
         self.active = False
         self._reset(step=-1, rank=0)
 
@@ -55,11 +57,6 @@ class StepRecorder:
             event.record()
             return event
         return time.perf_counter()
-
-    def _seconds(self, mark: Any) -> float:
-        if self._cuda:
-            return self._origin.elapsed_time(mark) / 1e3
-        return mark - self._origin
 
     # ------------------------------------------------------------------------------------------------ marks
 
@@ -96,32 +93,69 @@ class StepRecorder:
 
     # ------------------------------------------------------------------------------------------------ close
 
-    def end_step(self) -> Optional[StepTimeline]:
-        """Close the step; ``None`` when it was not recorded."""
+    def end_step(self, keep: bool = True) -> Optional[StepTimeline]:
+        """Close the step and return a finished timeline, or ``None``.
+
+        On CPU the timeline is this step's. On CUDA it is the *previous* kept step's: its events completed long
+        ago, so reading them does not make this step wait for the GPU (a synchronisation per step would cost
+        the CPU's head start); :meth:`flush` returns the last one. ``keep=False`` discards the step (an
+        accumulation micro-batch).
+        """
         if not self.active or self._origin is None:
             return None
         for phase in list(self._open):
             self.end(phase)
-        if self._cuda:
-            torch.cuda.synchronize()
-        timeline = StepTimeline(step=self._step, rank=self._rank)
-        timeline.compute = [(name, self._seconds(a), self._seconds(b)) for name, a, b in self._phases]
-        for bucket, (issued, nbytes, work) in sorted(self._issued.items()):
-            issued_s = self._seconds(issued)
-            ready_s = self._seconds(self._ready[bucket]) if bucket in self._ready else issued_s
-            timeline.comm.append(CommRecord(bucket, nbytes, min(ready_s, issued_s), issued_s, self._done_s(bucket, issued_s, work)))
+        raw = _RawStep(self._step, self._rank, self._origin, self._phases, self._issued, self._ready, self._done,
+                       self._waited)
         self._reset(step=-1, rank=self._rank)
+        if not keep:
+            return None
+        if not self._cuda:
+            return self._resolve(raw)
+        previous, self._held = self._held, raw
+        return self._resolve(previous) if previous is not None else None
+
+    def flush(self) -> Optional[StepTimeline]:
+        """The step still held back on CUDA (end of training)."""
+        held, self._held = self._held, None
+        return self._resolve(held) if held is not None else None
+
+    def _resolve(self, raw: _RawStep) -> StepTimeline:
+        if self._cuda:
+            torch.cuda.synchronize()  # a no-op in practice: the held step finished a step ago
+
+        def seconds(mark: Any) -> float:
+            return raw.origin.elapsed_time(mark) / 1e3 if self._cuda else mark - raw.origin
+
+        timeline = StepTimeline(step=raw.step, rank=raw.rank)
+        timeline.compute = [(name, seconds(a), seconds(b)) for name, a, b in raw.phases]
+        for bucket, (issued, nbytes, work) in sorted(raw.issued.items()):
+            issued_s = seconds(issued)
+            ready_s = seconds(raw.ready[bucket]) if bucket in raw.ready else issued_s
+            if bucket in raw.done:  # CPU: the completion callback's clock
+                done_s = max(raw.done[bucket] - raw.origin, issued_s)
+            elif self._cuda and work is not None and _nccl_duration_ms(work) is not None:
+                done_s = issued_s + _nccl_duration_ms(work) / 1e3
+            elif bucket in raw.waited:  # an upper bound: where the compute stream waited for it
+                done_s = max(seconds(raw.waited[bucket]), issued_s)
+            else:
+                done_s = issued_s
+            timeline.comm.append(CommRecord(bucket, nbytes, min(ready_s, issued_s), issued_s, done_s))
         return timeline
 
-    def _done_s(self, bucket: int, issued_s: float, work: Any) -> float:
-        if bucket in self._done:  # CPU: the completion callback's clock
-            return max(self._done[bucket] - self._origin, issued_s)
-        if self._cuda and work is not None:
-            duration_ms = _nccl_duration_ms(work)
-            if duration_ms is not None:
-                return issued_s + duration_ms / 1e3
-        waited = self._waited.get(bucket)
-        return max(self._seconds(waited), issued_s) if waited is not None else issued_s
+
+@dataclass
+class _RawStep:
+    """A closed step's marks, before they are turned into seconds."""
+
+    step: int
+    rank: int
+    origin: Any
+    phases: list[tuple[str, Any, Any]]
+    issued: dict[int, tuple[Any, int, Any]]
+    ready: dict[int, Any]
+    done: dict[int, float]
+    waited: dict[int, Any]
 
 
 def _nccl_duration_ms(work: Any) -> Optional[float]:
