@@ -66,7 +66,7 @@ INVALID_OVERRIDES = [
     pytest.param(["strategy.sync.bucket_mb=0"], "strategy.sync.bucket_mb", "=0", id="bucket-mb-zero"),
     pytest.param(["strategy.sync.bucket_mb=-3"], "strategy.sync.bucket_mb", "-3", id="bucket-mb-negative"),
     pytest.param(["strategy.sync.first_bucket_mb=5000"], "strategy.sync.first_bucket_mb", "5000", id="first-bucket-too-big"),
-    pytest.param(["strategy.sync.mode=graph"], "strategy.sync.mode", "'graph'", id="sync-mode-unknown"),
+    pytest.param(["strategy.sync.mode=ring"], "strategy.sync.mode", "'ring'", id="sync-mode-unknown"),
     pytest.param(["strategy.timeout_s=0"], "strategy.timeout_s", "=0", id="timeout-zero"),
     pytest.param(["strategy.timeout_s=-5"], "strategy.timeout_s", "-5", id="timeout-negative"),
     pytest.param(["strategy.mesh.dp_replicate=0"], "strategy.mesh.dp_replicate", "=0", id="mesh-replicate-zero"),
