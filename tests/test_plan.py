@@ -60,3 +60,12 @@ def test_empty_and_invalid() -> None:
     assert plan_buckets([], 10, 10).buckets == ()
     with pytest.raises(ValueError, match="positive"):
         plan_buckets(specs(1), 0, 10)
+
+
+def test_an_observed_ready_order_replaces_registration_order() -> None:
+    # parameter 0 registered first but its gradient is ready first (a module registered early, run last)
+    plan = plan_buckets(specs(1024, 1024, 1024, 1024), 4096, 8192, ready_order=[0, 3, 2, 1])
+    assert [b.param_indices for b in plan.buckets] == [(0,), (3, 2), (1,)]
+    # parameters the observation missed follow, in reverse registration order
+    plan = plan_buckets(specs(1024, 1024, 1024, 1024), 4096, 8192, ready_order=[1])
+    assert [b.param_indices for b in plan.buckets] == [(1,), (3, 2), (0,)]

@@ -106,7 +106,7 @@ def test_many_small_buckets_launch_in_order_and_still_match_ddp() -> None:
     # ~0.1 KB buckets: every parameter its own collective; hooks fire in an order plan order must tame
     results = run_ranks(_ours_vs_ddp, 2, args=([[False, False]] * 2, 1e-4, 1e-4))
     assert results[0]["mismatches"] == [] and results[1]["mismatches"] == []
-    assert results[0]["buckets"] >= 8
+    assert results[0]["buckets"] >= 6
 
 
 def test_usage_that_differs_between_ranks_and_changes_over_time() -> None:
@@ -185,3 +185,35 @@ def test_each_dtype_gets_its_own_bucket_and_the_mean_is_right() -> None:
     for g0, g1, l0, l1 in zip(r0["grads"], r1["grads"], r0["local"], r1["local"]):
         torch.testing.assert_close(g0, g1, atol=0, rtol=0)
         torch.testing.assert_close(g0, (l0 + l1) / 2, atol=2e-2, rtol=2e-2)  # bf16 rounding
+
+
+class RegisteredBackwards(nn.Module):
+    """``head`` is registered first but runs last, so its gradient is the first one ready."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(64, 64)
+        self.body = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _plan_order(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = RegisteredBackwards()
+    sync = GradientSynchronizer(model.named_parameters(), first_bucket_mb=64 * 65 * 4 / 2**20, bucket_mb=1.0)
+    sync.attach()
+    for step in range(2):
+        model(torch.randn(3, 64, generator=torch.Generator().manual_seed(rank + 10 * step))).sum().backward()
+        sync.finish()
+        model.zero_grad()
+    first = [sync.parameter_names[i] for i in sync.plan.buckets[0].param_indices]
+    return {"first_bucket": first, "plan": sync.plan.describe()}
+
+
+def test_buckets_follow_the_observed_gradient_order_on_every_rank() -> None:
+    r0, r1 = run_ranks(_plan_order, 2)
+    # reverse registration order would have put body.3 first and head last
+    assert r0["first_bucket"] == ["head.bias", "head.weight"] or r0["first_bucket"] == ["head.weight", "head.bias"]
+    assert r0["plan"] == r1["plan"]

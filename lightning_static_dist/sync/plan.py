@@ -1,7 +1,10 @@
 """Bucket planning: which gradients travel together. Pure functions over parameter sizes; no processes, no hooks.
 
-Backward produces gradients roughly in reverse registration order (the last layer first), so buckets are filled in
-that order: the first bucket to fill is the first collective to launch. The first bucket is kept small
+Buckets are filled in the order backward produces gradients: the first bucket to fill is the first collective to
+launch. Before any backward has been seen that order is guessed as reverse registration order (the last layer
+first); once the first backward has been observed, its real order (rank 0's, broadcast so that every rank plans
+alike) is used, so a module registered late but run early — or the reverse — lands in the right bucket. DDP
+rebuilds its buckets after the first iteration for the same reason. The first bucket is kept small
 (``first_bucket_mb``, default 1 MiB) so communication starts as early in backward as possible; later buckets are
 larger (``bucket_mb``, default 25 MiB) so each collective's fixed latency is paid rarely. This is the policy
 DDP's reducer uses; here it is a plain function whose result every rank can print and compare.
@@ -87,10 +90,18 @@ class BucketPlan:
         return f"{len(self.buckets)} buckets [{sizes}]"
 
 
-def plan_buckets(params: Sequence[ParamSpec], first_bucket_bytes: int, bucket_bytes: int) -> BucketPlan:
-    """Group parameters into buckets in reverse registration order.
+def plan_buckets(
+    params: Sequence[ParamSpec],
+    first_bucket_bytes: int,
+    bucket_bytes: int,
+    ready_order: Sequence[int] = (),
+) -> BucketPlan:
+    """Group parameters into buckets in the order their gradients become ready.
 
-    A bucket is closed when adding the next parameter would exceed its capacity (the first bucket's capacity is
+    ``ready_order`` lists parameter indices in the order backward produced their gradients (observed on one rank and
+    shared, so every rank plans alike); parameters missing from it follow in reverse registration order, which is
+    also the whole order when ``ready_order`` is empty — backward's usual order without an observation. A bucket
+    is closed when adding the next parameter would exceed its capacity (the first bucket's capacity is
     ``first_bucket_bytes``, every later one's ``bucket_bytes``) or when dtype or device change. A parameter larger
     than the capacity gets a bucket of its own.
 
@@ -104,7 +115,9 @@ def plan_buckets(params: Sequence[ParamSpec], first_bucket_bytes: int, bucket_by
         raise ValueError(f"bucket capacities must be positive, got {first_bucket_bytes} and {bucket_bytes}")
     groups: list[list[ParamSpec]] = []
     filled = 0
-    for spec in sorted(params, key=lambda s: s.index, reverse=True):
+    position = {index: i for i, index in enumerate(ready_order)}
+    unobserved = len(position)
+    for spec in sorted(params, key=lambda s: (position.get(s.index, unobserved), -s.index)):
         current = groups[-1] if groups else None
         capacity = first_bucket_bytes if len(groups) == 1 else bucket_bytes
         if (

@@ -113,6 +113,8 @@ class GradientSynchronizer:
         self._bucket_bytes = int(bucket_mb * MiB)
         self._plan = BucketPlan(buckets=(), location={})
         self._buffers: list[_BucketBuffer] = []
+        self._ready_order: list[int] = []
+        """Gradient-ready order the plan follows: rank 0's observation of the first synchronised backward."""
         self._first_round_done = False
         self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._sync_enabled = True
@@ -171,12 +173,14 @@ class GradientSynchronizer:
         self._pending: list[Optional[PendingReduction]] = [None] * len(self._plan.buckets)
         self._next_to_launch = 0
         self._round_bytes = 0
+        self._observed_order = []
 
     def _on_grad_ready(self, index: int, param: Parameter) -> None:
         if not self._sync_enabled:
             return
         location = self._plan.location.get(index)
         if location is None:  # not planned yet: finish() finds its gradient and decides with every rank
+            self._observed_order.append(index)
             return
         bucket_index, slot = location
         buffer = self._buffers[bucket_index]
@@ -266,7 +270,9 @@ class GradientSynchronizer:
         if self._first_round_done:
             self.stats.plan_rebuilds += 1
         self._first_round_done = True
-        self._plan = plan_buckets(self._specs(members), self._first_bucket_bytes, self._bucket_bytes)
+        observed = _rank_zero_list(self._observed_order, self._group)
+        self._ready_order = self._ready_order + [i for i in observed if i not in self._ready_order]
+        self._plan = plan_buckets(self._specs(members), self._first_bucket_bytes, self._bucket_bytes, self._ready_order)
         self._buffers = [_BucketBuffer(bucket, self._params) for bucket in self._plan.buckets]
         self.attach()  # parameters whose requires_grad was switched on since the last attach
         skipped = [self._names[i] for i, p in enumerate(self._params) if i not in self._plan.location and p.requires_grad]
@@ -277,6 +283,15 @@ class GradientSynchronizer:
 
     def _specs(self, indices: Sequence[int]) -> list[ParamSpec]:
         return [ParamSpec(i, self._params[i].numel(), self._params[i].dtype, self._params[i].device) for i in indices]
+
+
+def _rank_zero_list(values: list[int], group: Optional[dist.ProcessGroup]) -> list[int]:
+    """Group rank 0's ``values`` on every rank (ranks may see hooks fire in different orders; plans must agree)."""
+    if dist.get_world_size(group) == 1:
+        return values
+    holder = [values]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return holder[0]
 
 
 class _BucketBuffer:
