@@ -102,3 +102,19 @@ def test_the_monitor_tells_whole_model_compile_from_regional(tmp_path: Any) -> N
     assert measured["whole"] < 0.25, measured
     assert measured["regional"] > measured["whole"] + 0.25, measured
     assert measured["eager"] > measured["whole"] + 0.25, measured
+
+
+def _aggregate(rank: int, world: int) -> list[float]:
+    from lightning_static_dist.overlap.monitor import RankAggregate
+
+    aggregate = RankAggregate(3)
+    values = torch.tensor([1.0 + rank, math.nan if rank == 0 else 5.0, 2.0 * rank], dtype=torch.float64)
+    return aggregate(values).tolist()
+
+
+def test_rank_aggregate_means_and_maxima_ignore_nan() -> None:
+    from _dist import run_ranks
+
+    for result in run_ranks(_aggregate, 2):
+        # means over ranks [1.5, 5 (rank 0 had nothing), 1], then maxima [2, 5, 2]
+        assert result == [1.5, 5.0, 1.0, 2.0, 5.0, 2.0]
