@@ -96,7 +96,7 @@ def test_the_monitor_tells_whole_model_compile_from_regional(tmp_path: Any) -> N
         ("regional", {"enabled": True, "backend": "aot_eager", "regional": "auto"}),
         ("whole", {"enabled": True, "backend": "aot_eager", "regional": False}),
     ]:
-        rows = fit(tmp_path / name, compile_cfg, steps=12)
+        rows = fit(tmp_path / name, compile_cfg, steps=20)  # median of 18 steps: robust to a busy machine
         measured[name] = median_of(series(rows, "static_dist/hidden_comm_fraction")[2:])
     # whole-model compile: every gradient ready at the end of backward, the collectives run after it
     assert measured["whole"] < 0.25, measured
