@@ -59,9 +59,13 @@ class RunSummary(Callback):
         self.loss_key = loss_key
         self.step_seconds: list[float] = []
         self.tokens_per_step: int = 0
-        self.losses: list[float] = []
+        self.losses: list[torch.Tensor] = []
         self.summary: dict[str, Any] = {}
         self._started: Optional[float] = None
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.step_seconds, self.losses, self.summary = [], [], {}
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -77,7 +81,8 @@ class RunSummary(Callback):
         self.tokens_per_step = _tokens_in(batch)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
-            self.losses.append(float(loss.detach()))
+            self.losses.append(loss.detach())  # a tensor: float() here would wait for the GPU every step
+            del self.losses[:-10]
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -86,8 +91,10 @@ class RunSummary(Callback):
         sync = getattr(trainer.strategy, "synchronizer", None)
         stats = sync.stats if sync is not None else None
         graph = getattr(trainer.strategy, "graph_sync", None)
+        graph_rounds = graph.rounds if graph is not None else 0
+        graph_bytes = graph.bytes_per_round if graph is not None else 0
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
-        tail = self.losses[-10:]
+        tail = [float(loss) for loss in self.losses[-10:]]
         self.summary = {
             "strategy": type(trainer.strategy).__name__,
             "world_size": trainer.world_size,
@@ -98,11 +105,11 @@ class RunSummary(Callback):
             "val_ppl": metrics.get("val_ppl"),
             "step_ms_median": median_s * 1e3,
             "tokens_per_s": self.tokens_per_step * trainer.world_size / median_s if timed else None,
-            "sync_mode": "graph" if graph is not None else "hooks" if stats else None,
-            "sync_rounds": (stats.rounds if stats else 0) + (graph.rounds if graph else 0) if stats else None,
+            "sync_mode": ("graph" if graph is not None else "hooks") if stats else None,
+            "sync_rounds": stats.rounds + graph_rounds if stats else None,
             "sync_collectives": stats.collectives if stats else None,
-            "bytes_sent_per_rank": stats.bytes_sent + (graph.rounds * graph.bytes_per_round if graph else 0) if stats else None,
-            "bytes_per_round": graph.bytes_per_round if graph else stats.last_round_bytes if stats else None,
+            "bytes_sent_per_rank": stats.bytes_sent + graph_rounds * graph_bytes if stats else None,
+            "bytes_per_round": (graph_bytes or stats.last_round_bytes) if stats else None,
             "bucket_plan": sync.plan.describe() if sync is not None else None,
         }
         log_dir = trainer.log_dir  # a collective under distributed strategies: every rank must ask

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import re
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -67,15 +68,16 @@ class CompileReport:
     """Region -> the reason it runs eagerly."""
     placement: list[str] = field(default_factory=list)
     """Device transfers found inside captured graphs, with their source location."""
+    backend: Any = None
+    """The recording backend the regions were compiled with (shared, so dynamo's cache is too)."""
 
     @property
     def compile_s(self) -> float:
         return sum(g.compile_s for g in self.graphs)
 
-    def fingerprint(self) -> str:
-        """A short hash of the regions and graph structures (order-independent per region)."""
-        parts = sorted(g.structure for g in self.graphs) + self.regions
-        return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+    def structure_lines(self) -> list[str]:
+        """What this rank compiled, as comparable lines: graph structures (sorted), then the regions."""
+        return sorted(g.structure for g in self.graphs) + self.regions
 
     def summary(self) -> str:
         lines = [
@@ -140,13 +142,7 @@ def _resolve_backend(config: CompileConfig) -> Callable[..., Any]:
 
         options = torch._inductor.list_mode_options(config.mode, config.dynamic) if config.mode != "default" else {}
         return lambda gm, example_inputs: compile_fx(gm, example_inputs, config_patches=options)
-    try:
-        return torch._dynamo.lookup_backend(config.backend)
-    except Exception:  # dynamo raises InvalidBackend with a long message
-        raise ConfigError(
-            f"strategy.compile.backend={config.backend!r}: not a registered dynamo backend;"
-            f" allowed: {', '.join(sorted(torch._dynamo.list_backends()))}"
-        ) from None
+    return torch._dynamo.lookup_backend(config.backend)  # CompileConfig checked that it is registered
 
 
 def _structure(gm: torch.fx.GraphModule) -> str:
@@ -258,7 +254,12 @@ def _capture_dynamo_logs(report: CompileReport) -> None:
 
 
 class _RegionForward:
-    """A region's forward: compiled, or eager after a compile failure (``fallback: eager``)."""
+    """A region's forward: compiled, or eager after a compile failure (``fallback: eager``).
+
+    It holds the *unbound* ``forward`` of the region's class and is bound to the region with ``types.MethodType``:
+    a ``copy.deepcopy`` of the model (SWA, EMA callbacks) then rebinds it to the copy instead of running the
+    original's weights, and identical blocks share one compiled artefact.
+    """
 
     def __init__(self, region: str, eager: Callable[..., Any], compiled: Callable[..., Any], config: CompileConfig,
                  report: CompileReport) -> None:
@@ -283,7 +284,8 @@ class _RegionForward:
                 ) from None
             if self.config.fallback == "error":
                 raise CompileFailure(f"region {self.region!r} failed to compile: {reason}") from err
-            # compilation fails before the graph runs, so running the region eagerly now repeats nothing
+            # a failure while compiling the first graph of the region repeats nothing when the region now runs eagerly;
+            # after a graph break, subgraphs that already ran (BatchNorm statistics, RNG draws) run once more
             self.report.fallbacks[self.region] = reason
             log.warning(f"static_dist: region {self.region!r} failed to compile and runs eagerly: {reason}")
             return self.eager(*args, **kwargs)
@@ -309,16 +311,17 @@ def compile_regions(module: nn.Module, config: CompileConfig, report: Optional[C
     _capture_dynamo_logs(report)
     backend = RecordingBackend(config, report)
     for name, region in find_regions(module, config.regional):
-        eager = region.forward
+        eager = type(region).forward
         compiled = torch.compile(eager, backend=backend, fullgraph=config.fullgraph, dynamic=config.dynamic)
         # an instance attribute shadows the class's forward: nn.Module.__call__ (and its hooks) stay as they are
-        region.forward = _RegionForward(name, eager, compiled, config, report)
+        region.forward = types.MethodType(_RegionForward(name, eager, compiled, config, report), region)
         report.regions.append(name)
+    report.backend = backend
     log.debug(f"compiled {len(report.regions)} regions of {type(module).__name__} with {config.backend}")
     return report
 
 
-def compile_optimizer_step(optimizer: torch.optim.Optimizer, report: CompileReport) -> None:
+def compile_optimizer_step(optimizer: torch.optim.Optimizer, config: CompileConfig, report: CompileReport) -> None:
     """Compile ``optimizer.step()``; a closure, when Lightning passes one, runs eagerly before the compiled step.
 
     Lightning's precision plugins call ``optimizer.step(closure=...)`` with forward and backward inside the closure;
@@ -326,43 +329,39 @@ def compile_optimizer_step(optimizer: torch.optim.Optimizer, report: CompileRepo
     """
     inner = optimizer._optimizer if hasattr(optimizer, "_optimizer") else optimizer  # LightningOptimizer
     eager_step = inner.step
-    compiled_step = _RegionForward("optimizer.step", eager_step, torch.compile(eager_step), CompileConfig(), report)
+    backend = report.backend or RecordingBackend(config, report)
+    compiled_step = _RegionForward("optimizer.step", eager_step, torch.compile(eager_step, backend=backend), config, report)
 
-    def step(closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
         loss = closure() if closure is not None else None
-        compiled_step()
+        compiled_step(**kwargs)
         return loss
 
     inner.step = step
     report.regions.append("optimizer.step")
 
 
-def drop_short_last_batch(trainer: Any) -> None:
+def drop_short_last_batch(loader: Any) -> None:
     """With static shapes, a short last training batch would compile a second graph: drop it, and say so once."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
     from torch.utils.data import BatchSampler, DataLoader
 
-    loaders = trainer.train_dataloader
-    for loader in loaders if isinstance(loaders, (list, tuple)) else loaders.values() if isinstance(loaders, dict) else [loaders]:
-        if not isinstance(loader, DataLoader) or not isinstance(loader.batch_sampler, BatchSampler):
-            continue
-        batches = loader.batch_sampler
-        remainder = len(batches.sampler) % batches.batch_size
-        if not batches.drop_last and remainder:
-            batches.drop_last = True  # BatchSampler reads it on every epoch
-            rank_zero_warn(
-                f"static_dist: the last training batch of each epoch would hold {remainder} samples instead of"
-                f" {batches.batch_size} and compile a second graph; it is dropped (strategy.compile.dynamic=false)."
-                " Set strategy.compile.dynamic=true to keep it."
-            )
+    if not isinstance(loader, DataLoader) or not isinstance(loader.batch_sampler, BatchSampler):
+        return
+    batches = loader.batch_sampler
+    remainder = len(batches.sampler) % batches.batch_size
+    if not batches.drop_last and remainder:
+        batches.drop_last = True  # BatchSampler reads it on every epoch
+        rank_zero_warn(
+            f"static_dist: the last training batch of each epoch would hold {remainder} samples instead of"
+            f" {batches.batch_size} and compile a second graph; it is dropped (strategy.compile.dynamic=false)."
+            " Set strategy.compile.dynamic=true to keep it."
+        )
 
 
-def uncompile_regions(module: nn.Module) -> None:
-    """Undo :func:`compile_regions` (restores every region's eager forward)."""
-    for sub in module.modules():
-        forward = sub.__dict__.get("forward")
-        if isinstance(forward, _RegionForward):
-            del sub.forward
+def is_compiled(module: nn.Module) -> bool:
+    """Whether :func:`compile_regions` already compiled some region of ``module``."""
+    return any(isinstance(sub.__dict__.get("forward"), types.MethodType) and isinstance(sub.__dict__["forward"].__func__, _RegionForward) for sub in module.modules())
 
 
 # ------------------------------------------------------------------------------- the inductor_distributed backend

@@ -86,9 +86,7 @@ def _matches(value: Any, annotation: Any) -> bool:
         return isinstance(value, (list, tuple))
     if origin in (dict, Mapping) or annotation is dict:
         return isinstance(value, Mapping)
-    if isinstance(annotation, type):
-        # classes we cannot build from YAML (an Accelerator instance, a Logger ...) are the user's business
-        return True
+    # anything else (an Accelerator instance, a Logger ...) cannot come from YAML and is the user's business
     return True
 
 
@@ -228,8 +226,9 @@ class MeshConfig:
 class SyncConfig:
     """``strategy.sync``: how gradients are synchronised across the mesh's ``dp`` group.
 
-    Parameters are grouped into flat buckets in reverse registration order (the order backward produces their
-    gradients); each bucket launches its asynchronous collective as soon as its last gradient is ready.
+    Parameters are grouped into flat buckets in the order backward produced their gradients in the first step
+    (rank 0's observation, shared); each bucket launches its asynchronous collective as soon as its last gradient
+    is ready, in plan order.
 
     Example::
 

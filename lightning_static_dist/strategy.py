@@ -55,6 +55,7 @@ from lightning_static_dist.compile import (
     compile_optimizer_step,
     compile_regions,
     drop_short_last_batch,
+    is_compiled,
 )
 from lightning_static_dist.config import ConfigError, StrategyConfig
 from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_parameters
@@ -67,7 +68,7 @@ from lightning_static_dist.sync.graph import GraphGradientSync, compiled_backwar
 log = logging.getLogger(__name__)
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
-_Section = Union[dict[str, Any], Any, None]
+_Section = Union[dict[str, Any], Any, None]  # a dict or that section's dataclass (typed per keyword below)
 
 
 class StaticDistStrategy(ParallelStrategy):
@@ -130,7 +131,9 @@ class StaticDistStrategy(ParallelStrategy):
         if start_method not in _START_METHODS:
             raise ConfigError(f"start_method={start_method!r}: allowed: {', '.join(map(repr, _START_METHODS))}")
         if process_group_backend not in (None, "nccl", "gloo", "mpi", "ucc"):
-            raise ConfigError(f"process_group_backend={process_group_backend!r}: allowed: None (auto), 'nccl', 'gloo'")
+            raise ConfigError(
+                f"process_group_backend={process_group_backend!r}: allowed: None (auto), 'nccl', 'gloo', 'mpi', 'ucc'"
+            )
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -295,12 +298,12 @@ class StaticDistStrategy(ParallelStrategy):
             # the user passed torch.compile(model); Lightning's compile check (see compile.py) unwrapped it
             config = dataclasses.replace(config, enabled=True, backend=self.requested_backend)
             rank_zero_info(f"static_dist: compiling the torch.compile()-d model regionally (backend {config.backend!r})")
-        if not config.enabled or self._compile_report is not None:
+        if not config.enabled or is_compiled(module):
             return
         self._compile_report = compile_regions(module, config)
         if config.optimizer and trainer.state.fn == TrainerFn.FITTING:
             for optimizer in self.optimizers:
-                compile_optimizer_step(optimizer, self._compile_report)
+                compile_optimizer_step(optimizer, config, self._compile_report)
         if not any(isinstance(c, GraphReport) for c in trainer.callbacks):
             trainer.callbacks.append(GraphReport())
         self._graphs_checked = False
@@ -310,13 +313,17 @@ class StaticDistStrategy(ParallelStrategy):
         if self._compile_report is None or self._graphs_checked:
             return
         self._graphs_checked = True
-        lines = sorted(g.structure for g in self._compile_report.graphs) + self._compile_report.regions
-        check_same_on_all_ranks("what they compiled (graph structures)", lines, self._dp_group)
+        check_same_on_all_ranks(
+            "what they compiled (graph structures)", self._compile_report.structure_lines(), self._dp_group
+        )
 
     @override
-    def on_train_start(self) -> None:
-        if self._compile_report is not None and not self._config.compile.dynamic:
-            drop_short_last_batch(self.lightning_module.trainer)
+    def process_dataloader(self, dataloader: object) -> object:
+        # here, not in on_train_start: Lightning counts an epoch's batches (validation schedule, progress) right after
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.training and self._compile_report is not None and not self._config.compile.dynamic:
+            drop_short_last_batch(dataloader)
+        return dataloader
 
     @property
     def _dp_group(self) -> Optional[torch.distributed.ProcessGroup]:
@@ -429,6 +436,7 @@ class StaticDistStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        # forget the round without waiting: a peer that failed may never join the collectives in flight
         if self._synchronizer is not None:
             self._synchronizer.abandon_round()
 
@@ -469,11 +477,13 @@ class StaticDistStrategy(ParallelStrategy):
     def teardown(self) -> None:
         log.debug(f"{self.__class__.__name__}: tearing down strategy")
         if self._synchronizer is not None:
-            self._synchronizer.detach()
+            self._synchronizer.detach()  # frees its buffers; the plan and the counters stay readable
         if self._graph_sync is not None:
             self._graph_sync.detach()
             self._graph_sync = None
         self._buffers_to_broadcast = []
+        self.requested_backend = None
+        self.recorder = None
 
         super().teardown()
 

@@ -298,3 +298,60 @@ def test_graph_mode_refuses_rank_dependent_usage_with_a_clear_error() -> None:
     )
     with pytest.raises(Exception, match=r"sync.mode=graph needs every rank .* b.weight \(1/2 ranks\)"):
         trainer.fit(RankBranch())
+
+
+def test_a_deep_copy_of_a_compiled_model_runs_its_own_weights() -> None:
+    # SWA / EMA callbacks deep-copy the module after the strategy compiled it
+    model = tiny_gpt()
+    compile_regions(model, CompileConfig(enabled=True, backend="aot_eager"))
+    x = torch.randint(0, 256, (2, 16))
+    original = model(x)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.blocks.parameters():
+            p.zero_()
+    assert not torch.allclose(twin(x), original)
+    torch.testing.assert_close(model(x), original)
+
+
+class Short(L.LightningModule):
+    """10 samples, batch 4: the last batch of each epoch is short."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.val_steps = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).square().mean()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.val_steps += 1
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(10, 4)), batch_size=4)
+
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 4)), batch_size=4)
+
+
+def test_static_shapes_drop_the_short_last_batch_and_keep_the_validation_schedule() -> None:
+    model = Short()
+    strategy = StaticDistStrategy(compile={"enabled": True, "backend": "aot_eager"})
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_epochs=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    with pytest.warns(UserWarning, match="last training batch of each epoch would hold 2 samples"):
+        trainer.fit(model)
+    assert trainer.global_step == 4  # 2 full batches per epoch
+    assert model.val_steps == 2  # validation still ran at the end of each epoch
+    assert strategy.compile_report is not None and strategy.compile_report.recompiles == []

@@ -8,9 +8,9 @@ of compute intervals::
     exposed_comm         = |comm| - |comm ∩ comp|
 
 Unions matter: Gloo runs several collectives at once and two overlapping all-reduces must not count their common
-time twice. The intersection of two unions is computed with a sweep over the interval end points: every compute
-boundary changes a running count by ±1 for compute and every comm boundary by ±2 for comm, so the running sum
-is 3 exactly where both are active (the trick HTA uses).
+time twice. The intersection of two unions is computed with a sweep over the interval end points: every boundary of the first
+set changes a running count by ±1 and every boundary of the second by ±2, so the running sum is 3 exactly where
+both are active (the trick HTA uses for communication and compute kernels).
 """
 
 from __future__ import annotations

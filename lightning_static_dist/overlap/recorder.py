@@ -84,7 +84,8 @@ class StepRecorder:
         work = getattr(pending, "work", None)
         if work is not None and not self._cuda:
             # Gloo completes the future on its own thread the moment the collective finishes
-            work.get_future().add_done_callback(lambda _, b=bucket: self._done.__setitem__(b, time.perf_counter()))
+            # bind this step's dict now: the callback may run after end_step() started a new one
+            work.get_future().add_done_callback(lambda _, b=bucket, done=self._done: done.__setitem__(b, time.perf_counter()))
         self._issued[bucket] = (issued, nbytes, work)
 
     def bucket_waited(self, bucket: int) -> None:
@@ -121,8 +122,8 @@ class StepRecorder:
         return self._resolve(held) if held is not None else None
 
     def _resolve(self, raw: _RawStep) -> StepTimeline:
-        if self._cuda:
-            torch.cuda.synchronize()  # a no-op in practice: the held step finished a step ago
+        if self._cuda and raw.phases:
+            raw.phases[-1][2].synchronize()  # the held step's last mark: done a step ago, unlike the current step
 
         def seconds(mark: Any) -> float:
             return raw.origin.elapsed_time(mark) / 1e3 if self._cuda else mark - raw.origin
@@ -134,8 +135,8 @@ class StepRecorder:
             ready_s = seconds(raw.ready[bucket]) if bucket in raw.ready else issued_s
             if bucket in raw.done:  # CPU: the completion callback's clock
                 done_s = max(raw.done[bucket] - raw.origin, issued_s)
-            elif self._cuda and work is not None and _nccl_duration_ms(work) is not None:
-                done_s = issued_s + _nccl_duration_ms(work) / 1e3
+            elif self._cuda and work is not None and (duration_ms := _nccl_duration_ms(work)) is not None:
+                done_s = issued_s + duration_ms / 1e3
             elif bucket in raw.waited:  # an upper bound: where the compute stream waited for it
                 done_s = max(seconds(raw.waited[bucket]), issued_s)
             else:

@@ -138,6 +138,9 @@ class GradientSynchronizer:
 
     def attach(self) -> None:
         """Register the gradient-ready hooks on every parameter that requires grad."""
+        if self._plan.buckets and not self._buffers:  # attached again after detach()
+            self._buffers = [_BucketBuffer(bucket, self._params) for bucket in self._plan.buckets]
+            self._reset_round()
         for index, param in enumerate(self._params):
             if param.requires_grad and index not in self._hooks:
                 self._hooks[index] = param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, index))
@@ -148,6 +151,7 @@ class GradientSynchronizer:
             handle.remove()
         self._hooks.clear()
         self.abandon_round()
+        self._buffers = []  # one copy of the gradients: freed; plan and stats stay readable
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -159,10 +163,7 @@ class GradientSynchronizer:
             self._sync_enabled = previous
 
     def abandon_round(self) -> None:
-        """Wait for collectives in flight and forget the round (after an exception in backward)."""
-        for pending in self._pending:
-            if pending is not None:
-                pending.wait()
+        """Forget the round after an exception, without waiting: a failed peer may never join what is in flight."""
         self._reset_round()
 
     # ------------------------------------------------------------------------------------------------- a round
@@ -320,6 +321,11 @@ class _BucketBuffer:
 
     def pack(self, slot: int, grad: Optional[Tensor]) -> None:
         """Copy one parameter's local gradient (zeros if it has none) into its slot."""
+        if self.filled[slot]:
+            raise RuntimeError(
+                "static_dist: a gradient became ready twice in one round (backward called twice without a"
+                " synchronisation in between?). Use manual_backward once per step, or accumulate under no_sync."
+            )
         if grad is None:
             self.views[slot].zero_()
         else:
@@ -330,7 +336,11 @@ class _BucketBuffer:
 
     def seal(self) -> Tensor:
         """Write the usage flags (one op for the bucket) and return the flat buffer to reduce."""
-        self.flat[self.bucket.numel :].copy_(torch.tensor(self.used, dtype=self.flat.dtype))
+        flags = self.flat[self.bucket.numel :]
+        if all(self.used):
+            flags.fill_(1.0)  # the usual case, and no host-to-device copy that would wait for the GPU
+        else:
+            flags.copy_(torch.tensor(self.used, dtype=self.flat.dtype), non_blocking=True)
         return self.flat
 
     def unpack(self, averaged: Tensor, params: Sequence[Parameter]) -> None:
