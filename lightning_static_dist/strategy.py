@@ -309,7 +309,8 @@ class StaticDistStrategy(ParallelStrategy):
         self._graphs_checked = False
 
     def _check_graphs_once(self) -> None:
-        # before the first gradient collective (round 1 plans nothing until its end): ranks compiled the same graphs
+        # after round 1 (whose collectives are sized by the parameter list, checked at setup) and before the first
+        # bucket collective of the plan: ranks compiled the same graphs
         if self._compile_report is None or self._graphs_checked:
             return
         self._graphs_checked = True
@@ -400,7 +401,7 @@ class StaticDistStrategy(ParallelStrategy):
             self._graph_sync.rounds += int(self._graph_sync.enabled)
         elif self._synchronizer is not None:
             self._check_graphs_once()
-            self._synchronizer.finish()
+            self._synchronizer.finish_if_pending()
             if self._config.sync.mode == "graph" and self._synchronizer.stats.rounds == 1:
                 self._switch_to_graph_sync()
 

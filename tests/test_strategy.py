@@ -265,3 +265,21 @@ def test_resume_continues_exactly(tmp_path: Any) -> None:
     ckpt = next(tmp_path.rglob("*.ckpt"))
     resumed, _ = fit(Steady, static_dist(), max_epochs=2, max_steps=-1, ckpt_path=str(ckpt))
     assert_same_weights(resumed, straight, tol=0)
+
+
+class GradProbe(BoringModel):
+    """Records, in on_after_backward, what the gradient looks like right after backward."""
+
+    def on_after_backward(self) -> None:
+        grad = self.layer.weight.grad.detach().clone()
+        gathered = self.all_gather(grad)
+        self.log("grad_spread", float((gathered[0] - gathered[1]).abs().max()), sync_dist=False, rank_zero_only=False)
+        self.spread = getattr(self, "spread", 0.0) + float((gathered[0] - gathered[1]).abs().max())
+
+    def on_train_end(self) -> None:
+        assert self.spread == 0.0, f"on_after_backward saw unsynchronised gradients (spread {self.spread})"
+
+
+def test_on_after_backward_sees_averaged_gradients() -> None:
+    # like DDP: the round finishes as the autograd engine finishes backward, before Lightning's hook
+    fit(GradProbe, static_dist(), max_steps=4)

@@ -67,7 +67,7 @@ def _ours_vs_ddp(rank: int, world: int, schedule: list[list[bool]], first_bucket
         idx = _batch(rank, step)
         broadcast_tensors(list(ours.buffers()))  # what the strategy does before each training forward
         ours(idx, use_branch=users[rank]).logsumexp(-1).mean().backward()
-        sync.finish()
+        sync.finish_if_pending()
         ddp(idx, use_branch=users[rank]).logsumexp(-1).mean().backward()
         for (name, g_ours), g_theirs in zip(_grads(ours).items(), _grads(theirs).values()):
             if (g_ours is None) != (g_theirs is None):
@@ -133,11 +133,11 @@ def _accumulate(rank: int, world: int, micro_batches: int) -> dict:
         boundary = i == micro_batches - 1
         if boundary:
             model(x).pow(2).sum().backward()
-            sync.finish()
+            sync.finish_if_pending()
         else:
             with sync.no_sync():
                 model(x).pow(2).sum().backward()
-                sync.finish()
+                sync.finish_if_pending()
         counts.append(sync.stats.collectives)
         reference(x).pow(2).sum().backward()
     for p in reference.parameters():  # the accumulated local sums, averaged once by hand
@@ -169,7 +169,7 @@ def _mixed_dtypes(rank: int, world: int) -> dict:
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
     model[1](model[0](x).to(torch.bfloat16)).float().sum().backward()
     local = [p.grad.float().clone() for p in model.parameters()]
-    sync.finish()
+    sync.finish_if_pending()
     return {
         "grads": [p.grad.float() for p in model.parameters()],
         "dtypes": [p.grad.dtype for p in model.parameters()],
@@ -206,7 +206,7 @@ def _plan_order(rank: int, world: int) -> dict:
     sync.attach()
     for step in range(2):
         model(torch.randn(3, 64, generator=torch.Generator().manual_seed(rank + 10 * step))).sum().backward()
-        sync.finish()
+        sync.finish_if_pending()
         model.zero_grad()
     first = [sync.parameter_names[i] for i in sync.plan.buckets[0].param_indices]
     return {"first_bucket": first, "plan": sync.plan.describe()}

@@ -5,8 +5,8 @@ Usable without Lightning::
     sync = GradientSynchronizer(model.named_parameters(), group=dist.group.WORLD)
     sync.attach()
     for x, y in data:
-        loss_fn(model(x), y).backward()
-        sync.finish()          # gradients are now averaged over the group
+        loss_fn(model(x), y).backward()   # gradients are averaged over the group when backward returns
+        sync.finish_if_pending()          # (completes a round in which no gradient became ready)
         optimizer.step()
         optimizer.zero_grad()
 
@@ -16,8 +16,9 @@ One *round* is one backward pass followed by :meth:`GradientSynchronizer.finish`
    a bucket's last slot is filled, every full bucket from the *next bucket to launch* onwards is launched, in plan
    order. Launching strictly in plan order is what keeps every rank issuing the same collectives in the same
    order even when hooks fire in a different order, or a parameter gets no gradient on one rank.
-2. ``finish()`` fills what the hooks did not (a parameter unused on this rank contributes zeros), launches the
-   remaining buckets in order, waits for all of them and writes the averages back into ``param.grad``.
+2. ``finish()`` — queued on the autograd engine by the first hook, so it runs as backward returns — fills what the
+   hooks did not (a parameter unused on this rank contributes zeros), launches the remaining buckets in order,
+   waits for all of them and writes the averages back into ``param.grad``.
 
 Unused parameters. Each bucket carries one usage flag per parameter after its gradients, reduced together with
 them (a few bytes): a parameter that no rank used keeps ``grad = None`` instead of receiving an average of zeros,
@@ -118,6 +119,8 @@ class GradientSynchronizer:
         self._first_round_done = False
         self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._sync_enabled = True
+        self._finish_queued = False
+        self._finished_by_engine = False
         self.recorder: Optional[StepRecorder] = None
         """Set by the overlap monitor: marks buckets ready, issued and waited."""
         self.usage_counts: dict[str, int] = {}
@@ -164,6 +167,7 @@ class GradientSynchronizer:
 
     def abandon_round(self) -> None:
         """Forget the round after an exception, without waiting: a failed peer may never join what is in flight."""
+        self._finish_queued = self._finished_by_engine = False
         self._reset_round()
 
     # ------------------------------------------------------------------------------------------------- a round
@@ -179,6 +183,11 @@ class GradientSynchronizer:
     def _on_grad_ready(self, index: int, param: Parameter) -> None:
         if not self._sync_enabled:
             return
+        if not self._finish_queued:
+            # finish the round when the autograd engine finishes this backward (what DDP's reducer does): code that
+            # runs right after backward — Lightning's on_after_backward, a bare loss.backward() — sees averages
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_from_engine)
+            self._finish_queued = True
         location = self._plan.location.get(index)
         if location is None:  # not planned yet: finish() finds its gradient and decides with every rank
             self._observed_order.append(index)
@@ -206,10 +215,26 @@ class GradientSynchronizer:
             self.recorder.bucket_issued(record_as, nbytes, pending)
         return pending
 
+    def _finish_from_engine(self) -> None:
+        self._finish_queued = False
+        if self.recorder is not None:
+            self.recorder.end("backward")  # what follows is waiting, not backward compute
+        self.finish()
+        self._finished_by_engine = True
+
+    def finish_if_pending(self) -> None:
+        """:meth:`finish`, unless the autograd engine already finished this backward's round (the usual case)."""
+        if self._finished_by_engine:
+            self._finished_by_engine = False
+            return
+        self.finish()
+
     def finish(self) -> None:
         """End the round: launch what is left, wait for every collective, write the averaged gradients back.
 
-        A no-op inside :meth:`no_sync`. Call it after every backward pass that should be synchronised.
+        Runs by itself at the end of every backward pass in which a gradient became ready (queued on the autograd
+        engine); call it — or :meth:`finish_if_pending` — after a backward in which none did, so that every rank
+        takes part in the round's collectives. A no-op inside :meth:`no_sync`.
         """
         if not self._sync_enabled:
             self.stats.skipped_rounds += 1
