@@ -343,15 +343,24 @@ class Short(L.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 4)), batch_size=4)
 
 
-def test_static_shapes_drop_the_short_last_batch_and_keep_the_validation_schedule() -> None:
+def test_static_shapes_drop_the_short_last_batch_and_keep_the_validation_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    from _dist import free_port
+
+    # one rank, in this process: its TCP store outlives the test, so it gets a port of its own, not the one the
+    # spawned ranks of other tests share through MASTER_PORT
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     model = Short()
     strategy = StaticDistStrategy(compile={"enabled": True, "backend": "aot_eager"})
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_epochs=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
-    with pytest.warns(UserWarning, match="last training batch of each epoch would hold 2 samples"):
-        trainer.fit(model)
+    try:
+        with pytest.warns(UserWarning, match="last training batch of each epoch would hold 2 samples"):
+            trainer.fit(model)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     assert trainer.global_step == 4  # 2 full batches per epoch
     assert model.val_steps == 2  # validation still ran at the end of each epoch
     assert strategy.compile_report is not None and strategy.compile_report.recompiles == []
