@@ -133,8 +133,14 @@ class StepRecorder:
         for bucket, (issued, nbytes, work) in sorted(raw.issued.items()):
             issued_s = seconds(issued)
             ready_s = seconds(raw.ready[bucket]) if bucket in raw.ready else issued_s
-            if bucket in raw.done:  # CPU: the completion callback's clock
-                done_s = max(raw.done[bucket] - raw.origin, issued_s)
+            if bucket in raw.done:
+                # CPU: the completion callback's clock — but the callback needs the GIL, which the training thread
+                # may hold well past the completion; the moment wait() returned is an upper bound too: take the
+                # earlier of the two
+                done_s = raw.done[bucket] - raw.origin
+                if bucket in raw.waited:
+                    done_s = min(done_s, seconds(raw.waited[bucket]))
+                done_s = max(done_s, issued_s)
             elif self._cuda and work is not None and (duration_ms := _nccl_duration_ms(work)) is not None:
                 done_s = issued_s + duration_ms / 1e3
             elif bucket in raw.waited:  # an upper bound: where the compute stream waited for it
