@@ -36,8 +36,8 @@ class GraphGradientSync:
     """
 
     def __init__(self, parameters: Iterable[Parameter], group: Optional[dist.ProcessGroup] = None) -> None:
-        seen: set[int] = set()
-        self._params = [p for p in parameters if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
+        # tied weights appear once (dicts keep the first-seen order)
+        self._params = list({id(p): p for p in parameters if p.requires_grad}.values())
         self._group = group if group is not None else dist.group.WORLD
         self._world = dist.get_world_size(self._group)
         self._handles: list[Any] = []
