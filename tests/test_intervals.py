@@ -60,6 +60,7 @@ def test_step_metrics_exact() -> None:
     assert m["trigger_delay_ms"] == pytest.approx(0.5)  # median of 0 and 1 ms
     assert m["trigger_delay_max_ms"] == pytest.approx(1.0)
     assert m["bytes_sent"] == 4000
+    assert m["comm_start_frac"] == pytest.approx(0.25)  # first issue at 15 ms of backward 10-30 ms
 
 
 def test_all_comm_after_backward_is_fully_exposed() -> None:
@@ -67,9 +68,11 @@ def test_all_comm_after_backward_is_fully_exposed() -> None:
     m = step_metrics(t)
     assert m["overlap_ratio"] == 0 and m["hidden_comm_fraction"] == 0
     assert m["exposed_comm_ms"] == pytest.approx(1500)
+    assert m["comm_start_frac"] == 1.0  # issued after backward ended: clamped
 
 
 def test_no_collectives_gives_nan_ratios_and_zero_comm() -> None:
     m = step_metrics(timeline([("forward", 0, 1)], []))
     assert math.isnan(m["overlap_ratio"]) and math.isnan(m["hidden_comm_fraction"])
     assert m["comm_ms"] == 0 and m["exposed_comm_ms"] == 0 and m["bytes_sent"] == 0
+    assert math.isnan(m["comm_start_frac"])

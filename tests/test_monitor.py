@@ -90,20 +90,24 @@ def test_every_metric_is_logged_with_finite_values_and_a_timeline_is_drawn(tmp_p
 
 
 def test_the_monitor_tells_whole_model_compile_from_regional(tmp_path: Any) -> None:
-    measured = {}
+    start, hidden = {}, {}
     for name, compile_cfg in [
         ("eager", None),
         ("regional", {"enabled": True, "backend": "aot_eager", "regional": "auto"}),
         ("whole", {"enabled": True, "backend": "aot_eager", "regional": False}),
     ]:
         rows = fit(tmp_path / name, compile_cfg, steps=20)  # median of 18 steps: robust to a busy machine
-        measured[name] = median_of(series(rows, "static_dist/hidden_comm_fraction")[2:])
-    # whole-model compile: every gradient ready at the end of backward, the collectives run after it; what is
-    # "hidden" overlaps the hooks' own bucket packing. Measured on the 2-core CI machine: whole 0.20-0.46,
-    # eager 0.69-0.77, regional 0.77-0.85 (2 ranks + 2 Gloo threads share 2 cores: absolute levels move, the gap stays)
-    assert measured["whole"] < 0.5, measured
-    assert measured["regional"] > measured["whole"] + 0.2, measured
-    assert measured["eager"] > measured["whole"] + 0.2, measured
+        start[name] = median_of(series(rows, "static_dist/comm_start_frac")[2:])
+        hidden[name] = median_of(series(rows, "static_dist/hidden_comm_fraction")[2:])
+    # whole-model compile: every gradient becomes ready at the end of backward, so the first collective goes
+    # out after most of backward (0.84 measured: the hooks' bucket packing is the rest); eager and regional send
+    # the first bucket after the last 1-2 of 8 blocks (0.14-0.34, the top with a CPU hog beside the test).
+    # This is structural (a ratio of one rank's own times); the hidden fraction's levels move with the load
+    # of 2 ranks + 2 Gloo threads on 2 cores (whole 0.20-0.62, eager 0.69-0.77, regional 0.77-0.85 on CI),
+    # so only its order is asserted.
+    assert start["whole"] > 0.7, (start, hidden)
+    assert start["eager"] < 0.55 and start["regional"] < 0.55, (start, hidden)
+    assert hidden["whole"] < min(hidden["eager"], hidden["regional"]), (start, hidden)
 
 
 def _aggregate(rank: int, world: int) -> list[float]:

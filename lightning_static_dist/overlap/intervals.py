@@ -82,7 +82,8 @@ def step_metrics(timeline: StepTimeline) -> dict[str, float]:
     """The ``static_dist/*`` overlap metrics of one rank's step (milliseconds where the name says ``_ms``).
 
     Without collectives (one rank, or a step under gradient accumulation) the comm figures are 0 and the
-    ratios are NaN: nothing was there to hide.
+    ratios are NaN: nothing was there to hide. ``comm_start_frac`` is the fraction of backward that had passed
+    when the step's first collective was issued (clamped to [0, 1]).
     """
     comp = [(s, e) for _, s, e in timeline.compute]
     comm = [(c.issued_s, c.done_s) for c in timeline.comm]
@@ -90,6 +91,14 @@ def step_metrics(timeline: StepTimeline) -> dict[str, float]:
     both = intersection(comm, comp)
     delays = [max(c.trigger_delay_s, 0.0) for c in timeline.comm]
     nan = float("nan")
+    # where in backward the first collective went out: ~0 when gradients stream out block by block,
+    # ~1 when they all became ready at the end (whole-model compile)
+    backward = [(start, end) for phase, start, end in timeline.compute if phase == "backward" and end > start]
+    start_frac = nan
+    if comm and backward:
+        b_start, b_end = backward[0]
+        first_issue = min(issued for issued, _ in comm)
+        start_frac = min(max((first_issue - b_start) / (b_end - b_start), 0.0), 1.0)
     return {
         "overlap_ratio": both / max(comm_s, comp_s) if comm_s > 0 and comp_s > 0 else nan,
         "hidden_comm_fraction": both / comm_s if comm_s > 0 else nan,
@@ -99,6 +108,7 @@ def step_metrics(timeline: StepTimeline) -> dict[str, float]:
         "trigger_delay_ms": 1e3 * _percentile(delays, 0.5) if delays else 0.0,
         "trigger_delay_max_ms": 1e3 * max(delays) if delays else 0.0,
         "bytes_sent": float(sum(c.nbytes for c in timeline.comm)),
+        "comm_start_frac": start_frac,
     }
 
 

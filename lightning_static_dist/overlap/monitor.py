@@ -36,6 +36,7 @@ METRICS = (
     "trigger_delay_ms",
     "trigger_delay_max_ms",
     "bytes_sent",
+    "comm_start_frac",
 )
 
 
