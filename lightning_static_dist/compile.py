@@ -103,15 +103,18 @@ def find_regions(module: nn.Module, regional: Any) -> list[tuple[str, nn.Module]
     """The modules to compile: each block of the largest container of repeated blocks, or the whole module.
 
     A container is an ``nn.ModuleList`` or ``nn.Sequential`` with at least two children of one class; the blocks of
-    the container with the most parameters are the regions. ``regional=false`` compiles the whole module.
+    the container with the most parameters are the regions. ``regional=false`` compiles the whole module: its
+    ``training_step`` when it has one (forward *and* loss in one graph, as Lightning's ``torch.compile`` does),
+    else its ``forward``; see :func:`whole_method`.
 
     Example::
 
         >>> [name for name, _ in find_regions(gpt, "auto")]
         ['blocks.0', 'blocks.1', 'blocks.2', 'blocks.3']
     """
+    whole = [(f"<{whole_method(module)}>", module)]
     if regional is False:
-        return [("<whole>", module)]
+        return whole
     best: tuple[int, str, list[tuple[str, nn.Module]]] = (0, "", [])
     for name, child in module.named_modules():
         if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < 2:
@@ -129,7 +132,12 @@ def find_regions(module: nn.Module, regional: Any) -> list[tuple[str, nn.Module]
             f"strategy.compile.regional=True: {type(module).__name__} has no nn.ModuleList/nn.Sequential of repeated"
             " blocks to compile one by one; allowed: 'auto' (falls back to the whole model) or false"
         )
-    return [("<whole>", module)]
+    return whole
+
+
+def whole_method(module: nn.Module) -> str:
+    """The method a whole-model region compiles: ``training_step`` of a LightningModule, else ``forward``."""
+    return "training_step" if callable(getattr(type(module), "training_step", None)) else "forward"
 
 
 # -------------------------------------------------------------------------------------------- the backend
@@ -226,11 +234,30 @@ class _DynamoLogCapture(logging.Handler):
             return
         if "Graph Break Reason:" not in message and "Graph break" not in message:
             return
-        reason = next((l.split(":", 1)[1].strip() for l in message.splitlines() if "Graph Break Reason:" in l), "")
-        where = self._AT.search(message.splitlines()[0])
-        entry = (reason or message.splitlines()[0][:120], where.group(1) if where else "<unknown location>")
+        lines = message.splitlines()
+        reason = next((l.split(":", 1)[1].strip() for l in lines if "Graph Break Reason:" in l), "") or lines[0][:120]
+        explanation = next((l.split(":", 1)[1].strip() for l in lines if l.strip().startswith("Explanation:")), "")
+        if explanation:
+            reason = re.sub(r" at 0x[0-9a-f]+", "", f"{reason} {explanation}")  # no addresses: equal on every rank
+        if "stack suppressed" in lines[0] and any(r == reason for r, _ in self.report.graph_breaks):
+            return  # dynamo repeating a break it already reported, without the user's stack this time
+        entry = (reason, self._user_frame(message) or self._at(lines[0]))
         if entry not in self.report.graph_breaks:
             self.report.graph_breaks.append(entry)
+
+    @classmethod
+    def _at(cls, line: str) -> str:
+        where = cls._AT.search(line)
+        return where.group(1) if where else "<unknown location>"
+
+    @staticmethod
+    def _user_frame(message: str) -> Optional[str]:
+        """The innermost frame of the user's own code in dynamo's "User code traceback" (not torch, Lightning
+        or this package): where ``self.log(...)`` was called, not where Lightning's ``log`` breaks."""
+        frames = re.findall(r'File "([^"]+)", line (\d+)', message.split("User code traceback:", 1)[-1])
+        own = [f"{path}:{line}" for path, line in frames
+               if "site-packages" not in path and "dist-packages" not in path and "lightning_static_dist" not in path]
+        return own[-1] if own else None
 
 
 _CAPTURE = _DynamoLogCapture()
@@ -246,8 +273,11 @@ def _capture_dynamo_logs(report: CompileReport) -> None:
             logger = logging.getLogger(qname)
             if _CAPTURE not in logger.handlers:
                 logger.addHandler(_CAPTURE)
-            # enabled for us; still not printed unless TORCH_LOGS asked for it (then propagate is already True)
-            logger.setLevel(logging.DEBUG)
+            if logger.level == logging.NOTSET:
+                # TORCH_LOGS did not ask for it: enable it for us only — torch's own handler on "torch" would
+                # print every record that propagates, whatever the parent's level
+                logger.propagate = False
+                logger.setLevel(logging.DEBUG)
 
 
 # -------------------------------------------------------------------------------------------- compiling
@@ -265,6 +295,9 @@ class _RegionForward:
                  report: CompileReport) -> None:
         self.region = region
         self.eager = eager
+        # Lightning's is_overridden("training_step", module) compares code objects: look like the method we replace
+        self.__code__ = getattr(eager, "__code__", None)
+        self.__name__ = getattr(eager, "__name__", region)
         self.compiled = compiled
         self.config = config
         self.report = report
@@ -311,10 +344,11 @@ def compile_regions(module: nn.Module, config: CompileConfig, report: Optional[C
     _capture_dynamo_logs(report)
     backend = RecordingBackend(config, report)
     for name, region in find_regions(module, config.regional):
-        eager = type(region).forward
+        method = whole_method(region) if region is module and name.startswith("<") else "forward"
+        eager = getattr(type(region), method)
         compiled = torch.compile(eager, backend=backend, fullgraph=config.fullgraph, dynamic=config.dynamic)
-        # an instance attribute shadows the class's forward: nn.Module.__call__ (and its hooks) stay as they are
-        region.forward = types.MethodType(_RegionForward(name, eager, compiled, config, report), region)
+        # an instance attribute shadows the class's method: nn.Module.__call__ (and its hooks) stay as they are
+        setattr(region, method, types.MethodType(_RegionForward(name, eager, compiled, config, report), region))
         report.regions.append(name)
     report.backend = backend
     log.debug(f"compiled {len(report.regions)} regions of {type(module).__name__} with {config.backend}")
@@ -361,7 +395,11 @@ def drop_short_last_batch(loader: Any) -> None:
 
 def is_compiled(module: nn.Module) -> bool:
     """Whether :func:`compile_regions` already compiled some region of ``module``."""
-    return any(isinstance(sub.__dict__.get("forward"), types.MethodType) and isinstance(sub.__dict__["forward"].__func__, _RegionForward) for sub in module.modules())
+    return any(
+        isinstance(bound, types.MethodType) and isinstance(bound.__func__, _RegionForward)
+        for sub in module.modules()
+        for bound in (sub.__dict__.get("forward"), sub.__dict__.get("training_step"))
+    )
 
 
 # ------------------------------------------------------------------------------- the inductor_distributed backend

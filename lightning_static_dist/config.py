@@ -173,8 +173,10 @@ class CompileConfig:
     """false: static shapes; a train loader whose last batch is short has that batch dropped (with a warning)
     instead of recompiling for it."""
     regional: Union[bool, Literal["auto"]] = "auto"
-    """``auto``: compile repeated blocks one by one, else the whole model; ``true``: blocks or an error;
-    ``false``: the whole model (every gradient then becomes ready at the end of backward)."""
+    """``auto``: compile repeated blocks one by one, else the whole model — and at world size 1 (nothing to
+    overlap) the whole training step; ``true``: blocks or an error; ``false``: the whole model, i.e. the
+    LightningModule's ``training_step`` — forward and loss — in one graph (every gradient then becomes ready at
+    the end of backward)."""
     fallback: Literal["eager", "error"] = "eager"
     """A region that fails to compile: run it eagerly (logged once, counted) or raise."""
     optimizer: bool = False

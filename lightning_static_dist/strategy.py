@@ -300,6 +300,11 @@ class StaticDistStrategy(ParallelStrategy):
             rank_zero_info(f"static_dist: compiling the torch.compile()-d model regionally (backend {config.backend!r})")
         if not config.enabled or is_compiled(module):
             return
+        if config.regional == "auto" and self.world_size == 1:
+            # no gradient sync to overlap: one graph for forward + loss beats blocks compiled one by one
+            config = dataclasses.replace(config, regional=False)
+            rank_zero_info("static_dist: world size 1, compiling the whole training step in one graph"
+                           " (strategy.compile.regional=true keeps the blocks separate)")
         self._compile_report = compile_regions(module, config)
         if config.optimizer and trainer.state.fn == TrainerFn.FITTING:
             for optimizer in self.optimizers:

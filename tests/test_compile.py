@@ -45,9 +45,9 @@ def train_losses(model: nn.Module, steps: int = 4) -> list[float]:
 
 def test_regions_are_the_repeated_blocks() -> None:
     assert [name for name, _ in find_regions(tiny_gpt(4), "auto")] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
-    assert [name for name, _ in find_regions(tiny_gpt(), False)] == ["<whole>"]
+    assert [name for name, _ in find_regions(tiny_gpt(), False)] == ["<training_step>"]
     flat = nn.Sequential(nn.Linear(2, 2), nn.ReLU())  # no repeated class: nothing to split
-    assert [name for name, _ in find_regions(flat, "auto")] == ["<whole>"]
+    assert [name for name, _ in find_regions(flat, "auto")] == ["<forward>"]
     with pytest.raises(ConfigError, match="strategy.compile.regional=True"):
         find_regions(flat, True)
 
