@@ -258,26 +258,63 @@ class SyncConfig:
                 _fail(f"{self.KEY}.{name}", value, "must be a number of MiB in (0, 4096]")
 
 
+#: The built-in compressors of ``strategy.compression.name``; anything else must be a class path.
+COMPRESSORS = ("none", "fp16", "bf16", "powersgd", "qsgd", "topk")
+
+
 @dataclass
 class CompressionConfig:
-    """``strategy.compression``: gradient compression applied to each bucket's collective.
+    """``strategy.compression``: gradient compression applied to each bucket's collective (``sync.mode: hooks``).
 
-    Only ``name: none`` is implemented so far; compressors plug into the synchroniser's ``BucketReducer``.
+    Gradients the compressor does not take — 1-D tensors and tensors under ``min_numel`` elements (fp16/bf16 take
+    every gradient) — travel exact in fp32. Options that a compressor has no use for are ignored by it.
 
     Example::
 
-        StaticDistStrategy(compression={"name": "none"})
+        StaticDistStrategy(compression={"name": "powersgd", "rank": 4, "start_step": 100})
     """
 
     KEY = "strategy.compression"
 
     name: str = "none"
-    """The compressor; allowed so far: ``none``."""
+    """``none``, ``fp16``, ``bf16``, ``powersgd``, ``qsgd``, ``topk``, or the class path of a user compressor
+    (``my_pkg.MyCompressor``, built without arguments, implementing
+    :class:`~lightning_static_dist.compression.base.Compressor`)."""
+    rank: int = 4
+    """PowerSGD: rank of the low-rank approximation."""
+    warm_start: bool = True
+    """PowerSGD: start each step's power iteration from the previous step's Q."""
+    min_compression_rate: float = 2.0
+    """PowerSGD: compress a matrix only when that sends at least this many times fewer bytes."""
+    levels: int = 127
+    """QSGD: quantisation levels per sign (2..127: one int8 per value)."""
+    density: float = 0.01
+    """TopK: fraction of each bucket's entries sent, in (0, 1]."""
+    error_feedback: bool = True
+    """PowerSGD and TopK: add what compression dropped (each rank its own) to the next step's gradient."""
+    start_step: int = 0
+    """Synchronised steps reduced exactly before compression starts."""
+    min_numel: int = 1024
+    """Gradients with fewer elements travel exact."""
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        if self.name != "none":
-            _fail(f"{self.KEY}.name", self.name, "gradient compression is not implemented yet; allowed: 'none'")
+        if self.name not in COMPRESSORS:
+            if "." not in self.name:
+                _fail(f"{self.KEY}.name", self.name, f"unknown compressor; allowed: {', '.join(COMPRESSORS)} or a class path")
+            import_object(f"{self.KEY}.name", self.name)
+        if self.rank < 1:
+            _fail(f"{self.KEY}.rank", self.rank, "must be an integer >= 1")
+        if not 0 < self.density <= 1:
+            _fail(f"{self.KEY}.density", self.density, "must be a fraction in (0, 1]")
+        if not 2 <= self.levels <= 127:
+            _fail(f"{self.KEY}.levels", self.levels, "must be an integer in [2, 127] (one int8 per value)")
+        if not (math.isfinite(self.min_compression_rate) and self.min_compression_rate >= 1):
+            _fail(f"{self.KEY}.min_compression_rate", self.min_compression_rate, "must be a finite number >= 1")
+        if self.start_step < 0:
+            _fail(f"{self.KEY}.start_step", self.start_step, "must be an integer >= 0")
+        if self.min_numel < 1:
+            _fail(f"{self.KEY}.min_numel", self.min_numel, "must be an integer >= 1")
 
 
 @dataclass
@@ -338,6 +375,9 @@ class StrategyConfig:
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             _fail(f"{self.KEY}.timeout_s", self.timeout_s, "must be a finite number of seconds > 0")
         self.timeout_s = float(self.timeout_s)
+        if self.compression.name != "none" and self.sync.mode == "graph":
+            _fail(f"{self.KEY}.compression.name", self.compression.name,
+                  "compression runs in the synchroniser's buckets; it needs strategy.sync.mode=hooks (mode is 'graph')")
 
     @classmethod
     def from_dict(cls, data: Any) -> StrategyConfig:

@@ -41,13 +41,13 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
+from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_static_dist.callbacks import GraphReport
 from lightning_static_dist.compile import (
@@ -57,6 +57,7 @@ from lightning_static_dist.compile import (
     drop_short_last_batch,
     is_compiled,
 )
+from lightning_static_dist.compression import CompressingReducer, build_compressor
 from lightning_static_dist.config import ConfigError, StrategyConfig
 from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_parameters
 from lightning_static_dist.mesh import DP_DIM, build_dp_mesh
@@ -66,6 +67,9 @@ from lightning_static_dist.sync.broadcast import broadcast_tensors
 from lightning_static_dist.sync.graph import GraphGradientSync, compiled_backward
 
 log = logging.getLogger(__name__)
+
+#: Where a checkpoint keeps every rank's compression state (a list indexed by rank).
+_COMPRESSION_KEY = "static_dist_compression"
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _Section = Union[dict[str, Any], Any, None]  # a dict or that section's dataclass (typed per keyword below)
@@ -138,6 +142,7 @@ class StaticDistStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._mesh: Optional[DeviceMesh] = None
+        self._compression_resume: Optional[dict[str, Any]] = None
         self._synchronizer: Optional[GradientSynchronizer] = None
         self._buffers_to_broadcast: list[Tensor] = []
         self._compile_report: Optional[CompileReport] = None
@@ -345,8 +350,56 @@ class StaticDistStrategy(ParallelStrategy):
             first_bucket_mb=sync.first_bucket_mb,
             bucket_mb=sync.bucket_mb,
         )
+        compressor = build_compressor(self._config.compression)
+        if compressor is not None:
+            shapes = [p.shape for p in self._synchronizer.parameters]
+            self._synchronizer.reducer = CompressingReducer(compressor, shapes, self._config.compression.start_step)
+            self._restore_compression_state()
         self._synchronizer.attach()
         self._synchronizer.recorder = self.recorder
+
+    # -------------------------------------------------------------------------------------------- checkpoints
+
+    @property
+    def compressing_reducer(self) -> Optional[CompressingReducer]:
+        """The synchroniser's compressing reducer (``None`` without compression or at world size 1)."""
+        reducer = self._synchronizer.reducer if self._synchronizer is not None else None
+        return reducer if isinstance(reducer, CompressingReducer) else None
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        # every rank gets here (Lightning writes on rank 0 only): gather each rank's compression state, so that a
+        # resumed rank gets its own error-feedback residual back, not rank 0's
+        reducer = self.compressing_reducer
+        if reducer is not None:
+            states: list[Any] = [None] * self.world_size
+            torch.distributed.all_gather_object(states, reducer.state_dict(), group=self._dp_group)
+            checkpoint[_COMPRESSION_KEY] = {"world_size": self.world_size, "ranks": states}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._compression_resume = checkpoint.pop(_COMPRESSION_KEY, None)
+        if self.compressing_reducer is not None:
+            self._restore_compression_state()
+        return checkpoint
+
+    def _restore_compression_state(self) -> None:
+        saved, self._compression_resume = self._compression_resume, None
+        reducer = self.compressing_reducer
+        if saved is None or reducer is None:
+            return
+        if saved["world_size"] != self.world_size:
+            rank_zero_warn(
+                f"static_dist: the checkpoint's compression state is from {saved['world_size']} ranks and this run has"
+                f" {self.world_size}: error-feedback residuals and warm-start matrices start from zero"
+            )
+            reducer.rounds = saved["ranks"][0].get("rounds", 0)
+            return
+        reducer.load_state_dict(saved["ranks"][self.global_rank], self.root_device)
 
     @override
     def model_to_device(self) -> None:

@@ -83,13 +83,15 @@ def step_metrics(timeline: StepTimeline) -> dict[str, float]:
 
     Without collectives (one rank, or a step under gradient accumulation) the comm figures are 0 and the
     ratios are NaN: nothing was there to hide. ``comm_start_frac`` is the fraction of backward that had passed
-    when the step's first collective was issued (clamped to [0, 1]).
+    when the step's first collective was issued (clamped to [0, 1]); ``compression_ratio`` is the bytes the step's
+    buckets would have sent uncompressed over the bytes they sent (1.0 without compression).
     """
     comp = [(s, e) for _, s, e in timeline.compute]
     comm = [(c.issued_s, c.done_s) for c in timeline.comm]
     comm_s, comp_s = total(comm), total(comp)
     both = intersection(comm, comp)
     delays = [max(c.trigger_delay_s, 0.0) for c in timeline.comm]
+    sent = sum(c.nbytes for c in timeline.comm)
     nan = float("nan")
     # where in backward the first collective went out: ~0 when gradients stream out block by block,
     # ~1 when they all became ready at the end (whole-model compile)
@@ -107,8 +109,11 @@ def step_metrics(timeline: StepTimeline) -> dict[str, float]:
         "exposed_comm_ms": 1e3 * (comm_s - both),
         "trigger_delay_ms": 1e3 * _percentile(delays, 0.5) if delays else 0.0,
         "trigger_delay_max_ms": 1e3 * max(delays) if delays else 0.0,
-        "bytes_sent": float(sum(c.nbytes for c in timeline.comm)),
+        "bytes_sent": float(sent),
         "comm_start_frac": start_frac,
+        "compression_ratio": (
+            sum(c.nbytes if c.dense_nbytes < 0 else c.dense_nbytes for c in timeline.comm) / sent if sent else nan
+        ),
     }
 
 

@@ -37,6 +37,7 @@ METRICS = (
     "trigger_delay_max_ms",
     "bytes_sent",
     "comm_start_frac",
+    "compression_ratio",
 )
 
 

@@ -47,7 +47,7 @@ class StepRecorder:
         self._phases: list[tuple[str, Any, Any]] = []
         self._open: dict[str, Any] = {}
         self._ready: dict[int, Any] = {}
-        self._issued: dict[int, tuple[Any, int, Any]] = {}
+        self._issued: dict[int, tuple[Any, int, Any, int]] = {}
         self._done: dict[int, float] = {}
         self._waited: dict[int, Any] = {}
 
@@ -77,7 +77,7 @@ class StepRecorder:
         if self.active and self._origin is not None:
             self._ready[bucket] = self._mark()
 
-    def bucket_issued(self, bucket: int, nbytes: int, pending: Any) -> None:
+    def bucket_issued(self, bucket: int, nbytes: int, pending: Any, dense_nbytes: Optional[int] = None) -> None:
         if not (self.active and self._origin is not None):
             return
         issued = self._mark()
@@ -86,7 +86,7 @@ class StepRecorder:
             # Gloo completes the future on its own thread the moment the collective finishes
             # bind this step's dict now: the callback may run after end_step() started a new one
             work.get_future().add_done_callback(lambda _, b=bucket, done=self._done: done.__setitem__(b, time.perf_counter()))
-        self._issued[bucket] = (issued, nbytes, work)
+        self._issued[bucket] = (issued, nbytes, work, nbytes if dense_nbytes is None else dense_nbytes)
 
     def bucket_waited(self, bucket: int) -> None:
         if self.active and bucket in self._issued:
@@ -130,7 +130,7 @@ class StepRecorder:
 
         timeline = StepTimeline(step=raw.step, rank=raw.rank)
         timeline.compute = [(name, seconds(a), seconds(b)) for name, a, b in raw.phases]
-        for bucket, (issued, nbytes, work) in sorted(raw.issued.items()):
+        for bucket, (issued, nbytes, work, dense_nbytes) in sorted(raw.issued.items()):
             issued_s = seconds(issued)
             ready_s = seconds(raw.ready[bucket]) if bucket in raw.ready else issued_s
             if bucket in raw.done:
@@ -147,7 +147,7 @@ class StepRecorder:
                 done_s = max(seconds(raw.waited[bucket]), issued_s)
             else:
                 done_s = issued_s
-            timeline.comm.append(CommRecord(bucket, nbytes, min(ready_s, issued_s), issued_s, done_s))
+            timeline.comm.append(CommRecord(bucket, nbytes, min(ready_s, issued_s), issued_s, done_s, dense_nbytes))
         return timeline
 
 

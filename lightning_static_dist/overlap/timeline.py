@@ -21,6 +21,8 @@ class CommRecord:
     """When its collective was issued."""
     done_s: float
     """When the collective completed."""
+    dense_nbytes: int = -1
+    """What the bucket would have sent uncompressed (-1: the same as ``nbytes``)."""
 
     @property
     def trigger_delay_s(self) -> float:

@@ -67,6 +67,8 @@ class SyncStats:
     """Payload bytes this rank put on the wire, over all rounds."""
     last_round_bytes: int = 0
     """Payload bytes of the most recent synchronised round."""
+    last_round_dense_bytes: int = 0
+    """What the most recent round would have sent uncompressed (``compression_ratio`` = this / ``last_round_bytes``)."""
     plan_rebuilds: int = 0
     """Times the bucket plan changed after the first round (parameter usage changed)."""
 
@@ -139,6 +141,22 @@ class GradientSynchronizer:
     def parameter_names(self) -> Sequence[str]:
         return tuple(self._names)
 
+    @property
+    def parameters(self) -> Sequence[Parameter]:
+        """The synchronised parameters (tied ones once); a bucket's ``param_indices`` index this list."""
+        return tuple(self._params)
+
+    @property
+    def reducer(self) -> BucketReducer:
+        """The collective each full bucket launches; replace it only between rounds (the compression guard does)."""
+        return self._reducer
+
+    @reducer.setter
+    def reducer(self, reducer: BucketReducer) -> None:
+        if any(p is not None for p in self._pending):
+            raise RuntimeError("static_dist: the bucket reducer cannot change while a round is in flight")
+        self._reducer = reducer
+
     def attach(self) -> None:
         """Register the gradient-ready hooks on every parameter that requires grad."""
         if self._plan.buckets and not self._buffers:  # attached again after detach()
@@ -178,6 +196,8 @@ class GradientSynchronizer:
         self._pending: list[Optional[PendingReduction]] = [None] * len(self._plan.buckets)
         self._next_to_launch = 0
         self._round_bytes = 0
+        self._round_dense_bytes = 0
+        self._polling: list[PendingReduction] = []
         self._observed_order = []
 
     def _on_grad_ready(self, index: int, param: Parameter) -> None:
@@ -192,6 +212,8 @@ class GradientSynchronizer:
         if location is None:  # not planned yet: finish() finds its gradient and decides with every rank
             self._observed_order.append(index)
             return
+        for pending in self._polling:
+            pending.poll()  # type: ignore[attr-defined]  # start the next phase of a multi-phase reduction
         bucket_index, slot = location
         buffer = self._buffers[bucket_index]
         buffer.pack(slot, param.grad)
@@ -207,12 +229,19 @@ class GradientSynchronizer:
 
     def _launch(self, buffer: _BucketBuffer, record_as: int) -> PendingReduction:
         flat = buffer.seal()
-        nbytes = self._reducer.payload_bytes(buffer.bucket, flat)
-        self._round_bytes += nbytes
-        self.stats.collectives += 1
+        dense = flat.numel() * flat.element_size()
         pending = self._reducer.launch(buffer.bucket, flat, self._group)
+        # a compressing reducer knows its payload only once it has chosen how to send this bucket
+        nbytes = getattr(pending, "nbytes", None)
+        if nbytes is None:
+            nbytes = self._reducer.payload_bytes(buffer.bucket, flat)
+        if hasattr(pending, "poll"):
+            self._polling.append(pending)
+        self._round_bytes += nbytes
+        self._round_dense_bytes += dense
+        self.stats.collectives += 1
         if self.recorder is not None:
-            self.recorder.bucket_issued(record_as, nbytes, pending)
+            self.recorder.bucket_issued(record_as, nbytes, pending, dense_nbytes=dense)
         return pending
 
     def _finish_from_engine(self) -> None:
@@ -261,6 +290,10 @@ class GradientSynchronizer:
         self.stats.rounds += 1
         self.stats.bytes_sent += self._round_bytes
         self.stats.last_round_bytes = self._round_bytes
+        self.stats.last_round_dense_bytes = self._round_dense_bytes
+        round_finished = getattr(self._reducer, "round_finished", None)
+        if round_finished is not None:
+            round_finished()
         self._reset_round()
 
     def _reduce_usage_of_unplanned(self) -> list[int]:
@@ -272,6 +305,7 @@ class GradientSynchronizer:
         used = torch.tensor([self._params[i].grad is not None for i in unplanned], dtype=torch.float32, device=device)
         all_reduce_sum(used, self._group)
         self._round_bytes += used.numel() * used.element_size()
+        self._round_dense_bytes += used.numel() * used.element_size()
         self.stats.collectives += 1
         counts = used.tolist()
         self.usage_counts = {self._names[i]: int(count) for i, count in zip(unplanned, counts)}

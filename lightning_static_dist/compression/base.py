@@ -1,0 +1,115 @@
+"""The compressor protocol: how a bucket's gradients become one or more *phases* of collectives.
+
+A compressor is handed this rank's gradients of the tensors it takes from one bucket (views into the bucket's flat
+buffer) and averages them over the group *in place*. It is written as a generator: each ``yield`` hands over one
+collective *not yet issued* — a function of the process group that issues it asynchronously — and the payload
+bytes this rank sends with it; the code after the ``yield`` runs once that collective is done.
+
+Why the compressor does not issue its collectives itself: every rank must issue the collectives of one process
+group in the same order, and "phase 2 of bucket 0 starts when its phase 1 is done" happens at different moments
+on different ranks. So the reducer issues them: phase k of every bucket on its own process group (phase 0 on the
+data-parallel group), and on each group in bucket order. A two-phase PowerSGD then keeps overlapping backward
+like a plain all-reduce, and no rank can pair bucket 1's P with bucket 0's Q.
+
+Error-feedback residuals and warm-start matrices are kept per *parameter* (its index in the synchroniser's list),
+not per bucket, so they survive a re-planned bucket layout and a checkpoint round trip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+Collective = Callable[[Optional[dist.ProcessGroup]], dist.Work]
+"""Issues one asynchronous collective on the group it is given; returns its work handle."""
+
+Phase = tuple[Collective, int]
+"""A collective to issue and the payload bytes this rank sends with it."""
+
+
+@runtime_checkable
+class Compressor(Protocol):
+    """Averages gradients over a process group with fewer bytes on the wire.
+
+    Example::
+
+        class SignCompressor:
+            name = "sign"
+
+            def takes(self, shape):
+                return len(shape) >= 2
+
+            def payload_bytes(self, shapes):
+                return sum(s.numel() for s in shapes)
+
+            def phases(self, keys, grads, world):
+                signs = flat_float(grads).sign().to(torch.int8)
+                gathered = torch.empty(world * signs.numel(), dtype=torch.int8)
+                yield all_gather(gathered, signs), signs.numel()
+                ...  # the collective is done here: write the average into grads
+
+            def state_dict(self): return {}
+            def load_state_dict(self, state): ...
+            def safer(self): return None
+
+        StaticDistStrategy(compression={"name": "my_pkg.SignCompressor"})
+    """
+
+    name: str
+    phases_per_bucket: int
+    """How many collectives :meth:`phases` yields, one after the other (PowerSGD: 2)."""
+
+    def takes(self, shape: torch.Size) -> bool:
+        """Whether this compressor compresses a gradient of this shape (the rest travels exact, in fp32)."""
+        ...
+
+    def payload_bytes(self, shapes: Sequence[torch.Size]) -> int:
+        """Bytes this rank sends for gradients of these shapes (what :meth:`phases` yields, summed)."""
+        ...
+
+    def phases(self, keys: Sequence[int], grads: Sequence[Tensor], world: int) -> Generator[Phase, None, None]:
+        """Average ``grads`` (this rank's; ``keys`` name their parameters) over the ``world`` ranks in place."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (residuals, warm-start matrices), to be saved per rank."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ...
+
+    def safer(self) -> Optional["Compressor"]:
+        """The next, less aggressive level (the compression guard's ladder); ``None``: no compression."""
+        ...
+
+
+def flat_float(grads: Sequence[Tensor]) -> Tensor:
+    """The gradients concatenated into one new fp32 vector."""
+    return torch.cat([g.reshape(-1).float() for g in grads])
+
+
+def scatter_into(flat: Tensor, grads: Sequence[Tensor]) -> None:
+    """Write consecutive pieces of ``flat`` back into ``grads`` (casting to their dtype)."""
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view(g.shape))
+        offset += n
+
+
+def all_reduce(tensor: Tensor) -> Collective:
+    """A sum all-reduce of ``tensor`` in place, to be issued on a group."""
+    return lambda group: dist.all_reduce(tensor, group=group, async_op=True)
+
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single; older torch has only the former
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather(output: Tensor, tensor: Tensor) -> Collective:
+    """Every rank's ``tensor`` concatenated into ``output`` (``world`` times its size), to be issued on a group."""
+    return lambda group: _all_gather_single(output, tensor, group=group, async_op=True)

@@ -1,0 +1,199 @@
+"""``CompressingReducer``: the synchroniser's bucket reducer when ``strategy.compression`` is on.
+
+Per bucket it splits the slots into the ones the compressor takes and the rest; the rest (1-D and small
+gradients) and the usage flags go in one exact fp32 all-reduce, issued alongside the compressor's first phase.
+Before ``start_step`` rounds — and for any bucket holding a non-finite gradient — the bucket is reduced exactly
+instead: NaN/Inf then reach the optimizer as they would without compression (Lightning's behaviour applies), and
+no residual or warm-start state is touched, so compression state is never poisoned.
+
+Ordering (see :mod:`.base`): phase 0 of every bucket goes on the data-parallel group in launch order; phase k >= 1
+on the reducer's k-th extra group, and a bucket issues its phase k only after every earlier bucket of the round
+issued its own. Timing differs between ranks; the order of each group's collectives does not.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Generator, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_static_dist.compression.base import Compressor, Phase, all_reduce, flat_float, scatter_into
+from lightning_static_dist.sync.plan import GradBucket
+from lightning_static_dist.sync.reducer import MeanAllReduce, PendingReduction
+
+
+class _Stream:
+    """One generator of phases: the phase it issued last and that collective's work."""
+
+    def __init__(self, generator: Generator[Phase, None, None]) -> None:
+        self.generator = generator
+        self.phase = -1
+        self.work: Optional[dist.Work] = None
+        self.pending: Optional[Phase] = None
+        self.done = False
+
+    def fetch(self) -> None:
+        """Run the generator to its next collective (after the current one is done)."""
+        try:
+            self.pending = next(self.generator)
+        except StopIteration:
+            self.pending, self.done = None, True
+
+
+class PhasedReduction:
+    """A bucket's reduction: streams of phases, issued in an order every rank shares (see the module docstring).
+
+    ``work`` is ``None``: no single collective ends it, so the overlap recorder times it until ``wait()`` returns.
+    """
+
+    work = None
+
+    def __init__(self, reducer: CompressingReducer, flat: Tensor, generators: Sequence[Generator[Phase, None, None]],
+                 nbytes: int) -> None:
+        self._reducer = reducer
+        self._flat = flat
+        self.nbytes = nbytes
+        """Payload bytes this rank sends for the bucket (predicted at launch)."""
+        self.sent = 0
+        """Payload bytes handed to collectives so far (equals ``nbytes`` once done)."""
+        self._streams = [_Stream(g) for g in generators]
+        for stream in self._streams:
+            stream.fetch()
+
+    @property
+    def issued_phase(self) -> float:
+        """The phase every stream of this bucket has issued (``inf`` when all are done)."""
+        return min((math.inf if s.done else s.phase) for s in self._streams)
+
+    def advance(self, limit: float, block: bool) -> None:
+        """Issue what may be issued: phase k only when ``k <= limit`` (earlier buckets issued theirs)."""
+        progress = True
+        while progress:
+            progress = False
+            for stream in self._streams:
+                if stream.work is not None:
+                    if not (block or stream.work.is_completed()):
+                        continue
+                    stream.work.wait()  # no-op on Gloo once complete; on NCCL it orders later work after it
+                    stream.work = None
+                    stream.fetch()
+                    progress = True
+                if stream.pending is not None and stream.phase + 1 <= limit:
+                    collective, nbytes = stream.pending
+                    stream.pending = None
+                    stream.phase += 1
+                    stream.work = collective(self._reducer.group_for_phase(stream.phase))
+                    self.sent += nbytes
+                    progress = True
+
+    def poll(self) -> None:
+        self._reducer.poll()
+
+    def wait(self) -> Tensor:
+        # the synchroniser waits in bucket order, so every earlier bucket is done and nothing limits this one
+        self._reducer.poll(until=self)
+        return self._flat
+
+
+def _exact_phase(tensors: Sequence[Tensor], world: int) -> Generator[Phase, None, None]:
+    flat = flat_float(tensors).div_(world)
+    yield all_reduce(flat), flat.numel() * flat.element_size()
+    scatter_into(flat, tensors)
+
+
+class CompressingReducer:
+    """A :class:`~lightning_static_dist.sync.reducer.BucketReducer` that compresses what its compressor takes.
+
+    Example::
+
+        reducer = CompressingReducer(PowerSGDCompressor(rank=4), [p.shape for p in sync.parameters])
+        sync.reducer = reducer
+    """
+
+    def __init__(self, compressor: Compressor, shapes: Sequence[torch.Size], start_step: int = 0) -> None:
+        self.compressor = compressor
+        self._shapes = list(shapes)
+        self.start_step = start_step
+        self.rounds = 0
+        """Synchronised rounds finished so far (compression starts at ``start_step``)."""
+        self.nonfinite_buckets = 0
+        """Buckets sent exactly because they held NaN/Inf."""
+        self._exact = MeanAllReduce()
+        self._group: Optional[dist.ProcessGroup] = None
+        self._phase_groups: list[Optional[dist.ProcessGroup]] = []
+        self._chain: list[PhasedReduction] = []
+
+    # ------------------------------------------------------------------------------------------------ groups
+
+    def _setup_groups(self, group: Optional[dist.ProcessGroup], phases: int) -> None:
+        """One extra process group per phase after the first: created at the first launch, the same point of the
+        same round on every rank (``new_group`` is collective)."""
+        self._group = group
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        while len(self._phase_groups) < phases:
+            self._phase_groups.append(group if not self._phase_groups else dist.new_group(ranks))
+
+    def group_for_phase(self, phase: int) -> Optional[dist.ProcessGroup]:
+        if phase >= len(self._phase_groups):
+            raise RuntimeError(
+                f"static_dist: compressor {self.compressor.name!r} yielded more than its phases_per_bucket"
+                f" ({self.compressor.phases_per_bucket}) collectives for one bucket"
+            )
+        return self._phase_groups[phase]
+
+    # ------------------------------------------------------------------------------------------------ a round
+
+    def launch(self, bucket: GradBucket, flat: Tensor, group: Optional[dist.ProcessGroup]) -> PendingReduction:
+        world = dist.get_world_size(group)
+        taken = [slot for slot, i in enumerate(bucket.param_indices) if self.compressor.takes(self._shapes[i])]
+        if world == 1 or not taken or self.rounds < self.start_step:
+            return self._exact.launch(bucket, flat, group)
+        if not bool(torch.isfinite(flat[: bucket.numel]).all()):
+            self.nonfinite_buckets += 1
+            return self._exact.launch(bucket, flat, group)
+        if not self._phase_groups or self._group is not group:
+            self._setup_groups(group, max(1, self.compressor.phases_per_bucket))
+        views = [flat[o : o + n].view(self._shapes[i]) for i, o, n in zip(bucket.param_indices, bucket.offsets, bucket.numels)]
+        taken_set = set(taken)
+        exact = [v for slot, v in enumerate(views) if slot not in taken_set] + [flat[bucket.numel :]]
+        keys = [bucket.param_indices[slot] for slot in taken]
+        compressed = [views[slot] for slot in taken]
+        nbytes = self.compressor.payload_bytes([c.shape for c in compressed]) + sum(t.numel() for t in exact) * 4
+        reduction = PhasedReduction(self, flat, [_exact_phase(exact, world), self.compressor.phases(keys, compressed, world)], nbytes)
+        self._chain.append(reduction)
+        self.poll()  # issues its phase 0 now, behind earlier buckets' (launch order)
+        return reduction
+
+    def poll(self, until: Optional[PhasedReduction] = None) -> None:
+        """Issue every phase that may go now; with ``until``, drive the chain up to that reduction to the end."""
+        limit = math.inf
+        for reduction in self._chain:
+            block = until is not None
+            reduction.advance(limit, block)
+            if reduction is until:
+                break
+            limit = min(limit, reduction.issued_phase)
+
+    def payload_bytes(self, bucket: GradBucket, flat: Tensor) -> int:
+        return flat.numel() * flat.element_size()  # the exact path's; a compressed launch reports its own
+
+    def round_finished(self) -> None:
+        self.rounds += 1
+        self._chain = []
+
+    # ------------------------------------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rounds": self.rounds, "compressor": self.compressor.name, "state": self.compressor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        self.rounds = int(state.get("rounds", 0))
+        if state.get("compressor") == self.compressor.name:
+            self.compressor.load_state_dict(state.get("state", {}))
+            move = getattr(self.compressor, "to", None)
+            if move is not None:
+                move(device)
