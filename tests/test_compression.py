@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import lightning as L
 from _dist import run_ranks
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_static_dist.compression import (
     CompressingReducer,
     LowPrecisionCompressor,
@@ -172,3 +174,105 @@ def test_bad_compression_configs_name_the_key() -> None:
         assert str(err.value).startswith(message), str(err.value)
     with pytest.raises(ConfigError, match="strategy.compression.name='collections.OrderedDict': OrderedDict does not"):
         build_compressor(CompressionConfig(name="collections.OrderedDict"))
+
+
+# ------------------------------------------------------------------------------------- inside a Lightning Trainer
+
+
+class _Probe(L.Callback):
+    """Writes what each rank's compressing reducer holds to ``<dir>/rank<r>_<event>.pt``."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.indices: list[list[int]] = []
+
+    def _dump(self, trainer: L.Trainer, event: str, payload: Any) -> None:
+        torch.save(payload, os.path.join(self.directory, f"rank{trainer.global_rank}_{event}.pt"))
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        reducer = trainer.strategy.compressing_reducer
+        self._dump(trainer, "start", {"rounds": reducer.rounds, "state": reducer.compressor.state_dict()})
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        last = getattr(trainer.strategy.compressing_reducer.compressor, "last_indices", None)
+        if last is not None:
+            self.indices.append(sorted(last.tolist()))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        reducer = trainer.strategy.compressing_reducer
+        self._dump(trainer, "end", {"rounds": reducer.rounds, "state": reducer.compressor.state_dict(),
+                                    "indices": self.indices, "compiled": trainer.strategy.compile_report is not None})
+
+
+def _fit(tmp: str, compression: dict, steps: int, compile_cfg: Any = None, ckpt_path: Any = None) -> None:
+    from examples.charlm import CharDataModule
+    from lightning_static_dist import StaticDistStrategy
+
+    L.seed_everything(0)
+    strategy = StaticDistStrategy(start_method="spawn", compression=compression, compile=compile_cfg,
+                                  sync={"first_bucket_mb": 0.05, "bucket_mb": 0.2})
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False, default_root_dir=tmp,
+        callbacks=[_Probe(tmp), ModelCheckpoint(dirpath=tmp, filename="last")], enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0,
+    )
+    trainer.fit(_tiny_gpt(), datamodule=CharDataModule(block_size=32, batch_size=8, max_bytes=60_000), ckpt_path=ckpt_path)
+
+
+def test_each_rank_resumes_with_its_own_residual(tmp_path: Any) -> None:
+    compression = {"name": "powersgd", "rank": 2, "min_numel": 256}
+    _fit(str(tmp_path), compression, steps=6)
+    (ckpt,) = glob.glob(str(tmp_path / "last*.ckpt"))
+    saved = torch.load(ckpt, weights_only=True)["static_dist_compression"]
+    assert saved["world_size"] == 2 and [s["rounds"] for s in saved["ranks"]] == [6, 6]
+    residuals = [s["state"]["residuals"] for s in saved["ranks"]]
+    assert residuals[0].keys() == residuals[1].keys() and residuals[0]
+    # each rank saw other data, so each has its own residual — the thing PowerSGD's own example loses
+    assert any(not torch.equal(residuals[0][k], residuals[1][k]) for k in residuals[0])
+    # and the warm-start Q, averaged, is the same on both
+    assert all(torch.equal(saved["ranks"][0]["state"]["q"][k], saved["ranks"][1]["state"]["q"][k]) for k in saved["ranks"][0]["state"]["q"])
+    _fit(str(tmp_path), compression, steps=8, ckpt_path=ckpt)
+    for rank in (0, 1):
+        start = torch.load(str(tmp_path / f"rank{rank}_start.pt"), weights_only=True)
+        assert start["rounds"] == 6
+        for key, tensor in residuals[rank].items():
+            assert torch.equal(start["state"]["residuals"][key], tensor), (rank, key)
+
+
+def test_topk_indices_follow_the_gradients_under_compile(tmp_path: Any) -> None:
+    _fit(str(tmp_path), {"name": "topk", "density": 0.01, "min_numel": 256}, steps=6,
+         compile_cfg={"enabled": True, "backend": "aot_eager"})
+    end = torch.load(str(tmp_path / "rank0_end.pt"), weights_only=True)
+    assert end["compiled"] and len(end["indices"]) == 6
+    # a graph that froze the selection would send the same entries every step
+    assert len({tuple(i) for i in end["indices"]}) == 6
+
+
+def _nonfinite(rank: int, world: int) -> dict[str, Any]:
+    compressor = PowerSGDCompressor(rank=1, min_numel=1)
+    reducer = CompressingReducer(compressor, [torch.Size([8, 8])])
+    from lightning_static_dist.sync import GradientSynchronizer
+
+    weight = torch.nn.Parameter(torch.ones(8, 8))
+    sync = GradientSynchronizer([("w", weight)])
+    sync.reducer = reducer
+    sync.attach()
+    results = {}
+    for step, poison in enumerate([False, True, False]):
+        torch.manual_seed(step * 10 + rank)
+        x = torch.randn(8)
+        loss = (weight @ x).sum() * (float("nan") if poison and rank == 1 else 1.0)
+        loss.backward()
+        sync.finish_if_pending()
+        results[step] = {"finite": bool(torch.isfinite(weight.grad).all()), "residual": compressor.residuals[0].clone() if compressor.residuals else None}
+        weight.grad = None
+    results["nonfinite_buckets"] = reducer.nonfinite_buckets
+    return results
+
+
+def test_a_nonfinite_gradient_reaches_every_rank_and_leaves_the_residual_alone() -> None:
+    for r in run_ranks(_nonfinite, 2):
+        assert r[0]["finite"] and not r[1]["finite"] and r[2]["finite"]  # NaN reaches Lightning on every rank
+        assert r["nonfinite_buckets"] == 1  # both ranks: the rank without a local NaN reached the same verdict
+        assert torch.equal(r[1]["residual"], r[0]["residual"])  # step 1 did not touch it
+        assert torch.isfinite(r[2]["residual"]).all()

@@ -54,6 +54,8 @@ class Compressor(Protocol):
 
             def state_dict(self): return {}
             def load_state_dict(self, state): ...
+            def snapshot(self, keys): return None
+            def restore(self, snapshot): ...
             def safer(self): return None
 
         StaticDistStrategy(compression={"name": "my_pkg.SignCompressor"})
@@ -80,6 +82,14 @@ class Compressor(Protocol):
         ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        ...
+
+    def snapshot(self, keys: Sequence[int]) -> Any:
+        """What :meth:`restore` needs to undo one bucket's state update (the reducer calls it when the bucket's
+        average came out non-finite: a residual must not carry a NaN into every later step)."""
+        ...
+
+    def restore(self, snapshot: Any) -> None:
         ...
 
     def safer(self) -> Optional["Compressor"]:
@@ -113,3 +123,39 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 def all_gather(output: Tensor, tensor: Tensor) -> Collective:
     """Every rank's ``tensor`` concatenated into ``output`` (``world`` times its size), to be issued on a group."""
     return lambda group: _all_gather_single(output, tensor, group=group, async_op=True)
+
+
+class PerParameterState:
+    """State kept as dicts ``{parameter index: tensor}`` (attributes named in ``STATE``), *replaced* on update,
+    never written in place — so a snapshot is a dict of references and costs no copy.
+
+    Example::
+
+        class MyCompressor(PerParameterState):
+            STATE = ("residuals",)
+    """
+
+    STATE: tuple[str, ...] = ()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: {k: v.cpu() for k, v in getattr(self, name).items()} for name in self.STATE}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in self.STATE:
+            setattr(self, name, dict(state.get(name, {})))
+
+    def to(self, device: torch.device) -> None:
+        for name in self.STATE:
+            setattr(self, name, {k: v.to(device) for k, v in getattr(self, name).items()})
+
+    def snapshot(self, keys: Sequence[int]) -> Any:
+        return {name: {k: getattr(self, name).get(k) for k in keys} for name in self.STATE}
+
+    def restore(self, snapshot: Any) -> None:
+        for name, entries in snapshot.items():
+            state = getattr(self, name)
+            for k, v in entries.items():
+                if v is None:
+                    state.pop(k, None)
+                else:
+                    state[k] = v

@@ -19,7 +19,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_static_dist.compression.base import Compressor, Phase, all_gather, all_reduce, flat_float, scatter_into
+from lightning_static_dist.compression.base import (
+    Compressor,
+    PerParameterState,
+    Phase,
+    all_gather,
+    all_reduce,
+    flat_float,
+    scatter_into,
+)
 
 
 def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
@@ -30,7 +38,7 @@ def _takes_matrix(shape: torch.Size, min_numel: int) -> bool:
     return len(shape) >= 2 and math.prod(shape) >= min_numel
 
 
-class LowPrecisionCompressor:
+class LowPrecisionCompressor(PerParameterState):
     """fp16 or bf16 all-reduce: every gradient divided by the world size, cast, summed, cast back.
 
     Dividing *before* the cast keeps the sum of a large world inside fp16's range. Takes every gradient (1-D
@@ -57,17 +65,11 @@ class LowPrecisionCompressor:
         yield all_reduce(low), low.numel() * low.element_size()
         scatter_into(low.float(), grads)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
     def safer(self) -> Optional[Compressor]:
         return LowPrecisionCompressor(torch.bfloat16) if self.dtype == torch.float16 else None
 
 
-class PowerSGDCompressor:
+class PowerSGDCompressor(PerParameterState):
     """PowerSGD (Vogels et al., NeurIPS 2019): each gradient matrix M (n x m) sent as a rank-r product P Q^T.
 
     Two phases per bucket, each one all-reduce of every matrix's factor at once: P = M Q (averaged), P
@@ -82,6 +84,7 @@ class PowerSGDCompressor:
     """
 
     name = "powersgd"
+    STATE = ("residuals", "q")
     phases_per_bucket = 2
 
     def __init__(self, rank: int = 4, warm_start: bool = True, min_compression_rate: float = 2.0,
@@ -144,17 +147,6 @@ class PowerSGDCompressor:
                 self.q[key] = q
             grad.copy_(approx.view(grad.shape))
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"residuals": {k: v.cpu() for k, v in self.residuals.items()}, "q": {k: v.cpu() for k, v in self.q.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.residuals = dict(state.get("residuals", {}))
-        self.q = dict(state.get("q", {}))
-
-    def to(self, device: torch.device) -> None:
-        self.residuals = {k: v.to(device) for k, v in self.residuals.items()}
-        self.q = {k: v.to(device) for k, v in self.q.items()}
-
     def safer(self) -> Optional[Compressor]:
         if self.rank < 16:
             return PowerSGDCompressor(self.rank * 2, self.warm_start, self.min_compression_rate, self.error_feedback,
@@ -162,7 +154,7 @@ class PowerSGDCompressor:
         return LowPrecisionCompressor(torch.bfloat16)
 
 
-class TopKCompressor:
+class TopKCompressor(PerParameterState):
     """TopK sparsification (Deep Gradient Compression, Lin et al. 2018): send the ``density`` fraction of largest
     entries of each bucket, as (value, index) pairs, by one all-gather; every rank sums all ranks' pairs.
 
@@ -176,6 +168,7 @@ class TopKCompressor:
     """
 
     name = "topk"
+    STATE = ("residuals",)
     phases_per_bucket = 1
 
     def __init__(self, density: float = 0.01, error_feedback: bool = True, min_numel: int = 1024) -> None:
@@ -224,22 +217,13 @@ class TopKCompressor:
         dense = torch.zeros_like(acc).index_add_(0, all_indices, all_values).div_(world)
         scatter_into(dense, grads)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"residuals": {k: v.cpu() for k, v in self.residuals.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.residuals = dict(state.get("residuals", {}))
-
-    def to(self, device: torch.device) -> None:
-        self.residuals = {k: v.to(device) for k, v in self.residuals.items()}
-
     def safer(self) -> Optional[Compressor]:
         if self.density < 0.25:
             return TopKCompressor(min(1.0, self.density * 4), self.error_feedback, self.min_numel)
         return LowPrecisionCompressor(torch.bfloat16)
 
 
-class QSGDCompressor:
+class QSGDCompressor(PerParameterState):
     """QSGD (Alistarh et al., NeurIPS 2017): each chunk of ``chunk`` values sent as its fp32 norm and, per value, a
     sign and a level in 0..``levels`` (int8), rounded stochastically so the average is unbiased.
 
@@ -294,12 +278,6 @@ class QSGDCompressor:
         all_norms = gathered[:, n_chunks * self.chunk :].contiguous().view(torch.float32).view(world, n_chunks, 1)
         average = (q * all_norms).sum(dim=0).div_(self.levels * world).reshape(-1)
         scatter_into(average[: acc.numel()], grads)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
     def safer(self) -> Optional[Compressor]:
         return LowPrecisionCompressor(torch.bfloat16)

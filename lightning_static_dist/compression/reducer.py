@@ -2,9 +2,13 @@
 
 Per bucket it splits the slots into the ones the compressor takes and the rest; the rest (1-D and small
 gradients) and the usage flags go in one exact fp32 all-reduce, issued alongside the compressor's first phase.
-Before ``start_step`` rounds — and for any bucket holding a non-finite gradient — the bucket is reduced exactly
-instead: NaN/Inf then reach the optimizer as they would without compression (Lightning's behaviour applies), and
-no residual or warm-start state is touched, so compression state is never poisoned.
+Before ``start_step`` rounds the bucket is reduced exactly.
+
+Non-finite gradients. A NaN/Inf on any rank makes the bucket's *average* non-finite on every rank (it enters every
+sum and every gathered payload), so every rank reaches the same verdict from its own result, with no extra
+collective and no pre-check that would wait for the GPU in a hook. The non-finite gradient then reaches the
+optimizer as it would without compression (Lightning's behaviour applies), and the compressor's state for that
+bucket is restored from a snapshot taken before the step: residuals and warm-start matrices are never poisoned.
 
 Ordering (see :mod:`.base`): phase 0 of every bucket goes on the data-parallel group in launch order; phase k >= 1
 on the reducer's k-th extra group, and a bucket issues its phase k only after every earlier bucket of the round
@@ -53,9 +57,12 @@ class PhasedReduction:
     work = None
 
     def __init__(self, reducer: CompressingReducer, flat: Tensor, generators: Sequence[Generator[Phase, None, None]],
-                 nbytes: int) -> None:
+                 nbytes: int, compressed: Sequence[Tensor], snapshot: Any) -> None:
         self._reducer = reducer
         self._flat = flat
+        self._compressed = compressed
+        self._snapshot = snapshot
+        self._checked = False
         self.nbytes = nbytes
         """Payload bytes this rank sends for the bucket (predicted at launch)."""
         self.sent = 0
@@ -89,6 +96,11 @@ class PhasedReduction:
                     stream.work = collective(self._reducer.group_for_phase(stream.phase))
                     self.sent += nbytes
                     progress = True
+        if not self._checked and all(stream.done for stream in self._streams):
+            self._checked = True
+            if not all(bool(torch.isfinite(t).all()) for t in self._compressed):
+                self._reducer.compressor.restore(self._snapshot)
+                self._reducer.nonfinite_buckets += 1
 
     def poll(self) -> None:
         self._reducer.poll()
@@ -121,7 +133,7 @@ class CompressingReducer:
         self.rounds = 0
         """Synchronised rounds finished so far (compression starts at ``start_step``)."""
         self.nonfinite_buckets = 0
-        """Buckets sent exactly because they held NaN/Inf."""
+        """Buckets whose average came out non-finite (their compressor state was restored)."""
         self._exact = MeanAllReduce()
         self._group: Optional[dist.ProcessGroup] = None
         self._phase_groups: list[Optional[dist.ProcessGroup]] = []
@@ -152,9 +164,6 @@ class CompressingReducer:
         taken = [slot for slot, i in enumerate(bucket.param_indices) if self.compressor.takes(self._shapes[i])]
         if world == 1 or not taken or self.rounds < self.start_step:
             return self._exact.launch(bucket, flat, group)
-        if not bool(torch.isfinite(flat[: bucket.numel]).all()):
-            self.nonfinite_buckets += 1
-            return self._exact.launch(bucket, flat, group)
         if not self._phase_groups or self._group is not group:
             self._setup_groups(group, max(1, self.compressor.phases_per_bucket))
         views = [flat[o : o + n].view(self._shapes[i]) for i, o, n in zip(bucket.param_indices, bucket.offsets, bucket.numels)]
@@ -163,7 +172,8 @@ class CompressingReducer:
         keys = [bucket.param_indices[slot] for slot in taken]
         compressed = [views[slot] for slot in taken]
         nbytes = self.compressor.payload_bytes([c.shape for c in compressed]) + sum(t.numel() for t in exact) * 4
-        reduction = PhasedReduction(self, flat, [_exact_phase(exact, world), self.compressor.phases(keys, compressed, world)], nbytes)
+        generators = [_exact_phase(exact, world), self.compressor.phases(keys, compressed, world)]
+        reduction = PhasedReduction(self, flat, generators, nbytes, compressed, self.compressor.snapshot(keys))
         self._chain.append(reduction)
         self.poll()  # issues its phase 0 now, behind earlier buckets' (launch order)
         return reduction
