@@ -29,6 +29,7 @@ from lightning_static_dist.compile import (
     inductor_distributed,
     register_inductor_distributed,
 )
+from lightning_static_dist.compression.guard import CompressionGuard
 from lightning_static_dist.overlap.monitor import OverlapMonitor
 from lightning_static_dist.strategy import StaticDistStrategy
 from lightning_static_dist.sync import GradientSynchronizer
@@ -44,6 +45,7 @@ __all__ = [
     "GradientSynchronizer",
     "GraphReport",
     "MeshConfig",
+    "CompressionGuard",
     "OverlapMonitor",
     "RunConfig",
     "RunSummary",

@@ -488,6 +488,7 @@ CALLBACKS: dict[str, str] = {
     "run_summary": "lightning_static_dist.callbacks.RunSummary",
     "graph_report": "lightning_static_dist.callbacks.GraphReport",
     "overlap_monitor": "lightning_static_dist.overlap.monitor.OverlapMonitor",
+    "compression_guard": "lightning_static_dist.compression.guard.CompressionGuard",
 }
 
 #: Trainer arguments the run file may not set, and why.

@@ -18,12 +18,14 @@ from _dist import run_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_static_dist.compression import (
     CompressingReducer,
+    CompressionGuard,
     LowPrecisionCompressor,
     PowerSGDCompressor,
     QSGDCompressor,
     TopKCompressor,
     build_compressor,
 )
+from lightning_static_dist.compression.base import PerParameterState, all_reduce, flat_float, scatter_into
 from lightning_static_dist.config import CompressionConfig, ConfigError
 from lightning_static_dist.sync.plan import ParamSpec, plan_buckets
 
@@ -191,7 +193,8 @@ class _Probe(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         reducer = trainer.strategy.compressing_reducer
-        self._dump(trainer, "start", {"rounds": reducer.rounds, "state": reducer.compressor.state_dict()})
+        self._dump(trainer, "start", {"rounds": reducer.rounds, "state": reducer.compressor.state_dict(),
+                                      "compressor": reducer.compressor.name})
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         last = getattr(trainer.strategy.compressing_reducer.compressor, "last_indices", None)
@@ -200,11 +203,15 @@ class _Probe(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         reducer = trainer.strategy.compressing_reducer
+        guards = [c for c in trainer.callbacks if isinstance(c, CompressionGuard)]
         self._dump(trainer, "end", {"rounds": reducer.rounds, "state": reducer.compressor.state_dict(),
-                                    "indices": self.indices, "compiled": trainer.strategy.compile_report is not None})
+                                    "indices": self.indices, "compiled": trainer.strategy.compile_report is not None,
+                                    "compressor": reducer.compressor.name,
+                                    "events": guards[0].events if guards else None})
 
 
-def _fit(tmp: str, compression: dict, steps: int, compile_cfg: Any = None, ckpt_path: Any = None) -> None:
+def _fit(tmp: str, compression: dict, steps: int, compile_cfg: Any = None, ckpt_path: Any = None,
+         guard: Any = None) -> None:
     from examples.charlm import CharDataModule
     from lightning_static_dist import StaticDistStrategy
 
@@ -213,7 +220,8 @@ def _fit(tmp: str, compression: dict, steps: int, compile_cfg: Any = None, ckpt_
                                   sync={"first_bucket_mb": 0.05, "bucket_mb": 0.2})
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False, default_root_dir=tmp,
-        callbacks=[_Probe(tmp), ModelCheckpoint(dirpath=tmp, filename="last")], enable_progress_bar=False,
+        callbacks=([guard] if guard else []) + [_Probe(tmp), ModelCheckpoint(dirpath=tmp, filename="last")],
+        enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0,
     )
     trainer.fit(_tiny_gpt(), datamodule=CharDataModule(block_size=32, batch_size=8, max_bytes=60_000), ckpt_path=ckpt_path)
@@ -276,3 +284,41 @@ def test_a_nonfinite_gradient_reaches_every_rank_and_leaves_the_residual_alone()
         assert r["nonfinite_buckets"] == 1  # both ranks: the rank without a local NaN reached the same verdict
         assert torch.equal(r[1]["residual"], r[0]["residual"])  # step 1 did not touch it
         assert torch.isfinite(r[2]["residual"]).all()
+
+
+class GarbageCompressor(PerParameterState):
+    """A pathological compressor for the guard test: it averages the *negated* gradients (relative error 2)."""
+
+    name = "garbage"
+    phases_per_bucket = 1
+
+    def takes(self, shape: torch.Size) -> bool:
+        return len(shape) >= 2
+
+    def payload_bytes(self, shapes: Any) -> int:
+        return sum(math.prod(s) for s in shapes) * 4
+
+    def phases(self, keys: Any, grads: Any, world: int) -> Any:
+        flat = flat_float(grads).neg_().div_(world)
+        yield all_reduce(flat), flat.numel() * 4
+        scatter_into(flat, grads)
+
+    def safer(self) -> Any:
+        return LowPrecisionCompressor(torch.bfloat16)
+
+
+def test_the_guard_switches_every_rank_on_the_same_step_and_resumes_at_that_level(tmp_path: Any) -> None:
+    compression = {"name": "test_compression.GarbageCompressor", "min_numel": 256}
+    _fit(str(tmp_path), compression, steps=7, guard=CompressionGuard(check_every_n_steps=2, patience=2))
+    ends = [torch.load(str(tmp_path / f"rank{r}_end.pt"), weights_only=False) for r in (0, 1)]
+    for end in ends:
+        assert end["compressor"] == "bf16"
+        (event,) = end["events"]
+        # checks at steps 2 and 4 (relative error 2 > 0.95 both times): the second one switches
+        assert event["step"] == 4 and event["old"] == "garbage" and event["new"] == "bf16", event
+        assert event["reason"].startswith("relative gradient error 2.000"), event
+    assert ends[0]["events"] == ends[1]["events"]
+    (ckpt,) = glob.glob(str(tmp_path / "last*.ckpt"))
+    _fit(str(tmp_path), compression, steps=9, ckpt_path=ckpt, guard=CompressionGuard(check_every_n_steps=2, patience=2))
+    for rank in (0, 1):
+        assert torch.load(str(tmp_path / f"rank{rank}_start.pt"), weights_only=False)["compressor"] == "bf16"

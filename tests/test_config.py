@@ -104,6 +104,9 @@ INVALID_OVERRIDES = [
     pytest.param(["callbacks.run_summary.enabled=1"], "callbacks.run_summary.enabled", "=1", id="callback-enabled-not-bool"),
     pytest.param(["callbacks.run_summary.warmup=2"], "callbacks.run_summary.warmup", "unknown key", id="callback-unknown-option"),
     pytest.param(["callbacks.run_summary.warmup_steps=two"], "callbacks.run_summary.warmup_steps", "'two'", id="callback-option-wrong-type"),
+    pytest.param(["callbacks.compression_guard.patience=0"], "callbacks.compression_guard.patience", "=0", id="guard-patience-zero"),
+    pytest.param(["callbacks.compression_guard.loss_spike=0.5"], "callbacks.compression_guard.loss_spike", "=0.5",
+                 id="guard-loss-spike-below-one"),
     # the override itself
     pytest.param(["trainer.max_steps"], "trainer.max_steps", "expected dotted.key=value", id="override-without-equals"),
     pytest.param(["=3"], "'=3'", "expected dotted.key=value", id="override-without-key"),

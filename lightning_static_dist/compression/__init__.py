@@ -14,11 +14,13 @@ from lightning_static_dist.compression.compressors import (
     QSGDCompressor,
     TopKCompressor,
 )
+from lightning_static_dist.compression.guard import CompressionGuard
 from lightning_static_dist.compression.reducer import CompressingReducer, PhasedReduction
 from lightning_static_dist.config import CompressionConfig, ConfigError, import_object
 
 __all__ = [
     "CompressingReducer",
+    "CompressionGuard",
     "Compressor",
     "LowPrecisionCompressor",
     "PhasedReduction",

@@ -57,8 +57,10 @@ class PhasedReduction:
     work = None
 
     def __init__(self, reducer: CompressingReducer, flat: Tensor, generators: Sequence[Generator[Phase, None, None]],
-                 nbytes: int, compressed: Sequence[Tensor], snapshot: Any) -> None:
+                 nbytes: int, compressed: Sequence[Tensor], snapshot: Any,
+                 reference: Optional[Sequence[Tensor]] = None) -> None:
         self._reducer = reducer
+        self._reference = reference
         self._flat = flat
         self._compressed = compressed
         self._snapshot = snapshot
@@ -101,6 +103,10 @@ class PhasedReduction:
             if not all(bool(torch.isfinite(t).all()) for t in self._compressed):
                 self._reducer.compressor.restore(self._snapshot)
                 self._reducer.nonfinite_buckets += 1
+            elif self._reference is not None:
+                for exact, compressed in zip(self._reference, self._compressed):
+                    self._reducer.error_sq[0] += float((compressed.float() - exact.float()).square().sum())
+                    self._reducer.error_sq[1] += float(exact.float().square().sum())
 
     def poll(self) -> None:
         self._reducer.poll()
@@ -135,7 +141,12 @@ class CompressingReducer:
         self.nonfinite_buckets = 0
         """Buckets whose average came out non-finite (their compressor state was restored)."""
         self._exact = MeanAllReduce()
+        self.measure = False
+        """Set by the compression guard for one round: also average the compressed gradients exactly, to compare."""
+        self.error_sq = [0.0, 0.0]
+        """The measured round's sum of |g_hat - g|^2 and of |g|^2 over every compressed gradient."""
         self._group: Optional[dist.ProcessGroup] = None
+        self._device: Optional[torch.device] = None
         self._phase_groups: list[Optional[dist.ProcessGroup]] = []
         self._chain: list[PhasedReduction] = []
 
@@ -144,6 +155,8 @@ class CompressingReducer:
     def _setup_groups(self, group: Optional[dist.ProcessGroup], phases: int) -> None:
         """One extra process group per phase after the first: created at the first launch, the same point of the
         same round on every rank (``new_group`` is collective)."""
+        if self._group is not group:
+            self._phase_groups = []
         self._group = group
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         while len(self._phase_groups) < phases:
@@ -164,7 +177,8 @@ class CompressingReducer:
         taken = [slot for slot, i in enumerate(bucket.param_indices) if self.compressor.takes(self._shapes[i])]
         if world == 1 or not taken or self.rounds < self.start_step:
             return self._exact.launch(bucket, flat, group)
-        if not self._phase_groups or self._group is not group:
+        self._device = flat.device
+        if len(self._phase_groups) < self.compressor.phases_per_bucket or self._group is not group:
             self._setup_groups(group, max(1, self.compressor.phases_per_bucket))
         views = [flat[o : o + n].view(self._shapes[i]) for i, o, n in zip(bucket.param_indices, bucket.offsets, bucket.numels)]
         taken_set = set(taken)
@@ -173,7 +187,13 @@ class CompressingReducer:
         compressed = [views[slot] for slot in taken]
         nbytes = self.compressor.payload_bytes([c.shape for c in compressed]) + sum(t.numel() for t in exact) * 4
         generators = [_exact_phase(exact, world), self.compressor.phases(keys, compressed, world)]
-        reduction = PhasedReduction(self, flat, generators, nbytes, compressed, self.compressor.snapshot(keys))
+        reference = None
+        if self.measure:
+            # the compression guard's check: the same gradients averaged exactly, beside the compressed average
+            reference = [c.detach().clone() for c in compressed]
+            generators.insert(0, _exact_phase(reference, world))
+        reduction = PhasedReduction(self, flat, generators, nbytes, compressed, self.compressor.snapshot(keys),
+                                    reference)
         self._chain.append(reduction)
         self.poll()  # issues its phase 0 now, behind earlier buckets' (launch order)
         return reduction
@@ -194,6 +214,23 @@ class CompressingReducer:
     def round_finished(self) -> None:
         self.rounds += 1
         self._chain = []
+        self.measure = False
+
+    def take_relative_error(self) -> Optional[float]:
+        """|g_hat - g| / |g| of the last measured round (``None`` if nothing was measured); resets the sums."""
+        (diff, ref), self.error_sq = self.error_sq, [0.0, 0.0]
+        if ref == 0.0:
+            return None
+        return (diff / ref) ** 0.5
+
+    def switch_to(self, compressor: Compressor) -> None:
+        """Continue with another compressor; same-named state (PowerSGD's residuals at a higher rank) carries over."""
+        if compressor.name == self.compressor.name:
+            compressor.load_state_dict(self.compressor.state_dict())
+            move = getattr(compressor, "to", None)
+            if move is not None and self._device is not None:
+                move(self._device)
+        self.compressor = compressor
 
     # ------------------------------------------------------------------------------------------------ state
 

@@ -1,0 +1,140 @@
+"""``CompressionGuard``: back off gradient compression, on every rank together, when it starts to hurt.
+
+Every ``check_every_n_steps`` optimizer steps the compressing reducer also averages that step's compressed
+gradients *exactly* (one extra uncompressed collective on check steps only) and the guard reads the relative
+error |g_hat - g| / |g|; on every step it keeps a moving average of the training loss. A check is *bad* when the
+error exceeds ``max_rel_error`` or the loss exceeds ``loss_spike`` x its moving average. After ``patience``
+bad checks in a row the guard moves every rank to the compressor's next safer level (PowerSGD rank x2 ... then
+bf16, then no compression). Rank 0 decides and broadcasts, so all ranks switch on the same step. Each switch is
+logged (step, reason, old -> new) and kept in the checkpoint; a resumed run continues at the same level.
+
+Example::
+
+    trainer = L.Trainer(strategy=StaticDistStrategy(compression={"name": "powersgd", "rank": 1}),
+                        callbacks=[CompressionGuard(check_every_n_steps=25, max_rel_error=0.8)])
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_static_dist.compression.base import Compressor
+from lightning_static_dist.sync.reducer import MeanAllReduce
+
+log = logging.getLogger(__name__)
+
+
+def describe(compressor: Optional[Compressor]) -> str:
+    """``powersgd(rank=4)``, ``topk(density=0.01)``, ``bf16``, ``none`` ..."""
+    if compressor is None:
+        return "none"
+    for option in ("rank", "density", "levels"):
+        if hasattr(compressor, option):
+            return f"{compressor.name}({option}={getattr(compressor, option)})"
+    return compressor.name
+
+
+class CompressionGuard(Callback):
+    """Switches to a safer compression level when the compressed gradient or the loss goes wrong (module docs)."""
+
+    def __init__(self, check_every_n_steps: int = 50, max_rel_error: float = 0.95, loss_spike: float = 1.5,
+                 patience: int = 2, loss_ema: float = 0.9) -> None:
+        if not isinstance(check_every_n_steps, int) or check_every_n_steps < 1:
+            raise ValueError(f"check_every_n_steps={check_every_n_steps!r}: must be an integer >= 1")
+        if not max_rel_error > 0:
+            raise ValueError(f"max_rel_error={max_rel_error!r}: must be a number > 0")
+        if not loss_spike > 1:
+            raise ValueError(f"loss_spike={loss_spike!r}: must be a factor > 1")
+        if not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"patience={patience!r}: must be an integer >= 1")
+        if not 0 <= loss_ema < 1:
+            raise ValueError(f"loss_ema={loss_ema!r}: must be in [0, 1)")
+        self.check_every_n_steps = check_every_n_steps
+        self.max_rel_error = max_rel_error
+        self.loss_spike = loss_spike
+        self.patience = patience
+        self.loss_ema = loss_ema
+        self.events: list[dict[str, Any]] = []
+        """One entry per switch: step, reason, old and new level."""
+        self.last_rel_error: Optional[float] = None
+        self._strikes = 0
+        self._loss_avg: Optional[float] = None
+        self._switches_to_replay = 0
+        self._check_step = 0
+
+    @staticmethod
+    def _reducer(trainer: pl.Trainer) -> Any:
+        return getattr(trainer.strategy, "compressing_reducer", None)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # a resumed run continues at the level it had reached (the strategy restored the compressor's state already)
+        for _ in range(self._switches_to_replay):
+            self._step_down(trainer)
+        self._switches_to_replay = 0
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        reducer = self._reducer(trainer)
+        if reducer is not None and trainer.global_step > 0 and trainer.global_step % self.check_every_n_steps == 0:
+            reducer.measure = True  # stays set until a synchronised round consumed it (gradient accumulation)
+            self._check_step = trainer.global_step
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        reducer = self._reducer(trainer)
+        if reducer is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        loss = float(loss.detach()) if loss is not None else None
+        rel_error = reducer.take_relative_error()
+        previous_avg = self._loss_avg
+        if loss is not None and loss == loss:
+            self._loss_avg = loss if previous_avg is None else self.loss_ema * previous_avg + (1 - self.loss_ema) * loss
+        if rel_error is None:
+            return
+        reasons = []
+        if rel_error > self.max_rel_error:
+            reasons.append(f"relative gradient error {rel_error:.3f} > {self.max_rel_error}")
+        if loss is not None and previous_avg is not None and loss > self.loss_spike * previous_avg:
+            reasons.append(f"loss {loss:.4f} > {self.loss_spike} x its average {previous_avg:.4f}")
+        # rank 0 decides for everyone: the ranks' losses differ, and all of them must switch on the same step
+        rel_error, reasons = trainer.strategy.broadcast((rel_error, reasons), src=0)
+        self.last_rel_error = rel_error
+        pl_module.log("static_dist/compression_rel_error", rel_error, rank_zero_only=True)
+        self._strikes = self._strikes + 1 if reasons else 0
+        if self._strikes >= self.patience:
+            old, new = self._step_down(trainer)
+            self._strikes = 0
+            event = {"step": self._check_step, "reason": "; ".join(reasons), "old": old, "new": new}
+            self.events.append(event)
+            rank_zero_info(f"static_dist: compression guard at step {event['step']}: {old} -> {new} ({event['reason']})")
+
+    def _step_down(self, trainer: pl.Trainer) -> tuple[str, str]:
+        reducer = self._reducer(trainer)
+        if reducer is None:
+            return "none", "none"
+        old = reducer.compressor
+        new = old.safer()
+        if new is None:
+            trainer.strategy.synchronizer.reducer = MeanAllReduce()
+        else:
+            reducer.switch_to(new)
+        return describe(old), describe(new)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"events": list(self.events)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.events = list(state_dict.get("events", []))
+        self._switches_to_replay = len(self.events)  # every switch so far: replayed once the strategy is set up
