@@ -7,6 +7,8 @@ from __future__ import annotations
 import glob
 import math
 import os
+import statistics
+import time
 from typing import Any
 
 import pytest
@@ -322,3 +324,52 @@ def test_the_guard_switches_every_rank_on_the_same_step_and_resumes_at_that_leve
     _fit(str(tmp_path), compression, steps=9, ckpt_path=ckpt, guard=CompressionGuard(check_every_n_steps=2, patience=2))
     for rank in (0, 1):
         assert torch.load(str(tmp_path / f"rank{rank}_start.pt"), weights_only=False)["compressor"] == "bf16"
+
+
+class _TimedPowerSGD(PowerSGDCompressor):
+    """PowerSGD that notes when each of its collectives is issued: (bucket's first key, phase, time)."""
+
+    def __init__(self) -> None:
+        super().__init__(rank=2, min_numel=1)
+        self.issued: list[tuple[int, int, float]] = []
+
+    def phases(self, keys: Any, grads: Any, world: int) -> Any:
+        for phase, (collective, nbytes) in enumerate(super().phases(keys, grads, world)):
+            yield self._timed(collective, keys[0], phase), nbytes
+
+    def _timed(self, collective: Any, key: int, phase: int) -> Any:
+        def issue(group: Any) -> Any:
+            self.issued.append((key, phase, time.perf_counter()))
+            return collective(group)
+
+        return issue
+
+
+def _phase_timing(rank: int, world: int) -> list[float]:
+    from lightning_static_dist.sync import GradientSynchronizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(12)])
+    sync = GradientSynchronizer(model.named_parameters(), first_bucket_mb=0.3, bucket_mb=0.3)  # one block per bucket
+    compressor = _TimedPowerSGD()
+    sync.reducer = CompressingReducer(compressor, [p.shape for p in sync.parameters])
+    sync.attach()
+    fractions = []
+    for _ in range(6):
+        x = torch.randn(512, 256)
+        compressor.issued.clear()
+        loss = model(x).square().mean()
+        start = time.perf_counter()
+        loss.backward()  # the round finishes inside, from autograd's end-of-backward callback
+        end = time.perf_counter()
+        second = [t for _, phase, t in compressor.issued if phase == 1]
+        fractions.append((min(second) - start) / (end - start))
+        for p in model.parameters():
+            p.grad = None
+    return fractions[2:]
+
+
+def test_powersgd_second_phase_starts_while_backward_is_still_running() -> None:
+    for fractions in run_ranks(_phase_timing, 2):
+        # the first bucket's Q all-reduce goes out from a later gradient hook, well before backward ends
+        assert statistics.median(fractions) < 0.6, fractions

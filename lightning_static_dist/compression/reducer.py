@@ -216,6 +216,12 @@ class CompressingReducer:
         self._chain = []
         self.measure = False
 
+    def abandon_round(self) -> None:
+        """Forget the round's reductions (the synchroniser gave up on the round after an exception)."""
+        self._chain = []
+        self.measure = False
+        self.error_sq = [0.0, 0.0]
+
     def take_relative_error(self) -> Optional[float]:
         """|g_hat - g| / |g| of the last measured round (``None`` if nothing was measured); resets the sums."""
         (diff, ref), self.error_sq = self.error_sq, [0.0, 0.0]

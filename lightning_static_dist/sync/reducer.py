@@ -2,8 +2,9 @@
 
 A :class:`BucketReducer` receives a flat buffer holding this rank's gradients of one bucket and returns a
 :class:`PendingReduction` at once; ``wait()`` gives back the flat buffer holding the *average* over the group.
-The built-in :class:`MeanAllReduce` is one asynchronous ``all_reduce``. A compressing reducer may run several
-collectives and return a different tensor, as long as ``wait()`` returns the averaged buffer of the same size.
+The built-in :class:`MeanAllReduce` is one asynchronous ``all_reduce``; the compressing reducer
+(:mod:`lightning_static_dist.compression.reducer`) runs several collectives per bucket, as long as ``wait()``
+returns the averaged buffer of the same size.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class BucketReducer(Protocol):
     def payload_bytes(self, bucket: GradBucket, flat: Tensor) -> int:
         """Bytes this rank puts on the wire for this bucket (the payload, not the algorithm's traffic)."""
         ...
+
+    # Optional, looked up with getattr by the synchroniser: ``round_finished()`` after a round's write-back,
+    # ``abandon_round()`` when a round is given up; a returned reduction may carry ``nbytes`` (its own payload
+    # count, overriding payload_bytes) and ``poll()`` (called from gradient-ready hooks to start later phases).
 
 
 class _PendingWork:

@@ -186,6 +186,9 @@ class GradientSynchronizer:
     def abandon_round(self) -> None:
         """Forget the round after an exception, without waiting: a failed peer may never join what is in flight."""
         self._finish_queued = self._finished_by_engine = False
+        abandon = getattr(self._reducer, "abandon_round", None)
+        if abandon is not None:
+            abandon()
         self._reset_round()
 
     # ------------------------------------------------------------------------------------------------- a round
