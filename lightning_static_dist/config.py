@@ -319,28 +319,35 @@ class CompressionConfig:
 
 @dataclass
 class EmbeddingConfig:
-    """``strategy.embedding``: sharded embeddings with a hoisted all-gather.
+    """``strategy.embedding``: shard embeddings across data-parallel ranks, with the all-gather hoisted.
 
-    Not implemented yet: only ``shard: false`` is accepted.
+    Each rank keeps 1/N of the rows of each sharded embedding (its weight, gradient and optimizer state); the full
+    weight is all-gathered asynchronously before the forward and its gradient reduce-scattered in backward. Tied
+    uses (``head.weight = wte.weight``) share one gather. See :mod:`lightning_static_dist.embedding`.
 
     Example::
 
-        StaticDistStrategy(embedding={"shard": False})
+        StaticDistStrategy(embedding={"shard": "auto", "min_rows": 8192, "prefetch": "batch_start"})
     """
 
     KEY = "strategy.embedding"
 
     shard: Union[bool, Literal["auto"]] = False
-    """Shard embeddings across data-parallel ranks (not implemented yet: must be false)."""
+    """``auto``: embeddings (``nn.Embedding``/``nn.EmbeddingBag``) with at least ``min_rows`` rows; ``true``: every
+    embedding; ``false``: none. Ignored at world size 1."""
     min_rows: int = 8192
     """With ``shard: auto``, the smallest embedding that gets sharded."""
+    prefetch: Literal["batch_start", "after_optimizer"] = "batch_start"
+    """When the all-gather is issued: in the batch-start hook (overlapping the loader and the host-to-device copy),
+    or right after the previous optimizer step."""
+    gather_once_per_step: bool = True
+    """With gradient accumulation: keep the gathered weight across micro-batches (one gather per step); false
+    frees it after every backward and gathers again (less memory, one gather per micro-batch)."""
 
     def __post_init__(self) -> None:
         _check_fields(self)
         if self.min_rows < 1:
             _fail(f"{self.KEY}.min_rows", self.min_rows, "must be an integer >= 1")
-        if self.shard is not False:
-            _fail(f"{self.KEY}.shard", self.shard, "embedding sharding is not implemented yet; allowed: false")
 
 
 @dataclass
@@ -375,6 +382,9 @@ class StrategyConfig:
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             _fail(f"{self.KEY}.timeout_s", self.timeout_s, "must be a finite number of seconds > 0")
         self.timeout_s = float(self.timeout_s)
+        if self.embedding.shard is not False and self.sync.mode == "graph":
+            _fail(f"{self.KEY}.embedding.shard", self.embedding.shard,
+                  "sharded embeddings need strategy.sync.mode=hooks (mode is 'graph'); allowed with graph: false")
         if self.compression.name != "none" and self.sync.mode == "graph":
             _fail(f"{self.KEY}.compression.name", self.compression.name,
                   "compression runs in the synchroniser's buckets; it needs strategy.sync.mode=hooks (mode is 'graph')")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -59,6 +59,7 @@ from lightning_static_dist.compile import (
 )
 from lightning_static_dist.compression import CompressingReducer, build_compressor
 from lightning_static_dist.config import ConfigError, StrategyConfig
+from lightning_static_dist.embedding import EmbeddingSharder
 from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_parameters
 from lightning_static_dist.mesh import DP_DIM, build_dp_mesh
 from lightning_static_dist.overlap.recorder import StepRecorder
@@ -143,6 +144,9 @@ class StaticDistStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._mesh: Optional[DeviceMesh] = None
         self._compression_resume: Optional[dict[str, Any]] = None
+        self._embedding_sharder: Optional[EmbeddingSharder] = None
+        self._accumulating = False
+        self._failed = False
         self._synchronizer: Optional[GradientSynchronizer] = None
         self._buffers_to_broadcast: list[Tensor] = []
         self._compile_report: Optional[CompileReport] = None
@@ -279,6 +283,7 @@ class StaticDistStrategy(ParallelStrategy):
         # every rank starts from rank 0's weights and buffers, whatever its own initialisation drew
         broadcast_tensors(list(self.model.parameters()) + list(self.model.buffers()), group=self._dp_group)
         if trainer.state.fn == TrainerFn.FITTING:
+            self._shard_embeddings()  # before the optimizer is built: it must hold the shards, not the full weights
             self.setup_optimizers(trainer)
             if self.world_size > 1:  # one rank has nothing to average: no buckets, no copies
                 self._attach_synchronizer()
@@ -344,8 +349,10 @@ class StaticDistStrategy(ParallelStrategy):
         assert self.model is not None
         sync = self._config.sync
         self._buffers_to_broadcast = list(self.model.buffers()) if sync.broadcast_buffers else []
+        sharded = self._embedding_sharder.shard_parameters() if self._embedding_sharder is not None else set()
         self._synchronizer = GradientSynchronizer(
-            self.model.named_parameters(),
+            # a shard's gradient arrives averaged by its own reduce-scatter
+            [(name, p) for name, p in self.model.named_parameters() if id(p) not in sharded],
             group=self._dp_group,
             first_bucket_mb=sync.first_bucket_mb,
             bucket_mb=sync.bucket_mb,
@@ -357,6 +364,70 @@ class StaticDistStrategy(ParallelStrategy):
             self._restore_compression_state()
         self._synchronizer.attach()
         self._synchronizer.recorder = self.recorder
+
+    # ------------------------------------------------------------------------------------- sharded embeddings
+
+    @property
+    def embedding_sharder(self) -> Optional[EmbeddingSharder]:
+        """The sharded embeddings (``None`` when ``strategy.embedding.shard`` is off or at world size 1)."""
+        return self._embedding_sharder
+
+    def _shard_embeddings(self) -> None:
+        config = self._config.embedding
+        if config.shard is False or self._embedding_sharder is not None:
+            return
+        if self.world_size == 1:
+            rank_zero_info("static_dist: world size 1, strategy.embedding.shard has nothing to shard across")
+            return
+        assert self.lightning_module is not None
+        sharder = EmbeddingSharder(self.lightning_module, config, self._dp_group)
+        weights = sharder.shard()
+        if not weights:
+            rank_zero_warn(
+                f"static_dist: strategy.embedding.shard={config.shard!r} found no nn.Embedding"
+                + (f" with at least min_rows={config.min_rows} rows" if config.shard == "auto" else "")
+                + "; nothing is sharded"
+            )
+            return
+        self._embedding_sharder = sharder
+        for w in weights:
+            rank_zero_info(f"static_dist: sharded {' = '.join(w.names)} ({w.rows} rows): {w.shard_rows} rows per rank")
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._embedding_sharder is not None and self._config.embedding.prefetch == "batch_start":
+            self._embedding_sharder.prefetch()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        if self._embedding_sharder is not None:
+            state = self._embedding_sharder.full_state_dict(state)  # collective: every rank gets here
+        return state
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._embedding_sharder is not None:
+            checkpoint = {**checkpoint, "state_dict": self._embedding_sharder.shard_state_dict(checkpoint["state_dict"])}
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        state = super().optimizer_state(optimizer)
+        if self._embedding_sharder is not None:
+            inner = optimizer._optimizer if hasattr(optimizer, "_optimizer") else optimizer
+            state = self._embedding_sharder.full_optimizer_state(inner, state)  # collective
+        return state
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._embedding_sharder is not None:
+            states = [
+                self._embedding_sharder.shard_optimizer_state(opt, state)
+                for opt, state in zip(self.optimizers, checkpoint["optimizer_states"])
+            ]
+            checkpoint = {**checkpoint, "optimizer_states": states}
+        super().load_optimizer_state_dict(checkpoint)
 
     # -------------------------------------------------------------------------------------------- checkpoints
 
@@ -419,6 +490,8 @@ class StaticDistStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._buffers_to_broadcast:
             broadcast_tensors(self._buffers_to_broadcast, group=self._dp_group)
+        if self._embedding_sharder is not None:
+            self._embedding_sharder.materialize()  # the only wait for the gather issued at batch start
         if self.recorder is None:
             return super().training_step(*args, **kwargs)
         self.recorder.begin("forward")
@@ -434,6 +507,10 @@ class StaticDistStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._embedding_sharder is not None:
+            self._embedding_sharder.release()  # the shards changed: any gathered weight is stale
+            if self._config.embedding.prefetch == "after_optimizer":
+                self._embedding_sharder.prefetch()
         if self.recorder is not None:
             self.recorder.end("optimizer")
         return output
@@ -451,6 +528,12 @@ class StaticDistStrategy(ParallelStrategy):
         if self.recorder is not None:
             self.recorder.end("backward")  # before the wait: waiting is not compute
         self._synchronize_gradients()
+        sharder = self._embedding_sharder
+        if sharder is not None and not (self._accumulating and self._config.embedding.gather_once_per_step):
+            sharder.release()  # the full weight lives from the gather to the end of the (synchronised) backward
+            if self.recorder is not None:
+                self.recorder.note("embed_gather_ms", 1e3 * sharder.timing.gather_s)
+                self.recorder.note("embed_gather_exposed_ms", 1e3 * sharder.timing.exposed_s)
         if self.recorder is not None:
             self.recorder.begin("optimizer")
 
@@ -487,15 +570,20 @@ class StaticDistStrategy(ParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Accumulate gradients locally (Lightning enters this on non-boundary micro-batches)."""
         sync = self._graph_sync or self._synchronizer
-        if sync is None:
-            yield None
-            return
-        with sync.no_sync():
-            yield None
+        self._accumulating = True
+        try:
+            if sync is None:
+                yield None
+                return
+            with sync.no_sync():
+                yield None
+        finally:
+            self._accumulating = False
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         # forget the round without waiting: a peer that failed may never join the collectives in flight
+        self._failed = True
         if self._synchronizer is not None:
             self._synchronizer.abandon_round()
 
@@ -540,6 +628,13 @@ class StaticDistStrategy(ParallelStrategy):
         if self._graph_sync is not None:
             self._graph_sync.detach()
             self._graph_sync = None
+        if self._embedding_sharder is not None:
+            if self._failed:
+                rank_zero_warn("static_dist: training failed; the sharded embeddings stay sharded in this process")
+            else:
+                self._embedding_sharder.unshard()  # a usable model after fit (collective: every rank tears down)
+            self._embedding_sharder = None
+        self._failed = False
         self._buffers_to_broadcast = []
         self.requested_backend = None
         self.recorder = None

@@ -78,7 +78,8 @@ INVALID_OVERRIDES = [
     pytest.param(["strategy.compile.backend=turbo"], "strategy.compile.backend", "'turbo'", id="compile-backend-unknown"),
     pytest.param(["strategy.compile.mode=fastest"], "strategy.compile.mode", "'fastest'", id="compile-mode-bogus"),
     pytest.param(["strategy.compression.name=zip"], "strategy.compression.name", "'zip'", id="compression-unknown"),
-    pytest.param(["strategy.embedding.shard=true"], "strategy.embedding.shard", "True", id="embedding-shard-true"),
+    pytest.param(["strategy.embedding.shard=maybe"], "strategy.embedding.shard", "'maybe'", id="embedding-shard-bogus"),
+    pytest.param(["strategy.embedding.prefetch=never"], "strategy.embedding.prefetch", "'never'", id="embedding-prefetch-bogus"),
     pytest.param(["strategy.embedding.min_rows=0"], "strategy.embedding.min_rows", "=0", id="embedding-min-rows-zero"),
     pytest.param(["seed=-1"], "seed", "-1", id="seed-negative"),
     # trainer
@@ -162,7 +163,8 @@ INVALID_STRATEGY_KWARGS = [
     pytest.param({"compression": {"name": "qsgd", "levels": 1}}, "strategy.compression.levels", "=1", id="compression-levels-one"),
     pytest.param({"compression": {"name": "bf16"}, "sync": {"mode": "graph"}}, "strategy.compression.name", "sync.mode=hooks",
                  id="compression-needs-hooks"),
-    pytest.param({"embedding": {"shard": "auto"}}, "strategy.embedding.shard", "'auto'", id="embedding-shard-auto"),
+    pytest.param({"embedding": {"shard": "auto"}, "sync": {"mode": "graph"}}, "strategy.embedding.shard", "sync.mode=hooks",
+                 id="embedding-shard-needs-hooks"),
     pytest.param({"timeout_s": "1h"}, "strategy.timeout_s", "'1h'", id="timeout-string"),
     pytest.param({"timeout_s": 0}, "strategy.timeout_s", "=0", id="timeout-zero"),
     pytest.param({"start_method": "thread"}, "start_method", "'thread'", id="start-method-unknown"),
@@ -333,7 +335,7 @@ _KEYS = [
     "strategy.sync", "strategy.sync.mode", "strategy.sync.bucket_mb", "strategy.sync.first_bucket_mb",
     "strategy.sync.broadcast_buffers", "strategy.compression.name", "strategy.compression.rank",
     "strategy.compression.density", "strategy.compression.levels", "strategy.embedding.shard",
-    "strategy.embedding.min_rows", "strategy.timeout_s",
+    "strategy.embedding.min_rows", "strategy.embedding.prefetch", "strategy.timeout_s",
     "callbacks.run_summary", "callbacks.run_summary.enabled", "callbacks.run_summary.warmup_steps",
     "callbacks.run_summary.loss_key",
     # bogus keys, each level, and keys nested under scalars

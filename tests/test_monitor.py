@@ -72,8 +72,8 @@ def test_every_metric_is_logged_with_finite_values_and_a_timeline_is_drawn(tmp_p
     rows = fit(tmp_path, None, steps=6, timeline_every_n_steps=5)
     for name in METRICS:
         for key in (f"static_dist/{name}", f"static_dist/{name}_max"):
-            if key == "static_dist/trigger_delay_max_ms_max":
-                continue
+            if key == "static_dist/trigger_delay_max_ms_max" or "embed_gather" in key:
+                continue  # embed_gather_*: logged only with sharded embeddings
             values = series(rows, key)
             assert len(values) == 6, key
             assert all(math.isfinite(v) for v in values), (key, values)

@@ -84,7 +84,9 @@ def step_metrics(timeline: StepTimeline) -> dict[str, float]:
     Without collectives (one rank, or a step under gradient accumulation) the comm figures are 0 and the
     ratios are NaN: nothing was there to hide. ``comm_start_frac`` is the fraction of backward that had passed
     when the step's first collective was issued (clamped to [0, 1]); ``compression_ratio`` is the bytes the step's
-    buckets would have sent uncompressed over the bytes they sent (1.0 without compression).
+    buckets would have sent uncompressed over the bytes they sent (1.0 without compression). ``embed_gather_ms``
+    (issue to completion of the sharded embeddings' all-gather) and ``embed_gather_exposed_ms`` (how long the forward
+    waited for it) are NaN without sharded embeddings.
     """
     comp = [(s, e) for _, s, e in timeline.compute]
     comm = [(c.issued_s, c.done_s) for c in timeline.comm]
@@ -111,6 +113,8 @@ def step_metrics(timeline: StepTimeline) -> dict[str, float]:
         "trigger_delay_max_ms": 1e3 * max(delays) if delays else 0.0,
         "bytes_sent": float(sent),
         "comm_start_frac": start_frac,
+        "embed_gather_ms": timeline.extra.get("embed_gather_ms", nan),
+        "embed_gather_exposed_ms": timeline.extra.get("embed_gather_exposed_ms", nan),
         "compression_ratio": (
             sum(c.nbytes if c.dense_nbytes < 0 else c.dense_nbytes for c in timeline.comm) / sent if sent else nan
         ),

@@ -38,6 +38,8 @@ METRICS = (
     "bytes_sent",
     "comm_start_frac",
     "compression_ratio",
+    "embed_gather_ms",
+    "embed_gather_exposed_ms",
 )
 
 
@@ -160,12 +162,14 @@ class OverlapMonitor(Callback):
         if trainer.world_size > 1:  # maxima over ranks (the per-step maximum of the trigger delay has its own name)
             row.update({f"static_dist/{k}_max": values[len(METRICS) + i] for i, k in enumerate(METRICS) if k != "trigger_delay_max_ms"})
         self.history.append({"step": float(timeline.step), **row})
+        row = {k: v for k, v in row.items() if v == v}  # NaN: nothing to measure (no sharded embedding ...)
         # straight to the loggers (rank zero only, values already aggregated): LightningModule.log costs ~0.3 ms a
         # call, 15 calls a step were most of this monitor's cost (monitor-cost benchmark)
         for logger in trainer.loggers:
             logger.log_metrics(row, step=timeline.step)
         if self.prog_bar and pl_module is not None:  # on_train_end cannot log any more
-            pl_module.log("static_dist/overlap_ratio", row["static_dist/overlap_ratio"], prog_bar=True, logger=False)
+            pl_module.log("static_dist/overlap_ratio", self.history[-1]["static_dist/overlap_ratio"], prog_bar=True,
+                          logger=False)
         if self.timeline_every_n_steps and timeline.step % self.timeline_every_n_steps == 0:
             self._draw(trainer, timeline, timeline.step)
 

@@ -50,6 +50,7 @@ class StepRecorder:
         self._issued: dict[int, tuple[Any, int, Any, int]] = {}
         self._done: dict[int, float] = {}
         self._waited: dict[int, Any] = {}
+        self._extra: dict[str, float] = {}
 
     def _mark(self) -> Any:
         if self._cuda:
@@ -72,6 +73,11 @@ class StepRecorder:
     def end(self, phase: str) -> None:
         if self.active and phase in self._open:
             self._phases.append((phase, self._open.pop(phase), self._mark()))
+
+    def note(self, key: str, value_ms: float) -> None:
+        """A figure measured elsewhere (the embedding gather), carried with this step's timeline."""
+        if self.active and self._origin is not None:
+            self._extra[key] = value_ms
 
     def bucket_ready(self, bucket: int) -> None:
         if self.active and self._origin is not None:
@@ -107,7 +113,7 @@ class StepRecorder:
         for phase in list(self._open):
             self.end(phase)
         raw = _RawStep(self._step, self._rank, self._origin, self._phases, self._issued, self._ready, self._done,
-                       self._waited)
+                       self._waited, self._extra)
         self._reset(step=-1, rank=self._rank)
         if not keep:
             return None
@@ -128,7 +134,7 @@ class StepRecorder:
         def seconds(mark: Any) -> float:
             return raw.origin.elapsed_time(mark) / 1e3 if self._cuda else mark - raw.origin
 
-        timeline = StepTimeline(step=raw.step, rank=raw.rank)
+        timeline = StepTimeline(step=raw.step, rank=raw.rank, extra=dict(raw.extra))
         timeline.compute = [(name, seconds(a), seconds(b)) for name, a, b in raw.phases]
         for bucket, (issued, nbytes, work, dense_nbytes) in sorted(raw.issued.items()):
             issued_s = seconds(issued)
@@ -159,10 +165,11 @@ class _RawStep:
     rank: int
     origin: Any
     phases: list[tuple[str, Any, Any]]
-    issued: dict[int, tuple[Any, int, Any]]
+    issued: dict[int, tuple[Any, int, Any, int]]
     ready: dict[int, Any]
     done: dict[int, float]
     waited: dict[int, Any]
+    extra: dict[str, float]
 
 
 def _nccl_duration_ms(work: Any) -> Optional[float]:

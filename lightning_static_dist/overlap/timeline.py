@@ -45,3 +45,5 @@ class StepTimeline:
     compute: list[tuple[str, float, float]] = field(default_factory=list)
     """(phase, start, end): ``forward``, ``backward``, ``optimizer``."""
     comm: list[CommRecord] = field(default_factory=list)
+    extra: dict[str, float] = field(default_factory=dict)
+    """Figures measured outside the buckets, in milliseconds (``embed_gather_ms``, ``embed_gather_exposed_ms``)."""
