@@ -24,17 +24,13 @@ the collectives run inside the compiled graph, where the monitor does not see th
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _common import ROOT, run_worker, write_record
+
 CONFIG = os.path.join(ROOT, "configs", "charlm_cpu.yaml")
 CONTENDERS = ("ddp", "static_dist", "ddp_compile", "static_dist_compile", "static_dist_graph")
 #: contender -> (compiled?, sync mode) for the table
@@ -112,18 +108,7 @@ def worker(contender: str, steps: int, warmup: int, out: str) -> None:
 
 
 def run_one(contender: str, steps: int, warmup: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", contender, "--steps", str(steps),
-               "--warmup", str(warmup), "--out", out]
-        started = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.exit(f"{contender} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        with open(out) as f:
-            record = json.load(f)
-        record["wall_s"] = time.perf_counter() - started
-        return record
+    return run_worker(__file__, contender, "--steps", str(steps), "--warmup", str(warmup))
 
 
 def main() -> None:
@@ -194,26 +179,8 @@ def main() -> None:
 
     if args.no_record:
         return
-    import lightning
-    import torch
-
-    today = datetime.date.today().isoformat()
-    record = {
-        "scenario": "cpu2-charlm",
-        "date": today,
-        "hardware": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "ranks": 2,
-                     "backend": "gloo"},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__},
-        "command": "python benchmarks/cpu2_charlm.py " + " ".join(
-            f"--{k} {getattr(args, k)}" for k in ("rounds", "steps", "warmup")),
-        "config": os.path.relpath(CONFIG, ROOT),
-        "rows": rows,
-        "summary": summary,
-    }
-    path = os.path.join(ROOT, "benchmarks", "results", f"cpu2-charlm-{today}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=2)
-    print(f"recorded: {os.path.relpath(path, ROOT)}")
+    command = "python benchmarks/cpu2_charlm.py " + " ".join(f"--{k} {getattr(args, k)}" for k in ("rounds", "steps", "warmup"))
+    write_record("cpu2-charlm", command, config=os.path.relpath(CONFIG, ROOT), rows=rows, summary=summary)
 
 
 if __name__ == "__main__":

@@ -27,17 +27,13 @@ bytes at <= 1.03x final loss; topk 1 % >= 20x at <= 1.05x; bf16 2x at <= 1.01x.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _common import ROOT, run_worker, write_record
+
 CONFIG = os.path.join(ROOT, "configs", "charlm_cpu.yaml")
 CONTENDERS = {  # name: strategy.compression overrides (+ "guard": run the CompressionGuard)
     "none": {"name": "none"},
@@ -93,17 +89,7 @@ def worker(contender: str, steps: int, out: str) -> None:
 
 
 def run_one(contender: str, steps: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", contender, "--steps", str(steps), "--out", out]
-        started = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.exit(f"{contender} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        with open(out) as f:
-            record = json.load(f)
-        record["wall_s"] = round(time.perf_counter() - started, 1)
-        return record
+    return run_worker(__file__, contender, "--steps", str(steps))
 
 
 def main() -> None:
@@ -158,24 +144,8 @@ def main() -> None:
               f"{len(r['guard_events']):>6}  {r.get('target', '')} {'' if 'target_met' not in r else ('met' if r['target_met'] else 'NOT met')}")
     if args.no_record:
         return
-    import lightning
-    import torch
-
-    today = datetime.date.today().isoformat()
-    record = {
-        "scenario": "cpu2-compress",
-        "date": today,
-        "hardware": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "ranks": 2,
-                     "backend": "gloo"},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__},
-        "command": f"python benchmarks/cpu2_compress.py --steps {args.steps}",
-        "config": os.path.relpath(CONFIG, ROOT),
-        "rows": rows,
-    }
-    path = os.path.join(ROOT, "benchmarks", "results", f"cpu2-compress-{today}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=2)
-    print(f"recorded: {os.path.relpath(path, ROOT)}")
+    write_record("cpu2-compress", f"python benchmarks/cpu2_compress.py --steps {args.steps}",
+                 config=os.path.relpath(CONFIG, ROOT), rows=rows)
 
 
 if __name__ == "__main__":

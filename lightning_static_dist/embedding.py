@@ -4,9 +4,9 @@ The largest parameter of a language model is usually its token embedding, often 
 keeps ``ceil(V / N)`` rows of it (the last shard padded), so the weight, its gradient and its optimizer state
 shrink by the world size. Per step:
 
-1. **Gather, early.** The all-gather of the shards is issued asynchronously in the batch-start hook (or right after
-   the previous optimizer step), so it overlaps the data loader, the host-to-device copy and anything before the
-   forward — not inside the first block, where it would stall the whole step.
+1. **Gather, early.** The all-gather of the shards is issued asynchronously right after the previous optimizer
+   step (or in the batch-start hook), so it overlaps the end of that step, the data loader and the batch transfer
+   — not inside the first block, where it would stall the whole step.
 2. **Wait, once.** Right before the forward, the strategy waits for it (the only place that waits) and gives every
    module that uses the weight — the embedding and a tied head — the *same* gathered tensor: one gather, not two.
 3. **Reduce-scatter in backward.** The gathered tensor is the output of :class:`GatherRows`, whose backward
@@ -119,7 +119,7 @@ class EmbeddingSharder:
 
         sharder = EmbeddingSharder(model, EmbeddingConfig(shard="auto"), group)
         sharder.shard()              # before the optimizer is built: it must hold the shards
-        sharder.prefetch()           # batch start
+        sharder.prefetch()           # after the previous optimizer step, or at batch start
         sharder.materialize()        # right before the forward
         loss.backward()              # reduce-scatters the embedding gradient
         sharder.release()            # after the synchronised backward
@@ -281,6 +281,7 @@ class EmbeddingSharder:
 
     def unshard(self) -> None:
         """Put full ``nn.Parameter`` weights back (collective), so the model is usable after ``fit``."""
+        self.release()  # waits for a gather still in flight (prefetch: after_optimizer issues one after the last step)
         for w in self.weights:
             full = nn.Parameter(self._gather_rows(w.shard.detach(), w.rows).clone(), requires_grad=w.shard.requires_grad)
             home, attr = w.owners[0]
