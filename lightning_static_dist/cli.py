@@ -77,7 +77,13 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         trainer, model, datamodule = build_trainer_inputs(cfg)
     except ConfigError as err:
         parser.exit(2, f"lsd-train: error: {err}\n")
-    trainer.fit(model, datamodule=datamodule)
+    try:
+        trainer.fit(model, datamodule=datamodule)
+    except Exception:
+        failure = getattr(trainer.strategy, "failure", None)
+        if failure is None:
+            raise
+        sys.exit(1)  # the strategy printed the one line that says what happened; no stack trace on top of it
 
 
 def _jsonable(obj: Any) -> Any:

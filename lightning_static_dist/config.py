@@ -249,6 +249,11 @@ class SyncConfig:
     """Capacity of the first bucket, in MiB: small, so the first collective starts early in backward."""
     broadcast_buffers: bool = True
     """Broadcast module buffers (BatchNorm statistics ...) from rank 0 before every training forward, like DDP."""
+    nonfinite: Literal["off", "warn", "skip", "error"] = "off"
+    """After each synchronised backward, check the averaged gradients for NaN/Inf (one flag all-reduced, so every
+    rank decides alike): ``warn`` and step anyway, ``skip`` the optimizer step on every rank, ``error`` naming the
+    first offending parameter. ``off``: no check, like DDP. Not applied with a gradient scaler (16-mixed), which
+    skips such steps itself."""
 
     def __post_init__(self) -> None:
         _check_fields(self)

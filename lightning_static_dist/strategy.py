@@ -15,8 +15,12 @@ One training step, as Lightning drives it::
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
 import logging
+import signal
+import sys
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -60,6 +64,7 @@ from lightning_static_dist.compile import (
 from lightning_static_dist.compression import CompressingReducer, build_compressor
 from lightning_static_dist.config import ConfigError, StrategyConfig
 from lightning_static_dist.embedding import EmbeddingSharder
+from lightning_static_dist.faults import diagnose, is_collective_failure, waiting_in
 from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_parameters
 from lightning_static_dist.mesh import DP_DIM, build_dp_mesh
 from lightning_static_dist.overlap.recorder import StepRecorder
@@ -68,6 +73,26 @@ from lightning_static_dist.sync.broadcast import broadcast_tensors
 from lightning_static_dist.sync.graph import GraphGradientSync, compiled_backward
 
 log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _destroy_process_groups_at_exit() -> None:
+    """Destroy the process groups while the interpreter is still whole (registered once per process).
+
+    A Gloo worker thread still holding an async work's tensors when the interpreter finalises aborts the process
+    (SIGABRT, "terminate called without an active exception"; pytorch#179291 describes it and was not merged).
+    Async collectives with completion callbacks — what this strategy runs — make that more likely. Lightning does
+    not destroy the process group after ``fit``; this does, at exit only, so later ``fit``/``test`` calls still work.
+    """
+
+    def destroy() -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            try:
+                torch.distributed.destroy_process_group()
+            except Exception as err:  # exiting anyway: say why, do not mask the exit status
+                log.debug(f"static_dist: destroy_process_group at exit failed: {err}")
+
+    atexit.register(destroy)
 
 #: Where a checkpoint keeps every rank's compression state (a list indexed by rank).
 _COMPRESSION_KEY = "static_dist_compression"
@@ -145,6 +170,10 @@ class StaticDistStrategy(ParallelStrategy):
         self._mesh: Optional[DeviceMesh] = None
         self._compression_resume: Optional[dict[str, Any]] = None
         self._embedding_sharder: Optional[EmbeddingSharder] = None
+        self.failure: Optional[str] = None
+        """One line saying which rank stopped participating, and where, after a communication failure."""
+        self.nonfinite_steps = 0
+        """Synchronised steps whose averaged gradients held NaN/Inf (with ``strategy.sync.nonfinite`` on)."""
         self._accumulating = False
         self._failed = False
         self._synchronizer: Optional[GradientSynchronizer] = None
@@ -259,6 +288,7 @@ class StaticDistStrategy(ParallelStrategy):
             timeout=timedelta(seconds=self._config.timeout_s),
             device_id=self.root_device if self.root_device.type != "cpu" else None,
         )
+        _destroy_process_groups_at_exit()
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
 
     def set_world_ranks(self) -> None:
@@ -489,9 +519,11 @@ class StaticDistStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._buffers_to_broadcast:
-            broadcast_tensors(self._buffers_to_broadcast, group=self._dp_group)
+            with waiting_in("the broadcast of module buffers"):
+                broadcast_tensors(self._buffers_to_broadcast, group=self._dp_group)
         if self._embedding_sharder is not None:
-            self._embedding_sharder.materialize()  # the only wait for the gather issued at batch start
+            with waiting_in("the all-gather of the sharded embeddings"):
+                self._embedding_sharder.materialize()  # the only wait for the gather issued earlier
         if self.recorder is None:
             return super().training_step(*args, **kwargs)
         self.recorder.begin("forward")
@@ -528,6 +560,8 @@ class StaticDistStrategy(ParallelStrategy):
         if self.recorder is not None:
             self.recorder.end("backward")  # before the wait: waiting is not compute
         self._synchronize_gradients()
+        if self._config.sync.nonfinite != "off" and not self._accumulating:
+            self._check_nonfinite(self._config.sync.nonfinite)
         sharder = self._embedding_sharder
         if sharder is not None and not (self._accumulating and self._config.embedding.gather_once_per_step):
             sharder.release()  # the full weight lives from the gather to the end of the (synchronised) backward
@@ -536,6 +570,39 @@ class StaticDistStrategy(ParallelStrategy):
                 self.recorder.note("embed_gather_exposed_ms", 1e3 * sharder.timing.exposed_s)
         if self.recorder is not None:
             self.recorder.begin("optimizer")
+
+    def _check_nonfinite(self, policy: str) -> None:
+        """``strategy.sync.nonfinite``: one collective flag, so every rank warns, skips or raises together."""
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            return  # the gradient scaler skips non-finite steps itself
+        assert self.lightning_module is not None
+        named = [(n, p) for n, p in self.lightning_module.named_parameters() if p.grad is not None]
+        if not named:
+            return
+        norms = torch._foreach_norm([p.grad for _, p in named])
+        finite = torch.isfinite(torch.stack(norms))
+        flag = (~finite).any().to(torch.float32).reshape(1)
+        if self.world_size > 1:  # a shard's gradient is only on its owner: decide together
+            torch.distributed.all_reduce(flag, group=self._dp_group)
+        if flag.item() == 0:
+            return
+        bad = [n for (n, _), ok in zip(named, finite.tolist()) if not ok]
+        first = bad[0] if bad else "a parameter sharded on another rank"
+        step = self.lightning_module.trainer.global_step
+        self.nonfinite_steps += 1
+        if policy == "error":
+            raise FloatingPointError(
+                f"static_dist: non-finite gradient at step {step}, first offending parameter {first!r}"
+                f" ({len(bad)} on this rank; strategy.sync.nonfinite=error)"
+            )
+        if policy == "skip":
+            for _, p in self.lightning_module.named_parameters():
+                p.grad = None  # the optimizer then updates nothing (no weight decay either) on every rank
+        rank_zero_warn(
+            f"static_dist: non-finite gradient at step {step} (first: {first!r}); "
+            + ("optimizer step skipped on every rank" if policy == "skip" else "the optimizer step goes ahead")
+            + f" (strategy.sync.nonfinite={policy})"
+        )
 
     def _synchronize_gradients(self) -> None:
         if self._graph_sync is not None:
@@ -584,6 +651,14 @@ class StaticDistStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # forget the round without waiting: a peer that failed may never join the collectives in flight
         self._failed = True
+        if self.world_size > 1 and is_collective_failure(exception):
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            step = trainer.global_step if trainer is not None else -1
+            self.failure = diagnose(exception, self.global_rank, self.world_size, step)
+            print(self.failure, file=sys.stderr, flush=True)
+            if isinstance(self._launcher, _SubprocessScriptLauncher):
+                # Lightning kills the other ranks only on Ctrl-C; a stuck rank would outlive the job
+                self._launcher.kill(signal.SIGKILL)
         if self._synchronizer is not None:
             self._synchronizer.abandon_round()
 

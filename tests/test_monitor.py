@@ -79,8 +79,9 @@ def test_every_metric_is_logged_with_finite_values_and_a_timeline_is_drawn(tmp_p
             assert all(math.isfinite(v) for v in values), (key, values)
     assert all(v > 0 for v in series(rows, "static_dist/comm_ms"))
     assert all(0 <= v <= 1 for v in series(rows, "static_dist/hidden_comm_fraction"))
-    # 8 blocks x (384x384 + 384) floats + usage flags: what the synchroniser put on the wire each step
-    assert series(rows, "static_dist/bytes_sent")[-1] == 8 * (384 * 384 + 384) * 4 + 16 * 4
+    # 8 blocks x (384x384 + 384) floats + 16 usage flags + one pass number in each of the 5 buckets (0.6 MiB,
+    # then 1.2 MiB: blocks 1 + 2 + 2 + 2 + 1): what the synchroniser put on the wire each step
+    assert series(rows, "static_dist/bytes_sent")[-1] == 8 * (384 * 384 + 384) * 4 + 16 * 4 + 5 * 4
     pictures = glob.glob(os.path.join(str(tmp_path), "lightning_logs", "version_*", "timeline", "step_*.png"))
     assert [os.path.basename(p) for p in sorted(pictures)] == ["step_0.png", "step_5.png"]
     assert all(os.path.getsize(p) > 10_000 for p in pictures)

@@ -217,3 +217,31 @@ def test_buckets_follow_the_observed_gradient_order_on_every_rank() -> None:
     # reverse registration order would have put body.3 first and head last
     assert r0["first_bucket"] == ["head.bias", "head.weight"] or r0["first_bucket"] == ["head.weight", "head.bias"]
     assert r0["plan"] == r1["plan"]
+
+
+def _skip_a_step(rank: int, world: int) -> str:
+    from lightning_static_dist.fingerprint import RankMismatchError
+    from lightning_static_dist.sync import GradientSynchronizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    sync = GradientSynchronizer(model.named_parameters())
+    sync.attach()
+    try:
+        for step in range(4):
+            if rank == 1 and step == 2:
+                with sync.no_sync():  # rank 1 skips this step's synchronisation: its next round is rank 0's third
+                    model(torch.randn(2, 8)).sum().backward()
+                continue
+            model(torch.randn(2, 8)).sum().backward()
+            sync.finish_if_pending()
+    except RankMismatchError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_rank_that_skips_a_step_is_named_on_every_rank() -> None:
+    for message in run_ranks(_skip_a_step, 2, timeout=60):
+        # rank 0's third synchronised backward (pass 2) met rank 1's fourth (pass 3: its skipped step counted)
+        assert message.startswith("static_dist: ranks are in different steps — rank 0 at backward pass 2, rank 1 at"
+                                  " backward pass 3"), message

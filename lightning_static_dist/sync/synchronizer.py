@@ -46,6 +46,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
+from lightning_static_dist.faults import waiting_in
+from lightning_static_dist.fingerprint import RankMismatchError
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.sync.plan import BucketPlan, GradBucket, MiB, ParamSpec, plan_buckets
 from lightning_static_dist.sync.reducer import BucketReducer, MeanAllReduce, PendingReduction, all_reduce_sum
@@ -123,6 +125,10 @@ class GradientSynchronizer:
         self._sync_enabled = True
         self._finish_queued = False
         self._finished_by_engine = False
+        self._in_pass = False
+        self._pass_number = 0
+        self.backward_passes = 0
+        """Backward passes that produced a gradient here, with or without synchronisation (same on every rank)."""
         self.recorder: Optional[StepRecorder] = None
         """Set by the overlap monitor: marks buckets ready, issued and waited."""
         self.usage_counts: dict[str, int] = {}
@@ -204,6 +210,12 @@ class GradientSynchronizer:
         self._observed_order = []
 
     def _on_grad_ready(self, index: int, param: Parameter) -> None:
+        if not self._in_pass:
+            # count backward passes, synchronised or not: the number every bucket carries to check the ranks agree
+            # (taken here, at the pass's first hook: a bucket may be sealed during backward or after it)
+            self._in_pass = True
+            self._pass_number = self.backward_passes
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
         if not self._sync_enabled:
             return
         if not self._finish_queued:
@@ -231,7 +243,7 @@ class GradientSynchronizer:
             self._next_to_launch += 1
 
     def _launch(self, buffer: _BucketBuffer, record_as: int) -> PendingReduction:
-        flat = buffer.seal()
+        flat = buffer.seal(self._pass_number)
         dense = flat.numel() * flat.element_size()
         pending = self._reducer.launch(buffer.bucket, flat, self._group)
         # a compressing reducer knows its payload only once it has chosen how to send this bucket
@@ -247,6 +259,10 @@ class GradientSynchronizer:
             self.recorder.bucket_issued(record_as, nbytes, pending, dense_nbytes=dense)
         return pending
 
+    def _end_pass(self) -> None:
+        self._in_pass = False
+        self.backward_passes += 1
+
     def _finish_from_engine(self) -> None:
         self._finish_queued = False
         if self.recorder is not None:
@@ -259,6 +275,10 @@ class GradientSynchronizer:
         if self._finished_by_engine:
             self._finished_by_engine = False
             return
+        if not self._in_pass and self._sync_enabled:
+            # a backward that produced no gradient on this rank still counts as a pass, as on the other ranks
+            self._pass_number = self.backward_passes
+            self.backward_passes += 1
         self.finish()
 
     def finish(self) -> None:
@@ -284,9 +304,12 @@ class GradientSynchronizer:
         # 3. wait and write back
         for bucket_index, (buffer, pending) in enumerate(zip(self._buffers, self._pending)):
             assert pending is not None
-            averaged = pending.wait()
+            with waiting_in(f"the gradient collective of bucket {bucket_index}"):
+                averaged = pending.wait()
             if self.recorder is not None:
                 self.recorder.bucket_waited(bucket_index)
+            if not buffer.agrees_on_round(averaged, dist.get_world_size(self._group)):
+                self._stop_desynchronised(bucket_index)
             buffer.unpack(averaged, self._params)
         if newcomers or not self._first_round_done:
             self._adopt(newcomers)
@@ -299,6 +322,17 @@ class GradientSynchronizer:
             round_finished()
         self._reset_round()
 
+    def _stop_desynchronised(self, bucket_index: int) -> None:
+        """Every rank sees the mismatch in the same collective: gather the round numbers and stop, naming them."""
+        passes: list[Optional[int]] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(passes, self._buffers[bucket_index].sealed_round, group=self._group)
+        self.abandon_round()
+        listing = ", ".join(f"rank {r} at backward pass {n}" for r, n in enumerate(passes))
+        raise RankMismatchError(
+            f"static_dist: ranks are in different steps — {listing} — seen in the collective of bucket {bucket_index}"
+            " (a rank skipped a step, ran an extra backward, or took another data-dependent branch)"
+        )
+
     def _reduce_usage_of_unplanned(self) -> list[int]:
         """Indices of unplanned parameters that got a gradient on any rank this round (same list on every rank)."""
         unplanned = [i for i, p in enumerate(self._params) if i not in self._plan.location and p.requires_grad]
@@ -306,7 +340,8 @@ class GradientSynchronizer:
             return []
         device = self._params[unplanned[0]].device
         used = torch.tensor([self._params[i].grad is not None for i in unplanned], dtype=torch.float32, device=device)
-        all_reduce_sum(used, self._group)
+        with waiting_in("the all-reduce of parameter usage"):
+            all_reduce_sum(used, self._group)
         self._round_bytes += used.numel() * used.element_size()
         self._round_dense_bytes += used.numel() * used.element_size()
         self.stats.collectives += 1
@@ -357,16 +392,25 @@ def _rank_zero_list(values: list[int], group: Optional[dist.ProcessGroup]) -> li
     return holder[0]
 
 
+_ROUND_MODULUS = 1 << 20  # round numbers travel as floats: exact in fp32 below 2**24
+
+
 class _BucketBuffer:
-    """A bucket's flat buffer — its gradients, then one usage flag per parameter — with one view per slot.
+    """A bucket's flat buffer — its gradients, one usage flag per parameter, a pass number — with slot views.
+
+    The pass number (this rank's count of backward passes, accumulation micro-batches included) makes every
+    collective check that the ranks are in the same step: averaged, it equals each rank's own number only if all
+    agree. A rank that skipped a step — or ran an extra backward — pairs its bucket with another step's, and every
+    rank sees it in that same collective.
 
     The views are made once per plan, so a gradient-ready hook costs one ``copy_`` and the write-back one more.
     """
 
     def __init__(self, bucket: GradBucket, params: Sequence[Parameter]) -> None:
         self.bucket = bucket
-        self.flat = torch.empty(bucket.numel + len(bucket.param_indices), dtype=bucket.dtype, device=bucket.device)
+        self.flat = torch.empty(bucket.numel + len(bucket.param_indices) + 1, dtype=bucket.dtype, device=bucket.device)
         self.views = self._slot_views(self.flat, params)
+        self.sealed_round = 0
         self.reset()
 
     def _slot_views(self, flat: Tensor, params: Sequence[Parameter]) -> list[Tensor]:
@@ -396,9 +440,11 @@ class _BucketBuffer:
         self.filled[slot] = True
         self.remaining -= 1
 
-    def seal(self) -> Tensor:
-        """Write the usage flags (one op for the bucket) and return the flat buffer to reduce."""
-        flags = self.flat[self.bucket.numel :]
+    def seal(self, round_number: int) -> Tensor:
+        """Write the usage flags (one op for the bucket) and the round number; return the flat buffer to reduce."""
+        self.sealed_round = round_number % _ROUND_MODULUS
+        self.flat[-1:].fill_(float(self.sealed_round))
+        flags = self.flat[self.bucket.numel : -1]
         if all(self.used):
             flags.fill_(1.0)  # the usual case, and no host-to-device copy that would wait for the GPU
         else:
@@ -408,7 +454,7 @@ class _BucketBuffer:
     def unpack(self, averaged: Tensor, params: Sequence[Parameter]) -> None:
         """Write the averaged gradients back into ``param.grad`` for parameters some rank used."""
         views = self.views if averaged is self.flat else self._slot_views(averaged, params)
-        used_anywhere = (averaged[self.bucket.numel :] > 0).tolist()
+        used_anywhere = (averaged[self.bucket.numel : -1] > 0).tolist()
         for slot, index in enumerate(self.bucket.param_indices):
             if not used_anywhere[slot]:
                 continue  # no rank produced a gradient: leave it as it is (None), like single-process training
@@ -417,3 +463,9 @@ class _BucketBuffer:
                 param.grad = views[slot].clone()
             else:
                 param.grad.copy_(views[slot])
+
+    def agrees_on_round(self, averaged: Tensor, world: int) -> bool:
+        """Whether every rank sealed the number this rank did (checked where the dtype holds it exactly: fp32/64)."""
+        if self.flat.dtype not in (torch.float32, torch.float64):
+            return True
+        return abs(float(averaged[-1]) - self.sealed_round) < 0.25 / world

@@ -1,0 +1,53 @@
+"""A char-level GPT that injects one fault on one rank at one step: the fault tests run it through ``lsd-train``.
+
+    lsd-train configs/charlm_cpu.yaml model.class_path=tests.faulty.FaultyCharGPT model.fault=kill model.fault_rank=1
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from examples.charlm import CharGPT
+
+
+class _KillWhilePickled:
+    """Part of a checkpoint that kills the process while ``torch.save`` serialises it."""
+
+    def __reduce__(self) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return (object, ())
+
+
+class FaultyCharGPT(CharGPT):
+    """``fault``: ``kill`` (SIGKILL itself), ``hang`` (stop participating, alive), ``nan`` (a NaN loss),
+    ``kill_in_save`` (SIGKILL while writing the checkpoint). ``save_every``: ``trainer.save_checkpoint`` to
+    ``<default_root_dir>/ckpt/last.ckpt`` every N steps."""
+
+    def __init__(self, fault: str = "none", fault_rank: int = 1, fault_step: int = 3, save_every: int = 0,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fault, self.fault_rank, self.fault_step, self.save_every = fault, fault_rank, fault_step, save_every
+
+    def _faulty_here(self, fault: str) -> bool:
+        return self.fault == fault and self.global_rank == self.fault_rank and self.global_step == self.fault_step
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.save_every and self.global_step % self.save_every == 0:
+            self.trainer.save_checkpoint(os.path.join(self.trainer.default_root_dir, "ckpt", "last.ckpt"))
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self._faulty_here("kill_in_save"):
+            checkpoint["poison"] = _KillWhilePickled()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self._faulty_here("kill"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._faulty_here("hang"):
+            time.sleep(3600)
+        loss = super().training_step(batch, batch_idx)
+        if self._faulty_here("nan"):
+            loss = loss * float("nan")
+        return loss

@@ -1,0 +1,95 @@
+"""Faults injected into real 2-rank ``lsd-train`` jobs (Lightning's subprocess launcher, Gloo): a rank killed, a rank
+that stops participating, a NaN gradient on one rank, a process killed while saving a checkpoint. Each test bounds
+the wall time and asserts the exit code, the one-line message and what is left on disk."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = [
+    "model.class_path=tests.faulty.FaultyCharGPT", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+    "model.block_size=32", "data.block_size=32", "data.batch_size=4", "data.max_bytes=100000",
+    "trainer.max_steps=12", "trainer.val_check_interval=null", "trainer.limit_val_batches=0",
+    "trainer.log_every_n_steps=1", "callbacks.overlap_monitor.enabled=false",
+]
+
+
+def lsd_train(tmp: Any, *overrides: str, timeout: float = 120) -> tuple[int, str, float]:
+    """Run the real console script; return (exit code, stderr, seconds)."""
+    cmd = [os.path.join(os.path.dirname(sys.executable), "lsd-train"), os.path.join(ROOT, "configs", "charlm_cpu.yaml"),
+           *TINY, f"trainer.default_root_dir={tmp}", *overrides]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stderr, time.monotonic() - started
+
+
+def failure_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("static_dist: rank ")]
+
+
+def test_a_killed_rank_stops_the_job_with_one_line(tmp_path: Any) -> None:
+    code, err, seconds = lsd_train(tmp_path, "model.fault=kill", "model.fault_rank=1", "model.fault_step=3")
+    # Lightning's launcher watches its children: it names the dead rank and takes the job down at once (SIGKILL),
+    # usually before the survivor's collective has even failed; otherwise the strategy's line below says it
+    assert code != 0
+    lines = [l for l in err.splitlines() if "[rank: 1] Child process" in l and "terminated with code -9" in l]
+    lines += [l for l in failure_lines(err) if l.startswith("static_dist: rank 0: rank 1 stopped participating")]
+    assert lines, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert seconds < 60
+
+
+def test_a_rank_that_stops_participating_times_out_with_one_line(tmp_path: Any) -> None:
+    code, err, seconds = lsd_train(tmp_path, "model.fault=hang", "model.fault_rank=1", "model.fault_step=3",
+                                   "strategy.timeout_s=8")
+    assert code != 0
+    (line,) = failure_lines(err)
+    assert line.startswith("static_dist: rank 0: rank 1 stopped participating during ") and "at step 3" in line, line
+    assert "Traceback" not in err, err[-2000:]
+    assert 8 <= seconds < 60  # the collective timeout, then a clean exit
+
+
+def test_killing_rank_zero_stops_rank_one_with_one_line(tmp_path: Any) -> None:
+    code, err, seconds = lsd_train(tmp_path, "model.fault=kill", "model.fault_rank=0", "model.fault_step=3")
+    assert code == -9  # the launching process itself was killed
+    (line,) = failure_lines(err)
+    assert line.startswith("static_dist: rank 1: rank 0 (the host of the rendezvous store) is gone during "), line
+    assert seconds < 60
+
+
+@pytest.mark.parametrize("policy", ["skip", "error"])
+def test_a_nan_gradient_on_one_rank_is_skipped_or_named_on_every_rank(tmp_path: Any, policy: str) -> None:
+    code, err, _ = lsd_train(tmp_path, "model.fault=nan", "model.fault_rank=1", "model.fault_step=3", "model.save_every=12",
+                             f"strategy.sync.nonfinite={policy}")
+    if policy == "error":
+        assert code != 0
+        assert "FloatingPointError: static_dist: non-finite gradient at step 3, first offending parameter 'wte.weight'" in err
+        return
+    assert code == 0, err[-2000:]
+    assert "non-finite gradient at step 3 (first: 'wte.weight'); optimizer step skipped on every rank" in err
+    state = torch.load(os.path.join(tmp_path, "ckpt", "last.ckpt"), weights_only=True)
+    assert state["global_step"] == 12
+    assert all(torch.isfinite(v).all() for v in state["state_dict"].values())
+
+
+def test_a_process_killed_while_saving_leaves_the_previous_checkpoint(tmp_path: Any) -> None:
+    code, err, seconds = lsd_train(tmp_path, "model.fault=kill_in_save", "model.fault_rank=0", "model.fault_step=4",
+                                   "model.save_every=2")
+    assert code == -9
+    directory = os.path.join(tmp_path, "ckpt")
+    assert os.listdir(directory) == ["last.ckpt"]  # no half-written file beside it
+    state = torch.load(os.path.join(directory, "last.ckpt"), weights_only=True)
+    assert state["global_step"] == 2 and "poison" not in state
+    (line,) = failure_lines(err)  # rank 1, left alone, says so
+    assert line.startswith("static_dist: rank 1: rank 0 (the host of the rendezvous store) is gone during "), line
+    assert seconds < 60
