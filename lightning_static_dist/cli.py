@@ -83,7 +83,11 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         failure = getattr(trainer.strategy, "failure", None)
         if failure is None:
             raise
-        sys.exit(1)  # the strategy printed the one line that says what happened; no stack trace on top of it
+        # the strategy printed the one line that says what happened; no stack trace on top of it, and no
+        # interpreter shutdown either: it would try to tear down process groups whose peers are gone
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _jsonable(obj: Any) -> Any:

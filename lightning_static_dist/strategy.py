@@ -75,6 +75,10 @@ from lightning_static_dist.sync.graph import GraphGradientSync, compiled_backwar
 log = logging.getLogger(__name__)
 
 
+_RUN_FAILED = False
+"""Set when training failed in this process: the exit-time teardown below is skipped then."""
+
+
 @functools.cache
 def _destroy_process_groups_at_exit() -> None:
     """Destroy the process groups while the interpreter is still whole (registered once per process).
@@ -82,10 +86,13 @@ def _destroy_process_groups_at_exit() -> None:
     A Gloo worker thread still holding an async work's tensors when the interpreter finalises aborts the process
     (SIGABRT, "terminate called without an active exception"; pytorch#179291 describes it and was not merged).
     Async collectives with completion callbacks — what this strategy runs — make that more likely. Lightning does
-    not destroy the process group after ``fit``; this does, at exit only, so later ``fit``/``test`` calls still work.
+    not destroy the process group after ``fit``; this does, at exit only, so later ``fit``/``test`` calls still work
+    — and not after a failure, when a peer that is gone could keep the teardown waiting.
     """
 
     def destroy() -> None:
+        if _RUN_FAILED:
+            return  # peers may be gone: tearing the groups down could wait for them forever
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             try:
                 torch.distributed.destroy_process_group()
@@ -650,6 +657,8 @@ class StaticDistStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # forget the round without waiting: a peer that failed may never join the collectives in flight
+        global _RUN_FAILED
+        _RUN_FAILED = True
         self._failed = True
         if self.world_size > 1 and is_collective_failure(exception):
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None

@@ -7,11 +7,13 @@ types after ``lsd-train CONFIG.yaml``), small YAML files written to ``tmp_path``
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -335,7 +337,8 @@ _KEYS = [
     "strategy.sync", "strategy.sync.mode", "strategy.sync.bucket_mb", "strategy.sync.first_bucket_mb",
     "strategy.sync.broadcast_buffers", "strategy.compression.name", "strategy.compression.rank",
     "strategy.compression.density", "strategy.compression.levels", "strategy.embedding.shard",
-    "strategy.embedding.min_rows", "strategy.embedding.prefetch", "strategy.timeout_s",
+    "strategy.embedding.min_rows", "strategy.embedding.prefetch", "strategy.timeout_s", "strategy.sync.nonfinite",
+    "strategy.compression.start_step", "callbacks.compression_guard.patience", "callbacks.compression_guard.enabled",
     "callbacks.run_summary", "callbacks.run_summary.enabled", "callbacks.run_summary.warmup_steps",
     "callbacks.run_summary.loss_key",
     # bogus keys, each level, and keys nested under scalars
@@ -389,3 +392,38 @@ def test_random_overrides_validate_or_raise_one_line_config_error(overrides: lis
         load_run_config(CPU_CONFIG, overrides)
     except ConfigError as err:
         assert str(err) and "\n" not in str(err), f"{overrides} -> {str(err)!r}"
+
+
+def _nest(dotted: str, value: Any) -> dict:
+    out: Any = value
+    for part in reversed(dotted.split(".")):
+        out = {part: out}
+    return out
+
+
+def _merge(a: dict, b: dict) -> dict:
+    for k, v in b.items():
+        a[k] = _merge(a[k], v) if isinstance(a.get(k), dict) and isinstance(v, dict) else v
+    return a
+
+
+# whole YAML documents: random keys (real and bogus) at any depth, random values, or random text altogether
+_DOCUMENTS = st.one_of(
+    st.lists(st.tuples(st.sampled_from(_KEYS), _VALUES), max_size=6).map(
+        lambda pairs: yaml.safe_dump({"seed": 1, **functools.reduce(_merge, [_nest(k, v) for k, v in pairs], {})},
+                                     allow_unicode=True)),
+    st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=80),
+    st.sampled_from(["", "- 1\n- 2\n", "seed: [1\n", "model: !!python/object:os.system {}\n", "{{{", "a: b: c",
+                     "trainer:\n  max_steps: 5\n  max_steps: 6\n", "\ttab: 1", "strategy: 5", "callbacks: [1]"]),
+)
+
+
+@settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(document=_DOCUMENTS)
+def test_random_yaml_files_validate_or_raise_one_line_config_error(tmp_path_factory: Any, document: str) -> None:
+    path = tmp_path_factory.mktemp("fuzz") / "run.yaml"
+    path.write_text(document, encoding="utf-8")
+    try:
+        load_run_config(str(path), [])
+    except ConfigError as err:
+        assert str(err) and "\n" not in str(err), f"{document!r} -> {str(err)!r}"
