@@ -249,6 +249,10 @@ class SyncConfig:
     """Capacity of the first bucket, in MiB: small, so the first collective starts early in backward."""
     broadcast_buffers: bool = True
     """Broadcast module buffers (BatchNorm statistics ...) from rank 0 before every training forward, like DDP."""
+    check: Literal["pass", "collective"] = "pass"
+    """How ranks check they are in step: ``pass`` (every bucket carries the backward-pass number; free) or, to
+    debug, ``collective`` (a small blocking all-gather before every bucket's collective comparing bucket, size and
+    pass: names the first disagreement before any mismatched data is exchanged; slow)."""
     nonfinite: Literal["off", "warn", "skip", "error"] = "off"
     """After each synchronised backward, check the averaged gradients for NaN/Inf (one flag all-reduced, so every
     rank decides alike): ``warn`` and step anyway, ``skip`` the optimizer step on every rank, ``error`` naming the

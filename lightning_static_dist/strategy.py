@@ -393,6 +393,7 @@ class StaticDistStrategy(ParallelStrategy):
             group=self._dp_group,
             first_bucket_mb=sync.first_bucket_mb,
             bucket_mb=sync.bucket_mb,
+            check_each_collective=sync.check == "collective",
         )
         compressor = build_compressor(self._config.compression)
         if compressor is not None:

@@ -82,6 +82,8 @@ INVALID_OVERRIDES = [
     pytest.param(["strategy.compression.name=zip"], "strategy.compression.name", "'zip'", id="compression-unknown"),
     pytest.param(["strategy.embedding.shard=maybe"], "strategy.embedding.shard", "'maybe'", id="embedding-shard-bogus"),
     pytest.param(["strategy.embedding.prefetch=never"], "strategy.embedding.prefetch", "'never'", id="embedding-prefetch-bogus"),
+    pytest.param(["strategy.sync.nonfinite=ignore"], "strategy.sync.nonfinite", "'ignore'", id="nonfinite-bogus"),
+    pytest.param(["strategy.sync.check=always"], "strategy.sync.check", "'always'", id="sync-check-bogus"),
     pytest.param(["strategy.embedding.min_rows=0"], "strategy.embedding.min_rows", "=0", id="embedding-min-rows-zero"),
     pytest.param(["seed=-1"], "seed", "-1", id="seed-negative"),
     # trainer
@@ -338,6 +340,7 @@ _KEYS = [
     "strategy.sync.broadcast_buffers", "strategy.compression.name", "strategy.compression.rank",
     "strategy.compression.density", "strategy.compression.levels", "strategy.embedding.shard",
     "strategy.embedding.min_rows", "strategy.embedding.prefetch", "strategy.timeout_s", "strategy.sync.nonfinite",
+    "strategy.sync.check",
     "strategy.compression.start_step", "callbacks.compression_guard.patience", "callbacks.compression_guard.enabled",
     "callbacks.run_summary", "callbacks.run_summary.enabled", "callbacks.run_summary.warmup_steps",
     "callbacks.run_summary.loss_key",

@@ -219,13 +219,13 @@ def test_buckets_follow_the_observed_gradient_order_on_every_rank() -> None:
     assert r0["plan"] == r1["plan"]
 
 
-def _skip_a_step(rank: int, world: int) -> str:
+def _skip_a_step(rank: int, world: int, check_each_collective: bool = False) -> str:
     from lightning_static_dist.fingerprint import RankMismatchError
     from lightning_static_dist.sync import GradientSynchronizer
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-    sync = GradientSynchronizer(model.named_parameters())
+    sync = GradientSynchronizer(model.named_parameters(), check_each_collective=check_each_collective)
     sync.attach()
     try:
         for step in range(4):
@@ -245,3 +245,9 @@ def test_a_rank_that_skips_a_step_is_named_on_every_rank() -> None:
         # rank 0's third synchronised backward (pass 2) met rank 1's fourth (pass 3: its skipped step counted)
         assert message.startswith("static_dist: ranks are in different steps — rank 0 at backward pass 2, rank 1 at"
                                   " backward pass 3"), message
+
+
+def test_the_per_collective_check_names_the_disagreement_before_exchanging_data() -> None:
+    for message in run_ranks(_skip_a_step, 2, args=(True,), timeout=60):
+        assert message == ("static_dist: ranks disagree on the next gradient collective — rank 0: bucket 0, 144 values,"
+                           " 4 parameters, backward pass 2; rank 1: bucket 0, 144 values, 4 parameters, backward pass 3")

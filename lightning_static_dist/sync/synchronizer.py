@@ -103,6 +103,7 @@ class GradientSynchronizer:
         reducer: Optional[BucketReducer] = None,
         first_bucket_mb: float = 1.0,
         bucket_mb: float = 25.0,
+        check_each_collective: bool = False,
     ) -> None:
         seen: set[int] = set()
         self._names: list[str] = []
@@ -116,6 +117,7 @@ class GradientSynchronizer:
         self._reducer: BucketReducer = reducer if reducer is not None else MeanAllReduce()
         self._first_bucket_bytes = int(first_bucket_mb * MiB)
         self._bucket_bytes = int(bucket_mb * MiB)
+        self._check_each_collective = check_each_collective
         self._plan = BucketPlan(buckets=(), location={})
         self._buffers: list[_BucketBuffer] = []
         self._ready_order: list[int] = []
@@ -244,6 +246,8 @@ class GradientSynchronizer:
 
     def _launch(self, buffer: _BucketBuffer, record_as: int) -> PendingReduction:
         flat = buffer.seal(self._pass_number)
+        if self._check_each_collective:
+            self._check_collective(record_as, buffer)
         dense = flat.numel() * flat.element_size()
         pending = self._reducer.launch(buffer.bucket, flat, self._group)
         # a compressing reducer knows its payload only once it has chosen how to send this bucket
@@ -321,6 +325,21 @@ class GradientSynchronizer:
         if round_finished is not None:
             round_finished()
         self._reset_round()
+
+    def _check_collective(self, record_as: int, buffer: _BucketBuffer) -> None:
+        """``sync.check: collective`` (debugging): before each bucket's collective, every rank compares what it is
+        about to send — bucket, size, dtype, backward pass — in one small blocking all-gather."""
+        world = dist.get_world_size(self._group)
+        mine = torch.tensor([record_as, buffer.bucket.numel, len(buffer.bucket.param_indices), buffer.sealed_round],
+                            dtype=torch.int64, device=buffer.flat.device)
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine, group=self._group)
+        rows = [tuple(t.tolist()) for t in everyone]
+        if len(set(rows)) > 1:
+            self.abandon_round()
+            listing = "; ".join(f"rank {r}: bucket {b}, {n} values, {p} parameters, backward pass {k}"
+                                for r, (b, n, p, k) in enumerate(rows))
+            raise RankMismatchError(f"static_dist: ranks disagree on the next gradient collective — {listing}")
 
     def _stop_desynchronised(self, bucket_index: int) -> None:
         """Every rank sees the mismatch in the same collective: gather the round numbers and stop, naming them."""
