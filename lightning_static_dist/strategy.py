@@ -65,6 +65,7 @@ from lightning_static_dist.compression import CompressingReducer, build_compress
 from lightning_static_dist.config import ConfigError, StrategyConfig
 from lightning_static_dist.embedding import EmbeddingSharder
 from lightning_static_dist.faults import diagnose, is_collective_failure, waiting_in
+from lightning_static_dist.launcher import StaticDistLauncher
 from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_parameters
 from lightning_static_dist.mesh import DP_DIM, build_dp_mesh
 from lightning_static_dist.overlap.recorder import StepRecorder
@@ -268,7 +269,7 @@ class StaticDistStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = StaticDistLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 

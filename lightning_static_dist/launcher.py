@@ -1,0 +1,59 @@
+"""The ``static_dist`` subprocess launcher: Lightning's, with a grace period before a dead child takes the job down.
+
+Lightning's launcher watches its child ranks and, when one dies, SIGKILLs every process at its next poll — often
+before the survivors' collective has even failed, so the user learns *which* rank died but not *where*. Here the
+watcher waits ``grace_s`` after seeing a dead child: long enough for the strategy's own failure path (a roll call
+through the rendezvous store, then one line naming the missing rank and the collective in flight, then exit 1).
+Only a process that is still around after the grace period is killed, with Lightning's message.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Optional
+
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+
+
+class _PatientObserver(_ChildProcessObserver):
+    def __init__(self, main_pid: int, child_processes: list[Any], grace_s: float) -> None:
+        super().__init__(main_pid=main_pid, child_processes=child_processes, sleep_period=1)
+        self._grace_s = grace_s
+        self._failed_at: Optional[float] = None
+
+    @override
+    def _run(self) -> bool:
+        for proc in self._child_processes:
+            proc.poll()
+        codes = [proc.returncode for proc in self._child_processes]
+        if all(code == 0 for code in codes):
+            return True
+        if not any(codes):
+            return False  # all still running
+        if self._failed_at is None:
+            self._failed_at = time.monotonic()
+        if time.monotonic() - self._failed_at < self._grace_s:
+            return False  # the main process is telling the user what happened
+        return super()._run()
+
+
+class StaticDistLauncher(_SubprocessScriptLauncher):
+    """Starts the other local ranks as subprocesses of this script, like Lightning's ``ddp`` launcher."""
+
+    grace_s = 10.0
+    """Seconds between seeing a dead child rank and killing the job (the strategy's diagnosis takes ~3 s)."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            _PatientObserver(os.getpid(), self.procs, self.grace_s).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
