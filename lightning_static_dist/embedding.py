@@ -128,9 +128,12 @@ class EmbeddingSharder:
     def __init__(self, module: nn.Module, config: EmbeddingConfig, group: Optional[dist.ProcessGroup]) -> None:
         self.module = module
         self.config = config
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        # its own process group: the reduce-scatter runs inside backward, where its order against the gradient
+        # buckets' collectives may differ between ranks (a bucket launched late on a rank with an unused parameter)
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        self.group = dist.new_group(ranks)
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
         self.weights: list[ShardedWeight] = []
         self.timing = GatherTiming()
         self._pending_timing = GatherTiming()
@@ -261,20 +264,27 @@ class EmbeddingSharder:
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """Optimizer state with each shard's row-shaped tensors gathered to full size (collective)."""
+        # optimizer.state_dict()["state"][i] *is* optimizer.state[param]: build new dicts, never write into them
+        state = {**state, "state": dict(state["state"])}
         for index, w in self._optimizer_slots(optimizer):
-            slot = state["state"].get(index, {})
+            slot = dict(state["state"].get(index, {}))
             for key, value in list(slot.items()):
                 if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == w.shard_rows:
                     slot[key] = self._gather_rows(value, w.rows)
+            if index in state["state"]:
+                state["state"][index] = slot
         return state
 
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """Full-size optimizer state (from any world size, or plain Lightning) cut to this rank's rows."""
+        state = {**state, "state": dict(state["state"])}
         for index, w in self._optimizer_slots(optimizer):
-            slot = state["state"].get(index, {})
+            slot = dict(state["state"].get(index, {}))
             for key, value in list(slot.items()):
                 if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == w.rows:
                     slot[key] = self._my_rows(value, w)
+            if index in state["state"]:
+                state["state"][index] = slot
         return state
 
     # ------------------------------------------------------------------------------------------------ teardown

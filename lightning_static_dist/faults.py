@@ -94,6 +94,8 @@ def diagnose(err: BaseException, rank: int, world: int, step: int) -> str:
         who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} stopped participating"
     else:
         who = "every rank answered the roll call, yet the collective failed"
+    where = in_flight()
+    _failed_in.clear()  # the next failure in this process is about its own collective
     reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
     reason = re.sub(r"^\[[^\]]*\.(cc|cpp|hpp|h):\d+\]\s*", "", reason).split(". ")[0]  # drop the C++ source location
-    return f"static_dist: rank {rank}: {who} during {in_flight()} at step {step} ({reason[:160]})"
+    return f"static_dist: rank {rank}: {who} during {where} at step {step} ({reason[:160]})"

@@ -399,7 +399,8 @@ class StaticDistStrategy(ParallelStrategy):
         compressor = build_compressor(self._config.compression)
         if compressor is not None:
             shapes = [p.shape for p in self._synchronizer.parameters]
-            self._synchronizer.reducer = CompressingReducer(compressor, shapes, self._config.compression.start_step)
+            self._synchronizer.reducer = CompressingReducer(compressor, shapes, self._config.compression.start_step,
+                                                            names=self._synchronizer.parameter_names)
             self._restore_compression_state()
         self._synchronizer.attach()
         self._synchronizer.recorder = self.recorder
@@ -484,9 +485,13 @@ class StaticDistStrategy(ParallelStrategy):
         # resumed rank gets its own error-feedback residual back, not rank 0's
         reducer = self.compressing_reducer
         if reducer is not None:
-            states: list[Any] = [None] * self.world_size
-            torch.distributed.all_gather_object(states, reducer.state_dict(), group=self._dp_group)
-            checkpoint[_COMPRESSION_KEY] = {"world_size": self.world_size, "ranks": states}
+            # to rank 0 only (it writes): every residual is the size of a gradient
+            states: Optional[list[Any]] = [None] * self.world_size if self.global_rank == 0 else None
+            group = self._dp_group
+            dst = torch.distributed.get_global_rank(group, 0) if group is not None else 0
+            torch.distributed.gather_object(reducer.state_dict(), states, dst=dst, group=group)
+            if states is not None:
+                checkpoint[_COMPRESSION_KEY] = {"world_size": self.world_size, "ranks": states}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override

@@ -195,7 +195,7 @@ class _Probe(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         reducer = trainer.strategy.compressing_reducer
-        self._dump(trainer, "start", {"rounds": reducer.rounds, "state": reducer.compressor.state_dict(),
+        self._dump(trainer, "start", {"rounds": reducer.rounds, "state": reducer.state_dict()["state"],
                                       "compressor": reducer.compressor.name})
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -206,7 +206,7 @@ class _Probe(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         reducer = trainer.strategy.compressing_reducer
         guards = [c for c in trainer.callbacks if isinstance(c, CompressionGuard)]
-        self._dump(trainer, "end", {"rounds": reducer.rounds, "state": reducer.compressor.state_dict(),
+        self._dump(trainer, "end", {"rounds": reducer.rounds, "state": reducer.state_dict()["state"],
                                     "indices": self.indices, "compiled": trainer.strategy.compile_report is not None,
                                     "compressor": reducer.compressor.name,
                                     "events": guards[0].events if guards else None})
@@ -237,6 +237,7 @@ def test_each_rank_resumes_with_its_own_residual(tmp_path: Any) -> None:
     assert saved["world_size"] == 2 and [s["rounds"] for s in saved["ranks"]] == [6, 6]
     residuals = [s["state"]["residuals"] for s in saved["ranks"]]
     assert residuals[0].keys() == residuals[1].keys() and residuals[0]
+    assert all(isinstance(k, str) and k.endswith(".weight") for k in residuals[0])  # saved under parameter names
     # each rank saw other data, so each has its own residual — the thing PowerSGD's own example loses
     assert any(not torch.equal(residuals[0][k], residuals[1][k]) for k in residuals[0])
     # and the warm-start Q, averaged, is the same on both

@@ -62,8 +62,8 @@ def fit(tmp: str, shard: Any, tied: bool = True, steps: int = 10, accumulate: in
     strategy = StaticDistStrategy(start_method="spawn", embedding={"shard": shard}, compile=compile_cfg,
                                   sync={"first_bucket_mb": 0.02, "bucket_mb": 0.05})
     callbacks: list[Any] = [_Memory(tmp)]
-    if checkpoint:
-        callbacks.append(ModelCheckpoint(dirpath=tmp, filename="last"))
+    if checkpoint:  # every 2 steps: training goes on after a save (the live optimizer state must stay sharded)
+        callbacks.append(ModelCheckpoint(dirpath=tmp, filename="last", every_n_train_steps=2))
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy if devices > 1 else "auto", max_steps=steps,
         logger=False, callbacks=callbacks, enable_checkpointing=checkpoint, enable_progress_bar=False,

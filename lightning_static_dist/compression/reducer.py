@@ -25,7 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_static_dist.compression.base import Compressor, Phase, all_reduce, flat_float, scatter_into
+from lightning_static_dist.compression.base import (
+    Compressor,
+    PerParameterState,
+    Phase,
+    all_reduce,
+    flat_float,
+    scatter_into,
+)
 from lightning_static_dist.sync.plan import GradBucket
 from lightning_static_dist.sync.reducer import MeanAllReduce, PendingReduction
 
@@ -98,7 +105,8 @@ class PhasedReduction:
                     stream.work = collective(self._reducer.group_for_phase(stream.phase))
                     self.sent += nbytes
                     progress = True
-        if not self._checked and all(stream.done for stream in self._streams):
+        # the verdict reads the result on the host: only where the caller waits anyway (wait(), not a hook's poll)
+        if block and not self._checked and all(stream.done for stream in self._streams):
             self._checked = True
             if not all(bool(torch.isfinite(t).all()) for t in self._compressed):
                 self._reducer.compressor.restore(self._snapshot)
@@ -132,9 +140,13 @@ class CompressingReducer:
         sync.reducer = reducer
     """
 
-    def __init__(self, compressor: Compressor, shapes: Sequence[torch.Size], start_step: int = 0) -> None:
+    def __init__(self, compressor: Compressor, shapes: Sequence[torch.Size], start_step: int = 0,
+                 names: Optional[Sequence[str]] = None) -> None:
         self.compressor = compressor
         self._shapes = list(shapes)
+        self._names = list(names) if names is not None else None
+        """Parameter names: per-parameter state is saved under them, so a resumed run whose parameter list shifted
+        (embedding sharding switched on, a frozen layer) cannot hand one layer's residual to another."""
         self.start_step = start_step
         self.rounds = 0
         """Synchronised rounds finished so far (compression starts at ``start_step``)."""
@@ -192,6 +204,7 @@ class CompressingReducer:
             # the compression guard's check: the same gradients averaged exactly, beside the compressed average
             reference = [c.detach().clone() for c in compressed]
             generators.insert(0, _exact_phase(reference, world))
+            nbytes += sum(r.numel() for r in reference) * 4
         reduction = PhasedReduction(self, flat, generators, nbytes, compressed, self.compressor.snapshot(keys),
                                     reference)
         self._chain.append(reduction)
@@ -241,12 +254,20 @@ class CompressingReducer:
     # ------------------------------------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rounds": self.rounds, "compressor": self.compressor.name, "state": self.compressor.state_dict()}
+        state = self.compressor.state_dict()
+        if self._names is not None and isinstance(self.compressor, PerParameterState):
+            state = {kind: {self._names[k]: v for k, v in entries.items()} for kind, entries in state.items()}
+        return {"rounds": self.rounds, "compressor": self.compressor.name, "state": state}
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         self.rounds = int(state.get("rounds", 0))
+        self._device = device  # a compressor switched to before the first launch (guard replay) moves here too
         if state.get("compressor") == self.compressor.name:
-            self.compressor.load_state_dict(state.get("state", {}))
+            saved = state.get("state", {})
+            if self._names is not None and isinstance(self.compressor, PerParameterState):
+                index = {name: i for i, name in enumerate(self._names)}
+                saved = {kind: {index[n]: v for n, v in entries.items() if n in index} for kind, entries in saved.items()}
+            self.compressor.load_state_dict(saved)
             move = getattr(self.compressor, "to", None)
             if move is not None:
                 move(device)

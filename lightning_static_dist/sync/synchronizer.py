@@ -128,6 +128,7 @@ class GradientSynchronizer:
         self._finish_queued = False
         self._finished_by_engine = False
         self._in_pass = False
+        self._pass_counted = False
         self._pass_number = 0
         self.backward_passes = 0
         """Backward passes that produced a gradient here, with or without synchronisation (same on every rank)."""
@@ -194,6 +195,7 @@ class GradientSynchronizer:
     def abandon_round(self) -> None:
         """Forget the round after an exception, without waiting: a failed peer may never join what is in flight."""
         self._finish_queued = self._finished_by_engine = False
+        self._in_pass = self._pass_counted = False
         abandon = getattr(self._reducer, "abandon_round", None)
         if abandon is not None:
             abandon()
@@ -265,6 +267,7 @@ class GradientSynchronizer:
 
     def _end_pass(self) -> None:
         self._in_pass = False
+        self._pass_counted = True
         self.backward_passes += 1
 
     def _finish_from_engine(self) -> None:
@@ -276,13 +279,14 @@ class GradientSynchronizer:
 
     def finish_if_pending(self) -> None:
         """:meth:`finish`, unless the autograd engine already finished this backward's round (the usual case)."""
-        if self._finished_by_engine:
-            self._finished_by_engine = False
-            return
-        if not self._in_pass and self._sync_enabled:
+        if not self._pass_counted:
             # a backward that produced no gradient on this rank still counts as a pass, as on the other ranks
             self._pass_number = self.backward_passes
             self.backward_passes += 1
+        self._pass_counted = False
+        if self._finished_by_engine:
+            self._finished_by_engine = False
+            return
         self.finish()
 
     def finish(self) -> None:
@@ -411,7 +415,8 @@ def _rank_zero_list(values: list[int], group: Optional[dist.ProcessGroup]) -> li
     return holder[0]
 
 
-_ROUND_MODULUS = 1 << 20  # round numbers travel as floats: exact in fp32 below 2**24
+_ROUND_MODULUS = 1 << 12  # pass numbers travel as floats, divided by the world size and summed: keep them small
+# enough that fp32 rounding stays far below the 0.25 / world tolerance on any world size
 
 
 class _BucketBuffer:
