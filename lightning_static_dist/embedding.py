@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -262,30 +262,31 @@ class EmbeddingSharder:
                     yield index, by_id[id(param)]
                 index += 1
 
-    def full_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-        """Optimizer state with each shard's row-shaped tensors gathered to full size (collective)."""
-        # optimizer.state_dict()["state"][i] *is* optimizer.state[param]: build new dicts, never write into them
+    def _map_row_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                       rows_of: Callable[[ShardedWeight], int],
+                       transform: Callable[[Tensor, ShardedWeight], Tensor]) -> dict[str, Any]:
+        """``state`` with ``transform`` applied to each shard's per-row tensors (first dimension ``rows_of(w)``).
+
+        New dicts throughout: ``optimizer.state_dict()["state"][i]`` *is* ``optimizer.state[param]``.
+        """
         state = {**state, "state": dict(state["state"])}
         for index, w in self._optimizer_slots(optimizer):
-            slot = dict(state["state"].get(index, {}))
-            for key, value in list(slot.items()):
-                if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == w.shard_rows:
-                    slot[key] = self._gather_rows(value, w.rows)
-            if index in state["state"]:
-                state["state"][index] = slot
+            if index not in state["state"]:
+                continue
+            slot = dict(state["state"][index])
+            for key, value in slot.items():
+                if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == rows_of(w):
+                    slot[key] = transform(value, w)
+            state["state"][index] = slot
         return state
+
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        """Optimizer state with each shard's row-shaped tensors gathered to full size (collective)."""
+        return self._map_row_state(optimizer, state, lambda w: w.shard_rows, lambda v, w: self._gather_rows(v, w.rows))
 
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """Full-size optimizer state (from any world size, or plain Lightning) cut to this rank's rows."""
-        state = {**state, "state": dict(state["state"])}
-        for index, w in self._optimizer_slots(optimizer):
-            slot = dict(state["state"].get(index, {}))
-            for key, value in list(slot.items()):
-                if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == w.rows:
-                    slot[key] = self._my_rows(value, w)
-            if index in state["state"]:
-                state["state"][index] = slot
-        return state
+        return self._map_row_state(optimizer, state, lambda w: w.rows, self._my_rows)
 
     # ------------------------------------------------------------------------------------------------ teardown
 

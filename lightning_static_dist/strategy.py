@@ -486,9 +486,9 @@ class StaticDistStrategy(ParallelStrategy):
         reducer = self.compressing_reducer
         if reducer is not None:
             # to rank 0 only (it writes): every residual is the size of a gradient
-            states: Optional[list[Any]] = [None] * self.world_size if self.global_rank == 0 else None
             group = self._dp_group
             dst = torch.distributed.get_global_rank(group, 0) if group is not None else 0
+            states: Optional[list[Any]] = [None] * self.world_size if self.global_rank == dst else None
             torch.distributed.gather_object(reducer.state_dict(), states, dst=dst, group=group)
             if states is not None:
                 checkpoint[_COMPRESSION_KEY] = {"world_size": self.world_size, "ranks": states}

@@ -111,6 +111,14 @@ def scatter_into(flat: Tensor, grads: Sequence[Tensor]) -> None:
         offset += n
 
 
+def averaged(grads: Sequence[Tensor], world: int, dtype: torch.dtype = torch.float32) -> Generator[Phase, None, None]:
+    """One phase: ``grads`` divided by the world size (before the cast: a large world's sum stays in fp16's range),
+    sent as ``dtype``, summed, written back."""
+    flat = flat_float(grads).div_(world).to(dtype)
+    yield all_reduce(flat), flat.numel() * flat.element_size()
+    scatter_into(flat, grads)
+
+
 def all_reduce(tensor: Tensor) -> Collective:
     """A sum all-reduce of ``tensor`` in place, to be issued on a group."""
     return lambda group: dist.all_reduce(tensor, group=group, async_op=True)

@@ -25,6 +25,7 @@ from lightning_static_dist.compression.base import (
     Phase,
     all_gather,
     all_reduce,
+    averaged,
     flat_float,
     scatter_into,
 )
@@ -61,9 +62,7 @@ class LowPrecisionCompressor(PerParameterState):
         return sum(math.prod(s) for s in shapes) * self.dtype.itemsize
 
     def phases(self, keys: Sequence[int], grads: Sequence[Tensor], world: int) -> Generator[Phase, None, None]:
-        low = flat_float(grads).div_(world).to(self.dtype)
-        yield all_reduce(low), low.numel() * low.element_size()
-        scatter_into(low.float(), grads)
+        return averaged(grads, world, self.dtype)
 
     def safer(self) -> Optional[Compressor]:
         return LowPrecisionCompressor(torch.bfloat16) if self.dtype == torch.float16 else None

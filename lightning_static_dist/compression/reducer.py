@@ -29,9 +29,7 @@ from lightning_static_dist.compression.base import (
     Compressor,
     PerParameterState,
     Phase,
-    all_reduce,
-    flat_float,
-    scatter_into,
+    averaged,
 )
 from lightning_static_dist.sync.plan import GradBucket
 from lightning_static_dist.sync.reducer import MeanAllReduce, PendingReduction
@@ -117,18 +115,13 @@ class PhasedReduction:
                     self._reducer.error_sq[1] += float(exact.float().square().sum())
 
     def poll(self) -> None:
+        """Advance every reduction of this reducer still in flight (the synchroniser calls it once per hook)."""
         self._reducer.poll()
 
     def wait(self) -> Tensor:
         # the synchroniser waits in bucket order, so every earlier bucket is done and nothing limits this one
         self._reducer.poll(until=self)
         return self._flat
-
-
-def _exact_phase(tensors: Sequence[Tensor], world: int) -> Generator[Phase, None, None]:
-    flat = flat_float(tensors).div_(world)
-    yield all_reduce(flat), flat.numel() * flat.element_size()
-    scatter_into(flat, tensors)
 
 
 class CompressingReducer:
@@ -198,12 +191,12 @@ class CompressingReducer:
         keys = [bucket.param_indices[slot] for slot in taken]
         compressed = [views[slot] for slot in taken]
         nbytes = self.compressor.payload_bytes([c.shape for c in compressed]) + sum(t.numel() for t in exact) * 4
-        generators = [_exact_phase(exact, world), self.compressor.phases(keys, compressed, world)]
+        generators = [averaged(exact, world), self.compressor.phases(keys, compressed, world)]
         reference = None
         if self.measure:
             # the compression guard's check: the same gradients averaged exactly, beside the compressed average
             reference = [c.detach().clone() for c in compressed]
-            generators.insert(0, _exact_phase(reference, world))
+            generators.insert(0, averaged(reference, world))
             nbytes += sum(r.numel() for r in reference) * 4
         reduction = PhasedReduction(self, flat, generators, nbytes, compressed, self.compressor.snapshot(keys),
                                     reference)

@@ -49,7 +49,8 @@ class BucketReducer(Protocol):
 
     # Optional, looked up with getattr by the synchroniser: ``round_finished()`` after a round's write-back,
     # ``abandon_round()`` when a round is given up; a returned reduction may carry ``nbytes`` (its own payload
-    # count, overriding payload_bytes) and ``poll()`` (called from gradient-ready hooks to start later phases).
+    # count, overriding payload_bytes) and ``poll()`` (called once per gradient-ready hook, with the latest
+    # reduction's; it starts the later phases of every reduction of the reducer still in flight).
 
 
 class _PendingWork:

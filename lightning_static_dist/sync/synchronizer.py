@@ -35,7 +35,7 @@ Assumption: ``requires_grad`` of every parameter is the same on every rank (true
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -210,7 +210,8 @@ class GradientSynchronizer:
         self._next_to_launch = 0
         self._round_bytes = 0
         self._round_dense_bytes = 0
-        self._polling: list[PendingReduction] = []
+        self._poll: Optional[Callable[[], None]] = None
+        """Starts the next phases of multi-phase reductions in flight (a compressing reducer's), from the hooks."""
         self._observed_order = []
 
     def _on_grad_ready(self, index: int, param: Parameter) -> None:
@@ -231,8 +232,8 @@ class GradientSynchronizer:
         if location is None:  # not planned yet: finish() finds its gradient and decides with every rank
             self._observed_order.append(index)
             return
-        for pending in self._polling:
-            pending.poll()  # type: ignore[attr-defined]  # start the next phase of a multi-phase reduction
+        if self._poll is not None:
+            self._poll()  # start the next phase of multi-phase reductions whose current one is done
         bucket_index, slot = location
         buffer = self._buffers[bucket_index]
         buffer.pack(slot, param.grad)
@@ -256,8 +257,7 @@ class GradientSynchronizer:
         nbytes = getattr(pending, "nbytes", None)
         if nbytes is None:
             nbytes = self._reducer.payload_bytes(buffer.bucket, flat)
-        if hasattr(pending, "poll"):
-            self._polling.append(pending)
+        self._poll = getattr(pending, "poll", None) or self._poll
         self._round_bytes += nbytes
         self._round_dense_bytes += dense
         self.stats.collectives += 1
