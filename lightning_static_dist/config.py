@@ -197,20 +197,26 @@ class CompileConfig:
 class MeshConfig:
     """``strategy.mesh``: the shape of the data-parallel ``DeviceMesh``, built at run time from the actual world.
 
-    ``dp_replicate * dp_shard`` must equal the world size; ``-1`` infers one of them. Only ``dp_shard: 1`` (plain
-    replication, a 1-D ``dp`` mesh) is implemented so far.
+    ``dp_replicate * dp_shard`` must equal the world size; ``-1`` infers one of them. Ranks ``r * dp_shard ..
+    r * dp_shard + dp_shard - 1`` form shard group ``r`` (neighbours: the same node, where the fast links are).
+    With ``dp_shard > 1`` and ``strategy.sync.reduce: reduce_scatter`` (its default then) each shard group splits
+    the optimizer state between its ranks.
 
     Example::
 
-        StaticDistStrategy(mesh={"dp_replicate": -1, "dp_shard": 1})
+        StaticDistStrategy(mesh={"dp_replicate": 2, "dp_shard": -1})
     """
 
     KEY = "strategy.mesh"
 
     dp_replicate: int = -1
-    """Replica groups (gradients all-reduced across them); -1: world size / dp_shard."""
+    """Replica groups (gradient shards all-reduced across them); -1: world size / dp_shard."""
     dp_shard: int = 1
-    """Ranks sharing one replica's gradients and optimizer state; only 1 is implemented so far."""
+    """Ranks splitting one replica's optimizer state (gradients reduce-scattered among them); -1: world size /
+    dp_replicate."""
+    shard_across_nodes: bool = False
+    """Allow a shard group to span several hosts (its reduce-scatter and all-gather then cross the slow links);
+    false stops such a job at start-up, listing each rank's host."""
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -220,8 +226,6 @@ class MeshConfig:
                 _fail(f"{self.KEY}.{name}", value, "must be -1 (infer) or an integer >= 1")
         if self.dp_replicate == -1 and self.dp_shard == -1:
             _fail(f"{self.KEY}.dp_shard", self.dp_shard, "at most one of dp_replicate and dp_shard may be -1")
-        if self.dp_shard not in (1, -1) or (self.dp_shard == -1 and self.dp_replicate != -1):
-            _fail(f"{self.KEY}.dp_shard", self.dp_shard, "sharded data parallelism is not implemented yet; allowed: 1")
 
 
 @dataclass
@@ -243,6 +247,11 @@ class SyncConfig:
     """``hooks``: bucketed async collectives launched from post-accumulate-grad hooks (any model, any usage).
     ``graph``: functional collectives traced into the compiled backward (compiled autograd + the
     ``inductor_distributed`` backend); needs every rank to use every trainable parameter on every step."""
+    reduce: Literal["auto", "all_reduce", "reduce_scatter"] = "auto"
+    """``all_reduce``: every rank gets the whole averaged gradient and keeps the whole optimizer state.
+    ``reduce_scatter``: each bucket is reduce-scattered over the mesh's ``dp_shard`` group and all-reduced over
+    ``dp_replicate``; each rank steps only its shard (optimizer state / ``dp_shard``) and the updated shards are
+    all-gathered back, overlapped with the next forward. ``auto``: ``reduce_scatter`` when ``dp_shard > 1``."""
     bucket_mb: float = 25.0
     """Capacity of each bucket after the first, in MiB."""
     first_bucket_mb: float = 1.0
@@ -396,9 +405,27 @@ class StrategyConfig:
         if self.embedding.shard is not False and self.sync.mode == "graph":
             _fail(f"{self.KEY}.embedding.shard", self.embedding.shard,
                   "sharded embeddings need strategy.sync.mode=hooks (mode is 'graph'); allowed with graph: false")
+        if self.sync.reduce == "reduce_scatter" or self.mesh.dp_shard not in (1, -1):
+            self._check_sharded()
         if self.compression.name != "none" and self.sync.mode == "graph":
             _fail(f"{self.KEY}.compression.name", self.compression.name,
                   "compression runs in the synchroniser's buckets; it needs strategy.sync.mode=hooks (mode is 'graph')")
+
+    def _check_sharded(self) -> None:
+        """What ``reduce_scatter`` cannot be combined with yet, named before any process starts."""
+        if self.sync.reduce == "all_reduce":
+            return  # a 2-D mesh with all_reduce: plain replication over the whole world
+        if self.sync.mode == "graph":
+            _fail(f"{self.KEY}.sync.reduce", self.sync.reduce,
+                  "graph mode traces all-reduces only; with strategy.sync.mode=graph allowed: 'all_reduce'")
+        if self.compression.name != "none":
+            _fail(f"{self.KEY}.compression.name", self.compression.name,
+                  "the compressors are written for all_reduce buckets; with strategy.sync.reduce=reduce_scatter"
+                  " allowed: 'none'")
+        if self.embedding.shard is True:
+            _fail(f"{self.KEY}.embedding.shard", self.embedding.shard,
+                  "reduce_scatter already splits every parameter's optimizer state, embeddings included;"
+                  " allowed with it: 'auto' (off) or false")
 
     @classmethod
     def from_dict(cls, data: Any) -> StrategyConfig:

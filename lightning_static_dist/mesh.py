@@ -1,16 +1,18 @@
 """The data-parallel ``DeviceMesh``, decided when the job starts — never when a graph is compiled.
 
 The mesh shape comes from ``strategy.mesh`` (``dp_replicate x dp_shard``) and the world that actually started.
-:func:`resolve_mesh_shape` is the pure part (tested without processes); :func:`build_dp_mesh` builds the mesh
-over the already-initialised default process group.
-
-So far only replication is implemented: the mesh is 1-D with the single dimension ``dp`` covering the world, and
-its group is the default process group (a 1-D mesh over the whole world creates no new communicator).
+:func:`resolve_mesh_shape` is the pure part (tested without processes) and also runs in the launching process, so
+a shape that does not fit the world fails before any rank starts; :func:`check_topology` is the pure check of
+what every rank reported about itself; :func:`build_dp_mesh` builds the 2-D mesh over the already-initialised
+default process group, with the dimensions named :data:`REPLICATE_DIM` and :data:`SHARD_DIM`. Shard groups are
+neighbouring ranks (row-major layout: ranks ``r*S .. r*S+S-1``), where the fast intra-node links are.
 """
-
 from __future__ import annotations
 
 import logging
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -19,8 +21,13 @@ from lightning_static_dist.config import ConfigError, MeshConfig
 
 log = logging.getLogger(__name__)
 
-#: Name of the data-parallel mesh dimension the gradient synchroniser reduces over.
-DP_DIM = "dp"
+#: Names of the mesh dimensions: replica groups (all-reduce across them) and shard groups (reduce-scatter inside).
+REPLICATE_DIM = "dp_replicate"
+SHARD_DIM = "dp_shard"
+
+
+class TopologyError(RuntimeError):
+    """The ranks that started cannot form the configured mesh (raised identically on every rank)."""
 
 
 def resolve_mesh_shape(config: MeshConfig, world_size: int) -> tuple[int, int]:
@@ -51,15 +58,63 @@ def resolve_mesh_shape(config: MeshConfig, world_size: int) -> tuple[int, int]:
     return replicate, shard
 
 
-def build_dp_mesh(device_type: str, config: MeshConfig) -> DeviceMesh:
-    """Build the data-parallel mesh over the initialised default process group.
+@dataclass(frozen=True)
+class RankPlace:
+    """What a rank reports about itself at start-up."""
+
+    device_type: str
+    host: str
+
+
+def local_place(device_type: str) -> RankPlace:
+    return RankPlace(device_type=device_type, host=socket.gethostname())
+
+
+def check_topology(places: Sequence[RankPlace], replicate: int, shard: int, shard_across_nodes: bool) -> None:
+    """Raise :class:`TopologyError` (one line listing what each rank has) if the ranks cannot form the mesh.
 
     Example::
 
-        mesh = build_dp_mesh("cpu", MeshConfig())
-        group = mesh.get_group(DP_DIM)
+        >>> check_topology([RankPlace("cuda", "a"), RankPlace("cpu", "a")], 1, 2, False)
+        Traceback (most recent call last):
+        TopologyError: static_dist: ranks have different device types — rank 0: cuda on a; rank 1: cpu on a ...
+    """
+    def listing(ranks: Sequence[int]) -> str:
+        return "; ".join(f"rank {r}: {places[r].device_type} on {places[r].host}" for r in ranks)
+
+    if len(places) != replicate * shard:
+        raise TopologyError(f"static_dist: {len(places)} ranks reported, the mesh {replicate} x {shard} needs"
+                            f" {replicate * shard}")
+    if len({p.device_type for p in places}) > 1:
+        raise TopologyError(f"static_dist: ranks have different device types — {listing(range(len(places)))};"
+                            " every rank must use the same accelerator")
+    if shard_across_nodes:
+        return
+    for r in range(replicate):
+        ranks = range(r * shard, (r + 1) * shard)
+        if len({places[i].host for i in ranks}) > 1:
+            raise TopologyError(
+                f"static_dist: strategy.mesh.dp_shard={shard}: shard group {r} spans several hosts — {listing(ranks)};"
+                " make dp_shard divide the ranks per node, or set strategy.mesh.shard_across_nodes=true"
+            )
+
+
+def build_dp_mesh(device_type: str, config: MeshConfig) -> DeviceMesh:
+    """Check the ranks' topology, then build the ``(dp_replicate, dp_shard)`` mesh over the default process group.
+
+    Collective: every rank calls it. The whole world is the data-parallel group (``dist.group.WORLD``); the mesh
+    adds one group per dimension slice.
+
+    Example::
+
+        mesh = build_dp_mesh("cpu", MeshConfig(dp_shard=2))
+        shard_group = mesh.get_group(SHARD_DIM)
     """
     world_size = dist.get_world_size()
     replicate, shard = resolve_mesh_shape(config, world_size)
-    log.debug(f"building a {DP_DIM} mesh of {world_size} {device_type} ranks ({replicate} x {shard})")
-    return init_device_mesh(device_type, (world_size,), mesh_dim_names=(DP_DIM,))
+    places: list[RankPlace] = [local_place(device_type)] * world_size
+    if world_size > 1:
+        dist.all_gather_object(places, local_place(device_type))
+    check_topology(places, replicate, shard, config.shard_across_nodes)
+    log.debug(f"building a {replicate} x {shard} mesh of {world_size} {device_type} ranks")
+    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))

@@ -59,6 +59,7 @@ from lightning_static_dist.compile import (
     compile_optimizer_step,
     compile_regions,
     drop_short_last_batch,
+    find_regions,
     is_compiled,
 )
 from lightning_static_dist.compression import CompressingReducer, build_compressor
@@ -67,11 +68,12 @@ from lightning_static_dist.embedding import EmbeddingSharder
 from lightning_static_dist.faults import diagnose, is_collective_failure, waiting_in
 from lightning_static_dist.launcher import StaticDistLauncher
 from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_parameters
-from lightning_static_dist.mesh import DP_DIM, build_dp_mesh
+from lightning_static_dist.mesh import REPLICATE_DIM, SHARD_DIM, build_dp_mesh, resolve_mesh_shape
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.sync import GradientSynchronizer
 from lightning_static_dist.sync.broadcast import broadcast_tensors
 from lightning_static_dist.sync.graph import GraphGradientSync, compiled_backward
+from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +196,8 @@ class StaticDistStrategy(ParallelStrategy):
         self.requested_backend: Optional[str] = None
         """Set when ``trainer.fit(torch.compile(model))`` asked for compilation with this backend."""
         self._graphs_checked = True
+        self._gather_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._buckets_at_step_start: Optional[list[int]] = None
         log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
 
     # ------------------------------------------------------------------------------------------ configuration
@@ -265,9 +269,24 @@ class StaticDistStrategy(ParallelStrategy):
     def process_group_backend(self) -> Optional[str]:
         return self._process_group_backend
 
+    @property
+    def sharded_sync(self) -> Optional[ShardedGradientSynchronizer]:
+        """With ``sync.reduce: reduce_scatter`` while fitting: the synchroniser holding this rank's shards."""
+        sync = self._synchronizer
+        return sync if isinstance(sync, ShardedGradientSynchronizer) else None
+
+    def _reduce_scatter(self) -> bool:
+        """``strategy.sync.reduce`` resolved against the mesh that started (``auto``: reduce_scatter if dp_shard > 1)."""
+        reduce = self._config.sync.reduce
+        if reduce == "auto":
+            return self._mesh is not None and self._mesh.size(1) > 1
+        return reduce == "reduce_scatter" and self.world_size > 1
+
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        # in the launching process, before any rank starts: a mesh that cannot fit the world is a config error
+        resolve_mesh_shape(self._config.mesh, self.num_nodes * self.num_processes)
         if self._start_method == "popen":
             self._launcher = StaticDistLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
@@ -381,13 +400,17 @@ class StaticDistStrategy(ParallelStrategy):
 
     @property
     def _dp_group(self) -> Optional[torch.distributed.ProcessGroup]:
-        return self._mesh.get_group(DP_DIM) if self._mesh is not None else None
+        """Every data-parallel rank: the mesh covers the world."""
+        return _group.WORLD if self._mesh is not None else None
 
     def _attach_synchronizer(self) -> None:
         assert self.model is not None
         sync = self._config.sync
         self._buffers_to_broadcast = list(self.model.buffers()) if sync.broadcast_buffers else []
         sharded = self._embedding_sharder.shard_parameters() if self._embedding_sharder is not None else set()
+        if self._reduce_scatter():
+            self._attach_sharded_synchronizer()
+            return
         self._synchronizer = GradientSynchronizer(
             # a shard's gradient arrives averaged by its own reduce-scatter
             [(name, p) for name, p in self.model.named_parameters() if id(p) not in sharded],
@@ -405,6 +428,51 @@ class StaticDistStrategy(ParallelStrategy):
         self._synchronizer.attach()
         self._synchronizer.recorder = self.recorder
 
+    def _attach_sharded_synchronizer(self) -> None:
+        """``sync.reduce: reduce_scatter``: the optimizer is re-pointed at this rank's shards before its first step."""
+        assert self.model is not None and self._mesh is not None
+        if len(self.optimizers) != 1:
+            raise ConfigError(f"strategy.sync.reduce='reduce_scatter': needs exactly one optimizer, configure_optimizers"
+                              f" returned {len(self.optimizers)}; allowed with several: 'all_reduce'")
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ConfigError("strategy.sync.reduce='reduce_scatter': the 16-mixed gradient scaler decides per rank on"
+                              " shards; use precision bf16-mixed or 32, or strategy.sync.reduce='all_reduce'")
+        sync_cfg = self._config.sync
+        sync = ShardedGradientSynchronizer(
+            self.model.named_parameters(), self.optimizers[0], shard_group=self._mesh.get_group(SHARD_DIM),
+            replicate_group=self._mesh.get_group(REPLICATE_DIM), group=self._dp_group,
+            first_bucket_mb=sync_cfg.first_bucket_mb, bucket_mb=sync_cfg.bucket_mb,
+            check_each_collective=sync_cfg.check == "collective",
+        )
+        sync.bind()
+        sync.attach()
+        sync.recorder = self.recorder
+        self._synchronizer = sync
+        # gradient clipping by norm must sum over the shard group (the precision plugin would norm one shard)
+        self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: sync.clip_grad_norm_(clip_val)
+        self._wait_for_parameters_where_needed(sync)
+        replicate, shard = self._mesh.size(0), self._mesh.size(1)
+        state_share = "1/{}".format(shard) if shard > 1 else "all"
+        rank_zero_info(f"static_dist: reduce_scatter over a {replicate} x {shard} mesh ({sync.plan.describe()});"
+                       f" each rank keeps {state_share} of the optimizer state")
+
+    def _wait_for_parameters_where_needed(self, sync: ShardedGradientSynchronizer) -> None:
+        """Wait for a bucket's all-gather where the forward first needs it: in pre-hooks of the repeated blocks (the
+        regions regional compile uses; their hooks run outside the compiled code), the rest at the step's start."""
+        module = self.lightning_module
+        assert module is not None
+        compile_cfg = self._config.compile
+        whole = (compile_cfg.enabled or self.requested_backend is not None) and compile_cfg.regional is False
+        blocks = [] if whole else [m for name, m in find_regions(module, "auto") if not name.startswith("<")]
+        inside: set[int] = set()
+        for block in blocks:
+            buckets = sync.buckets_of(block.parameters())
+            inside.update(id(p) for p in block.parameters())
+            self._gather_hooks.append(block.register_forward_pre_hook(
+                lambda *_, b=tuple(buckets): sync.wait_gather(b)))
+        outside = [p for p in module.parameters() if id(p) not in inside]
+        self._buckets_at_step_start = sync.buckets_of(outside) if blocks else None
+
     # ------------------------------------------------------------------------------------- sharded embeddings
 
     @property
@@ -415,6 +483,10 @@ class StaticDistStrategy(ParallelStrategy):
     def _shard_embeddings(self) -> None:
         config = self._config.embedding
         if config.shard is False or self._embedding_sharder is not None:
+            return
+        if self._reduce_scatter():
+            rank_zero_info("static_dist: reduce_scatter shards every parameter's optimizer state; strategy.embedding"
+                           " sharding is off")
             return
         if self.world_size == 1:
             rank_zero_info("static_dist: world size 1, strategy.embedding.shard has nothing to shard across")
@@ -440,6 +512,8 @@ class StaticDistStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.sharded_sync is not None:
+            self.sharded_sync.wait_gather()  # the parameters are current only once their gathers are done
         state = super().lightning_module_state_dict()
         if self._embedding_sharder is not None:
             state = self._embedding_sharder.full_state_dict(state)  # collective: every rank gets here
@@ -450,9 +524,13 @@ class StaticDistStrategy(ParallelStrategy):
         if self._embedding_sharder is not None:
             checkpoint = {**checkpoint, "state_dict": self._embedding_sharder.shard_state_dict(checkpoint["state_dict"])}
         super().load_model_state_dict(checkpoint, strict=strict)
+        if self.sharded_sync is not None:
+            self.sharded_sync.refresh_chunks()  # the optimizer updates the chunks: give them the loaded weights
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.sharded_sync is not None:
+            return self.sharded_sync.full_optimizer_state()  # collective: the form any world size can load
         state = super().optimizer_state(optimizer)
         if self._embedding_sharder is not None:
             inner = optimizer._optimizer if hasattr(optimizer, "_optimizer") else optimizer
@@ -461,6 +539,10 @@ class StaticDistStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.sharded_sync is not None:
+            self.sharded_sync.load_full_optimizer_state(checkpoint["optimizer_states"][0])
+            _optimizers_to_device(self.optimizers, self.root_device)
+            return
         if self._embedding_sharder is not None:
             states = [
                 self._embedding_sharder.shard_optimizer_state(opt, state)
@@ -538,12 +620,20 @@ class StaticDistStrategy(ParallelStrategy):
         if self._embedding_sharder is not None:
             with waiting_in("the all-gather of the sharded embeddings"):
                 self._embedding_sharder.materialize()  # the only wait for the gather issued earlier
+        if self.sharded_sync is not None:
+            self.sharded_sync.wait_gather(self._buckets_at_step_start)  # the blocks' buckets: in their pre-hooks
         if self.recorder is None:
             return super().training_step(*args, **kwargs)
         self.recorder.begin("forward")
         output = super().training_step(*args, **kwargs)
         self.recorder.end("forward")
         return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.sharded_sync is not None:
+            self.sharded_sync.wait_gather()
+        return super().validation_step(*args, **kwargs)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -553,6 +643,8 @@ class StaticDistStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.sharded_sync is not None:
+            self.sharded_sync.start_gather()  # overlapped with whatever runs until the next forward needs them
         if self._embedding_sharder is not None:
             self._embedding_sharder.release()  # the shards changed: any gathered weight is stale
             if self._config.embedding.prefetch == "after_optimizer":
@@ -590,7 +682,11 @@ class StaticDistStrategy(ParallelStrategy):
         if getattr(self.precision_plugin, "scaler", None) is not None:
             return  # the gradient scaler skips non-finite steps itself
         assert self.lightning_module is not None
-        named = [(n, p) for n, p in self.lightning_module.named_parameters() if p.grad is not None]
+        if self.sharded_sync is not None:  # the averaged gradients live in the shards
+            named = [(f"a shard of {' / '.join(piece.names)}", piece.param)
+                     for piece in self.sharded_sync.pieces(optimized_only=False) if piece.param.grad is not None]
+        else:
+            named = [(n, p) for n, p in self.lightning_module.named_parameters() if p.grad is not None]
         if not named:
             return
         norms = torch._foreach_norm([p.grad for _, p in named])
@@ -610,7 +706,7 @@ class StaticDistStrategy(ParallelStrategy):
                 f" ({len(bad)} on this rank; strategy.sync.nonfinite=error)"
             )
         if policy == "skip":
-            for _, p in self.lightning_module.named_parameters():
+            for _, p in named:
                 p.grad = None  # the optimizer then updates nothing (no weight decay either) on every rank
         rank_zero_warn(
             f"static_dist: non-finite gradient at step {step} (first: {first!r}); "
@@ -714,6 +810,11 @@ class StaticDistStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         log.debug(f"{self.__class__.__name__}: tearing down strategy")
+        for hook in self._gather_hooks:
+            hook.remove()
+        self._gather_hooks = []
+        if self.sharded_sync is not None and not self._failed:
+            self.sharded_sync.release()  # whole parameters and a full-form optimizer after fit (collective)
         if self._synchronizer is not None:
             self._synchronizer.detach()  # frees its buffers; the plan and the counters stay readable
         if self._graph_sync is not None:

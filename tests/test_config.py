@@ -75,7 +75,9 @@ INVALID_OVERRIDES = [
     pytest.param(["strategy.timeout_s=-5"], "strategy.timeout_s", "-5", id="timeout-negative"),
     pytest.param(["strategy.mesh.dp_replicate=0"], "strategy.mesh.dp_replicate", "=0", id="mesh-replicate-zero"),
     pytest.param(["strategy.mesh.dp_shard=-1"], "strategy.mesh.dp_shard", "-1", id="mesh-both-inferred"),
-    pytest.param(["strategy.mesh.dp_shard=2"], "strategy.mesh.dp_shard", "=2", id="mesh-shard-not-implemented"),
+    pytest.param(["strategy.mesh.dp_shard=2", "strategy.sync.mode=graph"], "strategy.sync.reduce", "'auto'",
+                 id="mesh-shard-with-graph-mode"),
+    pytest.param(["strategy.sync.reduce=scatter"], "strategy.sync.reduce", "'scatter'", id="reduce-unknown"),
     pytest.param(["strategy.compile.regional=maybe"], "strategy.compile.regional", "'maybe'", id="compile-regional-bogus"),
     pytest.param(["strategy.compile.backend=turbo"], "strategy.compile.backend", "'turbo'", id="compile-backend-unknown"),
     pytest.param(["strategy.compile.mode=fastest"], "strategy.compile.mode", "'fastest'", id="compile-mode-bogus"),
@@ -200,8 +202,8 @@ def test_dataclass_section_validates_itself() -> None:
         SyncConfig(bucket_mb=True)  # a bool is an int, but not a size
     assert_one_line_naming(excinfo.value, "strategy.sync.bucket_mb", "True")
     with pytest.raises(ConfigError) as excinfo:
-        MeshConfig(dp_shard=2)
-    assert_one_line_naming(excinfo.value, "strategy.mesh.dp_shard", "=2")
+        MeshConfig(dp_shard=0)
+    assert_one_line_naming(excinfo.value, "strategy.mesh.dp_shard", "=0")
 
 
 # ------------------------------------------------------------------------------------ invalid: regressions

@@ -169,7 +169,7 @@ class GradientSynchronizer:
     def attach(self) -> None:
         """Register the gradient-ready hooks on every parameter that requires grad."""
         if self._plan.buckets and not self._buffers:  # attached again after detach()
-            self._buffers = [_BucketBuffer(bucket, self._params) for bucket in self._plan.buckets]
+            self._buffers = [self._make_buffer(bucket) for bucket in self._plan.buckets]
             self._reset_round()
         for index, param in enumerate(self._params):
             if param.requires_grad and index not in self._hooks:
@@ -394,13 +394,16 @@ class GradientSynchronizer:
         observed = _rank_zero_list(self._observed_order, self._group)
         self._ready_order = self._ready_order + [i for i in observed if i not in self._ready_order]
         self._plan = plan_buckets(self._specs(members), self._first_bucket_bytes, self._bucket_bytes, self._ready_order)
-        self._buffers = [_BucketBuffer(bucket, self._params) for bucket in self._plan.buckets]
+        self._buffers = [self._make_buffer(bucket) for bucket in self._plan.buckets]
         self.attach()  # parameters whose requires_grad was switched on since the last attach
         skipped = [self._names[i] for i, p in enumerate(self._params) if i not in self._plan.location and p.requires_grad]
         log.debug(
             f"{type(self).__name__}: plan {self._plan.describe()}"
             + (f"; unused so far: {', '.join(skipped)}" if skipped else "")
         )
+
+    def _make_buffer(self, bucket: GradBucket) -> _BucketBuffer:
+        return _BucketBuffer(bucket, self._params)
 
     def _specs(self, indices: Sequence[int]) -> list[ParamSpec]:
         return [ParamSpec(i, self._params[i].numel(), self._params[i].dtype, self._params[i].device) for i in indices]
@@ -430,9 +433,11 @@ class _BucketBuffer:
     The views are made once per plan, so a gradient-ready hook costs one ``copy_`` and the write-back one more.
     """
 
-    def __init__(self, bucket: GradBucket, params: Sequence[Parameter]) -> None:
+    def __init__(self, bucket: GradBucket, params: Sequence[Parameter], padded_numel: Optional[int] = None) -> None:
         self.bucket = bucket
-        self.flat = torch.empty(bucket.numel + len(bucket.param_indices) + 1, dtype=bucket.dtype, device=bucket.device)
+        self.grad_numel = bucket.numel if padded_numel is None else padded_numel
+        """Where the gradients end and the flags start: the bucket's size, or that padded (zeros) for sharding."""
+        self.flat = torch.zeros(self.grad_numel + len(bucket.param_indices) + 1, dtype=bucket.dtype, device=bucket.device)
         self.views = self._slot_views(self.flat, params)
         self.sealed_round = 0
         self.reset()
@@ -468,7 +473,7 @@ class _BucketBuffer:
         """Write the usage flags (one op for the bucket) and the round number; return the flat buffer to reduce."""
         self.sealed_round = round_number % _ROUND_MODULUS
         self.flat[-1:].fill_(float(self.sealed_round))
-        flags = self.flat[self.bucket.numel : -1]
+        flags = self.flat[self.grad_numel : -1]
         if all(self.used):
             flags.fill_(1.0)  # the usual case, and no host-to-device copy that would wait for the GPU
         else:
@@ -478,7 +483,7 @@ class _BucketBuffer:
     def unpack(self, averaged: Tensor, params: Sequence[Parameter]) -> None:
         """Write the averaged gradients back into ``param.grad`` for parameters some rank used."""
         views = self.views if averaged is self.flat else self._slot_views(averaged, params)
-        used_anywhere = (averaged[self.bucket.numel : -1] > 0).tolist()
+        used_anywhere = (averaged[self.grad_numel : -1] > 0).tolist()
         for slot, index in enumerate(self.bucket.param_indices):
             if not used_anywhere[slot]:
                 continue  # no rank produced a gradient: leave it as it is (None), like single-process training
