@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,17 @@ def run_worker(script: str, contender: str, *args: str) -> dict[str, Any]:
             record = json.load(f)
         record["wall_s"] = round(time.perf_counter() - started, 1)
         return record
+
+
+def run_rounds(script: str, contenders: tuple[str, ...], rounds: int, *args: str) -> dict[str, list[dict[str, Any]]]:
+    """Run every contender once per round, interleaved (A B A B), each a fresh job; print each one's median step."""
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
+    for r in range(rounds):
+        for contender in contenders:
+            runs[contender].append(run_worker(script, contender, *args))
+            print(f"round {r + 1}/{rounds} {contender:<23} median step "
+                  f"{1e3 * statistics.median(runs[contender][-1]['step_s']):.1f} ms", flush=True)
+    return runs
 
 
 def write_record(scenario: str, command: str, **fields: Any) -> str:

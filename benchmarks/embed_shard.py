@@ -22,7 +22,7 @@ import json
 import statistics
 import sys
 
-from _common import ROOT, run_worker, write_record
+from _common import ROOT, run_rounds, write_record
 
 CONTENDERS = ("replicated", "sharded", "sharded_after_optimizer")
 
@@ -72,10 +72,6 @@ def worker(contender: str, steps: int, vocab: int, out: str) -> None:
             json.dump(record, f)
 
 
-def run_one(contender: str, steps: int, vocab: int) -> dict:
-    return run_worker(__file__, contender, "--steps", str(steps), "--vocab", str(vocab))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
@@ -88,12 +84,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.steps, args.vocab, args.out)
         return
-    runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
-    for r in range(args.rounds):
-        for contender in CONTENDERS:
-            runs[contender].append(run_one(contender, args.steps, args.vocab))
-            print(f"round {r + 1}/{args.rounds} {contender:<23} median step "
-                  f"{1e3 * statistics.median(runs[contender][-1]['step_s']):.1f} ms", flush=True)
+    runs = run_rounds(__file__, CONTENDERS, args.rounds, "--steps", str(args.steps), "--vocab", str(args.vocab))
     rows = []
     for contender in CONTENDERS:
         recs = runs[contender]
