@@ -6,12 +6,19 @@ Every ``every_n_steps`` optimizer steps each rank records its step (compute phas
 ``Metric`` (mean and max over ranks, synchronised like any metric). The means are logged as
 ``static_dist/<name>``, the maxima as ``static_dist/<name>_max``. Every ``timeline_every_n_steps`` steps rank 0
 gathers all ranks' timelines and draws ``<log_dir>/timeline/step_<N>.png`` (added to TensorBoard when present).
+
+Profiler mode (``profiler={"enabled": True, "wait": 1, "warmup": 1, "active": 3}``) runs ``torch.profiler`` over a
+few steps and writes one Chrome trace per rank, ``<log_dir>/profiler/rank<R>.pt.trace.json`` — with the
+``distributedInfo`` rank metadata Holistic Trace Analysis needs (``TraceAnalysis(trace_dir=<log_dir>/profiler)``)
+— then logs the same metrics computed from the traces (:mod:`~lightning_static_dist.overlap.trace`) as
+``static_dist/trace_<name>``, aggregated over ranks like the others.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -25,6 +32,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_static_dist.overlap.intervals import step_metrics
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.overlap.timeline import StepTimeline
+from lightning_static_dist.overlap.trace import TRACE_METRICS, load_trace, trace_metrics
+
+#: ``profiler`` options and their defaults.
+PROFILER_DEFAULTS = {"enabled": False, "wait": 1, "warmup": 1, "active": 3}
 
 #: The metrics this monitor logs, in the order of the aggregation vector.
 METRICS = (
@@ -87,13 +98,16 @@ class OverlapMonitor(Callback):
         every_n_steps: record and log every this many optimizer steps (unrecorded steps cost nothing).
         prog_bar: show the overlap ratio in the progress bar.
         timeline_every_n_steps: write ``<log_dir>/timeline/step_<N>.png`` every this many steps; 0 disables.
+        profiler: ``{"enabled", "wait", "warmup", "active"}``: profile ``active`` steps after skipping ``wait`` and
+            warming up ``warmup``; one Chrome trace per rank under ``<log_dir>/profiler/``.
 
     Example::
 
         trainer = L.Trainer(strategy="static_dist", callbacks=[OverlapMonitor(every_n_steps=10, prog_bar=True)])
     """
 
-    def __init__(self, every_n_steps: int = 1, prog_bar: bool = False, timeline_every_n_steps: int = 0) -> None:
+    def __init__(self, every_n_steps: int = 1, prog_bar: bool = False, timeline_every_n_steps: int = 0,
+                 profiler: Optional[Mapping[str, Any]] = None) -> None:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps={every_n_steps}: must be an integer >= 1")
         if timeline_every_n_steps < 0:
@@ -101,6 +115,13 @@ class OverlapMonitor(Callback):
         self.every_n_steps = every_n_steps
         self.prog_bar = prog_bar
         self.timeline_every_n_steps = timeline_every_n_steps
+        self.profiler = _profiler_options(profiler)
+        self.trace_paths: list[str] = []
+        """This rank's Chrome trace (profiler mode), once written."""
+        self.trace_history: list[dict[str, float]] = []
+        """The trace-derived metrics (aggregated over ranks), one row per profiled window."""
+        self._profile: Optional[torch.profiler.profile] = None
+        self._trace_dir: Optional[str] = None
         self.history: list[dict[str, float]] = []
         """The aggregated metrics of every logged step (every rank holds the same values)."""
         self.timeline_paths: list[str] = []
@@ -119,6 +140,60 @@ class OverlapMonitor(Callback):
         self._recorder = StepRecorder(trainer.strategy.root_device)
         attach(self._recorder)
         self._aggregate = RankAggregate(len(METRICS)).to(trainer.strategy.root_device)
+        self.trace_paths, self.trace_history = [], []
+
+    # -------------------------------------------------------------------------------------------- profiler
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.profiler["enabled"] or self._recorder is None:
+            return
+        log_dir = trainer.log_dir or trainer.default_root_dir  # a collective: every rank asks
+        self._trace_dir = os.path.join(log_dir, "profiler")
+        os.makedirs(self._trace_dir, exist_ok=True)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if trainer.strategy.root_device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        options = self.profiler
+        self._profile = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=options["wait"], warmup=options["warmup"], active=options["active"],
+                                             repeat=1),
+            on_trace_ready=lambda prof: self._export(prof, trainer.global_rank),
+        )
+        self._profile.start()
+
+    def _export(self, prof: torch.profiler.profile, rank: int) -> None:
+        assert self._trace_dir is not None
+        path = os.path.join(self._trace_dir, f"rank{rank}.pt.trace.json")
+        prof.export_chrome_trace(path)  # distributedInfo (rank, world size, backend) is added by torch.profiler
+        self.trace_paths.append(path)
+
+    def _profiler_step(self, trainer: pl.Trainer) -> None:
+        if self._profile is None:
+            return
+        written = len(self.trace_paths)
+        self._profile.step()
+        if len(self.trace_paths) > written:  # the active window just ended on every rank: same step everywhere
+            self._profile.stop()
+            self._profile = None
+            self._publish_trace(trainer)
+
+    def _publish_trace(self, trainer: pl.Trainer) -> None:
+        per_rank = trace_metrics(load_trace(self.trace_paths[-1]))
+        values = [per_rank[k] for k in TRACE_METRICS]
+        if trainer.world_size > 1:
+            aggregate = RankAggregate(len(TRACE_METRICS)).to(trainer.strategy.root_device)
+            values = aggregate(torch.tensor(values, dtype=torch.float64)).tolist()
+        else:
+            values = values + values
+        row = {f"static_dist/trace_{k}": values[i] for i, k in enumerate(TRACE_METRICS)}
+        if trainer.world_size > 1:
+            row.update({f"static_dist/trace_{k}_max": values[len(TRACE_METRICS) + i] for i, k in enumerate(TRACE_METRICS)})
+        self.trace_history.append({"step": float(trainer.global_step), **row})
+        row = {k: v for k, v in row.items() if v == v}
+        for logger in trainer.loggers:
+            logger.log_metrics(row, step=trainer.global_step)
 
     def _recording(self, trainer: pl.Trainer) -> bool:
         return self._recorder is not None and trainer.global_step % self.every_n_steps == 0
@@ -134,6 +209,8 @@ class OverlapMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._profile is not None and _stepped(trainer, batch_idx):
+            self._profiler_step(trainer)
         if self._recorder is None or not self._recorder.active:
             return
         # an accumulation micro-batch synchronised nothing: not kept
@@ -144,6 +221,11 @@ class OverlapMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._profile is not None:  # training ended inside the profiled window: what was recorded is written
+            rank_zero_warn("OverlapMonitor: training ended before the profiler's active steps were done;"
+                           " the trace holds the steps profiled so far")
+            self._profile.stop()
+            self._profile = None
         if self._recorder is not None:
             held = self._recorder.flush()  # CUDA holds the last recorded step back by one
             if held is not None:
@@ -191,6 +273,25 @@ class OverlapMonitor(Callback):
         )
         self.timeline_paths.append(path)
         _add_to_tensorboard(trainer, path, step)
+
+
+def _profiler_options(options: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """Validate ``profiler``; errors start with ``profiler.<key>=<value>:`` (the run-file loader prefixes them)."""
+    if options is None:
+        return dict(PROFILER_DEFAULTS)
+    if not isinstance(options, Mapping):
+        raise ValueError(f"profiler={options!r}: expected a mapping with keys {', '.join(PROFILER_DEFAULTS)}")
+    unknown = [k for k in options if k not in PROFILER_DEFAULTS]
+    if unknown:
+        raise ValueError(f"profiler.{unknown[0]}={options[unknown[0]]!r}: unknown key; allowed: {', '.join(PROFILER_DEFAULTS)}")
+    merged = {**PROFILER_DEFAULTS, **options}
+    if not isinstance(merged["enabled"], bool):
+        raise ValueError(f"profiler.enabled={merged['enabled']!r}: expected true or false")
+    for key, least in (("wait", 0), ("warmup", 0), ("active", 1)):
+        value = merged[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"profiler.{key}={value!r}: must be an integer >= {least}")
+    return merged
 
 
 def _stepped(trainer: pl.Trainer, batch_idx: int) -> bool:
