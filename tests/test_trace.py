@@ -17,7 +17,8 @@ def event(name: str, ts: float, dur: float, cat: str = "cpu_op", tid: int = 1, p
 
 def test_gpu_trace_classifies_kernels_like_hta() -> None:
     trace = {"traceEvents": [
-        event("ProfilerStep#4", 0, 1000, cat="user_annotation"),
+        event("ProfilerStep#4", -500, 900, cat="user_annotation"),          # the CPU's mark of the step
+        event("ProfilerStep#4", 0, 1000, cat="gpu_user_annotation", pid=0),  # the GPU's: kernels are measured in it
         event("sm90_xmma_gemm_bf16", 100, 400, cat="kernel", pid=0, tid=7),      # compute 100..500
         event("triton_poi_fused_add", 450, 150, cat="kernel", pid=0, tid=7),     # compute 450..600
         event("ncclDevKernel_AllReduce_Sum_f32", 500, 300, cat="kernel", pid=0, tid=20),  # comm 500..800

@@ -47,10 +47,15 @@ def classify(trace: Mapping[str, Any]) -> tuple[list[Interval], list[Interval], 
         steps, compute, comm, kind = classify(json.load(open("rank0.pt.trace.json")))
     """
     events = _complete_events(trace)
-    step_events = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
+    marks = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
+    # a CUDA trace marks each step twice: on the CPU (user_annotation) and on the GPU (gpu_user_annotation); kernels
+    # are measured against the GPU's marks, CPU work against the CPU's
+    step_events = [e for e in marks if e.get("cat") != "gpu_user_annotation"]
+    gpu_steps = [_span(e) for e in marks if e.get("cat") == "gpu_user_annotation"]
     steps = [_span(e) for e in step_events]
     kernels = [e for e in events if e.get("cat") == "kernel"]
     if kernels:
+        steps = gpu_steps or steps
         comm = [_span(e) for e in kernels if "nccl" in e["name"].lower()]
         compute = [_span(e) for e in kernels
                    if "nccl" not in e["name"].lower() and not any(m in e["name"].lower() for m in _MEMORY_KERNELS)]
