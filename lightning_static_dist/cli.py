@@ -186,3 +186,18 @@ def report_main(argv: Optional[Sequence[str]] = None) -> None:
         print(report(args.run_dir, plot=not args.no_plot))
     except FileNotFoundError as err:
         parser.exit(2, f"{err}\n")
+
+
+def consolidate_main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point of ``lsd-consolidate``: a sharded checkpoint directory -> one plain Lightning checkpoint file."""
+    from lightning_static_dist.checkpoint import consolidate, is_sharded_checkpoint
+
+    parser = argparse.ArgumentParser(
+        prog="lsd-consolidate", description="Write the plain Lightning checkpoint of a sharded (reduce_scatter) one.")
+    parser.add_argument("checkpoint_dir", help="a sharded checkpoint directory (strategy.checkpoint.format: sharded)")
+    parser.add_argument("out", help="the .ckpt file to write (loads in any Lightning Trainer)")
+    args = parser.parse_args(argv)
+    if not is_sharded_checkpoint(args.checkpoint_dir):
+        parser.exit(2, f"{args.checkpoint_dir}: not a sharded checkpoint directory (no lightning_meta.pt in it)\n")
+    consolidate(args.checkpoint_dir, args.out)
+    print(f"wrote {args.out}")

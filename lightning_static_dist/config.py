@@ -371,6 +371,30 @@ class EmbeddingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """``strategy.checkpoint``: how checkpoints hold state that ``reduce_scatter`` splits between ranks.
+
+    Example::
+
+        StaticDistStrategy(checkpoint={"format": "sharded", "consolidate_at_end": True})
+    """
+
+    KEY = "strategy.checkpoint"
+
+    format: Literal["auto", "full", "sharded"] = "auto"
+    """``sharded``: a ``torch.distributed.checkpoint`` directory in which each rank writes its own optimizer-state
+    ranges (nothing is gathered; any world size or mesh resumes from it). ``full``: one Lightning file with the
+    optimizer state gathered to the form an unsharded run writes. ``auto``: ``sharded`` with ``reduce_scatter``,
+    else ``full`` (nothing is split then)."""
+    consolidate_at_end: bool = True
+    """At the end of ``fit``, turn the last sharded checkpoint into a plain Lightning file in place (the same path);
+    any other one: ``lsd-consolidate DIR OUT.ckpt``."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclass
 class StrategyConfig:
     """The ``strategy`` block: one field per section plus the collective timeout.
 
@@ -391,6 +415,8 @@ class StrategyConfig:
     """Gradient compression."""
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     """Sharded embeddings."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint format for sharded optimizer state."""
     timeout_s: float = 1800.0
     """Timeout of every collective, in seconds (process-group timeout)."""
 

@@ -19,6 +19,7 @@ import atexit
 import dataclasses
 import functools
 import logging
+import os
 import signal
 import sys
 from collections.abc import Generator, Mapping
@@ -54,6 +55,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_static_dist.callbacks import GraphReport
+from lightning_static_dist.checkpoint import (
+    ShardedOptimizerState,
+    consolidate,
+    is_sharded_checkpoint,
+    load_sharded,
+    save_sharded,
+)
 from lightning_static_dist.compile import (
     CompileReport,
     compile_optimizer_step,
@@ -106,6 +114,7 @@ def _destroy_process_groups_at_exit() -> None:
 
 #: Where a checkpoint keeps every rank's compression state (a list indexed by rank).
 _COMPRESSION_KEY = "static_dist_compression"
+_PIECES_KEY = "static_dist_optimizer_pieces"  # optimizer_state() in sharded-checkpoint mode: this rank's ranges
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _Section = Union[dict[str, Any], Any, None]  # a dict or that section's dataclass (typed per keyword below)
@@ -126,6 +135,7 @@ class StaticDistStrategy(ParallelStrategy):
         sync: ``strategy.sync`` (:class:`~lightning_static_dist.config.SyncConfig`).
         compression: ``strategy.compression`` (:class:`~lightning_static_dist.config.CompressionConfig`).
         embedding: ``strategy.embedding`` (:class:`~lightning_static_dist.config.EmbeddingConfig`).
+        checkpoint: ``strategy.checkpoint`` (:class:`~lightning_static_dist.config.CheckpointConfig`).
         timeout_s: timeout of every collective, in seconds.
         process_group_backend: ``"nccl"``/``"gloo"``; by default NCCL on CUDA and Gloo on CPU.
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"``, ``"forkserver"``.
@@ -154,6 +164,7 @@ class StaticDistStrategy(ParallelStrategy):
         sync: _Section = None,
         compression: _Section = None,
         embedding: _Section = None,
+        checkpoint: _Section = None,
         timeout_s: float = 1800.0,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -166,7 +177,8 @@ class StaticDistStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self._config = StrategyConfig(
-            compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding, timeout_s=timeout_s
+            compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding, checkpoint=checkpoint,
+            timeout_s=timeout_s,
         )
         if start_method not in _START_METHODS:
             raise ConfigError(f"start_method={start_method!r}: allowed: {', '.join(map(repr, _START_METHODS))}")
@@ -198,6 +210,7 @@ class StaticDistStrategy(ParallelStrategy):
         self._graphs_checked = True
         self._gather_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._buckets_at_step_start: Optional[list[int]] = None
+        self._last_sharded_checkpoint: Optional[str] = None
         log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
 
     # ------------------------------------------------------------------------------------------ configuration
@@ -527,8 +540,14 @@ class StaticDistStrategy(ParallelStrategy):
         if self.sharded_sync is not None:
             self.sharded_sync.refresh_chunks()  # the optimizer updates the chunks: give them the loaded weights
 
+    def _sharded_checkpoints(self) -> bool:
+        return self.sharded_sync is not None and self._config.checkpoint.format != "full"
+
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self._sharded_checkpoints():
+            assert self.sharded_sync is not None
+            return {_PIECES_KEY: self.sharded_sync.piece_tensors()}  # this rank's own ranges: nothing is gathered
         if self.sharded_sync is not None:
             return self.sharded_sync.full_optimizer_state()  # collective: the form any world size can load
         state = super().optimizer_state(optimizer)
@@ -539,10 +558,19 @@ class StaticDistStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self.sharded_sync is not None:
-            self.sharded_sync.load_full_optimizer_state(checkpoint["optimizer_states"][0])
+        states = checkpoint["optimizer_states"]
+        sync = self.sharded_sync
+        if sync is not None:
+            state = states[0]
+            if isinstance(state, ShardedOptimizerState):  # read only the ranges this rank's pieces cover
+                sync.load_optimizer_state(state.pieces(sync.wanted_ranges()), state.param_groups)
+            else:
+                sync.load_full_optimizer_state(state)
             _optimizers_to_device(self.optimizers, self.root_device)
             return
+        if any(isinstance(state, ShardedOptimizerState) for state in states):  # an unsharded run resumes from one
+            states = [s.full() if isinstance(s, ShardedOptimizerState) else s for s in states]
+            checkpoint = {**checkpoint, "optimizer_states": states}
         if self._embedding_sharder is not None:
             states = [
                 self._embedding_sharder.shard_optimizer_state(opt, state)
@@ -563,6 +591,9 @@ class StaticDistStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
+        if self._sharded_checkpoints():
+            self._save_sharded(checkpoint, os.fspath(filepath))
+            return
         # every rank gets here (Lightning writes on rank 0 only): gather each rank's compression state, so that a
         # resumed rank gets its own error-feedback residual back, not rank 0's
         reducer = self.compressing_reducer
@@ -576,8 +607,23 @@ class StaticDistStrategy(ParallelStrategy):
                 checkpoint[_COMPRESSION_KEY] = {"world_size": self.world_size, "ranks": states}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
+    def _save_sharded(self, checkpoint: dict[str, Any], path: str) -> None:
+        """Every rank writes its own optimizer ranges into one ``torch.distributed.checkpoint`` directory."""
+        sync = self.sharded_sync
+        assert sync is not None
+        rest = dict(checkpoint)
+        model_state = rest.pop("state_dict", {})
+        states = rest.pop("optimizer_states", [])
+        pieces = states[0][_PIECES_KEY] if states else {}
+        meta = {"lightning": rest, "param_groups": sync.full_param_groups(), "shapes": sync.original_shapes()}
+        with waiting_in("writing the sharded checkpoint"):
+            save_sharded(path, meta, model_state, pieces, self.global_rank)
+        self._last_sharded_checkpoint = path
+
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if is_sharded_checkpoint(checkpoint_path):
+            return load_sharded(os.fspath(checkpoint_path))  # collective: every rank reads the model's tensors
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._compression_resume = checkpoint.pop(_COMPRESSION_KEY, None)
         if self.compressing_reducer is not None:
@@ -815,6 +861,7 @@ class StaticDistStrategy(ParallelStrategy):
         self._gather_hooks = []
         if self.sharded_sync is not None and not self._failed:
             self.sharded_sync.release()  # whole parameters and a full-form optimizer after fit (collective)
+            self._consolidate_last_checkpoint()
         if self._synchronizer is not None:
             self._synchronizer.detach()  # frees its buffers; the plan and the counters stay readable
         if self._graph_sync is not None:
@@ -832,6 +879,16 @@ class StaticDistStrategy(ParallelStrategy):
         self.recorder = None
 
         super().teardown()
+
+    def _consolidate_last_checkpoint(self) -> None:
+        """``strategy.checkpoint.consolidate_at_end``: the last sharded checkpoint becomes a plain file, in place."""
+        path, self._last_sharded_checkpoint = self._last_sharded_checkpoint, None
+        if path is None or not self._config.checkpoint.consolidate_at_end:
+            return
+        if self.is_global_zero and is_sharded_checkpoint(path):
+            consolidate(path, path)
+            rank_zero_info(f"static_dist: consolidated the last sharded checkpoint into a plain file: {path}")
+        self.barrier()
 
     @classmethod
     @override

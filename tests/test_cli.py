@@ -227,3 +227,13 @@ def test_train_two_cpu_ranks_then_report(tmp_path: Path) -> None:
     assert metric_row(report_result.stdout, "val_loss")[-1] == "2"
     assert summary_row(report_result.stdout, "world_size") == ["world_size", "2"]
     assert summary_row(report_result.stdout, "sync_rounds") == ["sync_rounds", "12"]
+
+
+def test_lsd_consolidate_refuses_what_is_not_a_sharded_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from lightning_static_dist.cli import consolidate_main
+
+    with pytest.raises(SystemExit) as excinfo:
+        consolidate_main([str(tmp_path), str(tmp_path / "out.ckpt")])
+    assert excinfo.value.code == 2
+    assert "not a sharded checkpoint directory" in capsys.readouterr().err
+    assert not (tmp_path / "out.ckpt").exists()

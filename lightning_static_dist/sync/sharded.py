@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn import Parameter
 
+from lightning_static_dist.checkpoint import FullSource, range_key, scalar_key
 from lightning_static_dist.faults import waiting_in
 from lightning_static_dist.sync.plan import BucketPlan, GradBucket, plan_buckets
 from lightning_static_dist.sync.synchronizer import GradientSynchronizer, _BucketBuffer
@@ -252,6 +253,8 @@ class ShardedGradientSynchronizer(GradientSynchronizer):
         self.shard_size = reducer.shard_size
         self.shard_rank = dist.get_rank(shard_group)
         self._original_groups = [list(g["params"]) for g in optimizer.param_groups]
+        self._original_index = {id(p): i for i, p in enumerate(p for params in self._original_groups for p in params)}
+        """id(parameter) -> its index in the optimizer's own numbering (what a full-form state dict is keyed by)."""
         where = {id(p): g for g, params in enumerate(self._original_groups) for p in params}
         group_of = {i: where.get(id(p), NOT_OPTIMIZED) for i, p in enumerate(self._params)}
         # a static plan: the optimizer must hold the shards before the first step (no usage-based adoption)
@@ -373,7 +376,7 @@ class ShardedGradientSynchronizer(GradientSynchronizer):
                 for where, values in rank_scalars.items():
                     scalars.setdefault(where, values)
         gathered = self._gather_chunks(chunk_states)
-        index = {id(p): i for i, p in enumerate(p for params in self._original_groups for p in params)}
+        index = self._original_index
         full_state: dict[int, dict[str, Any]] = {}
         for b, (shard, tensors) in enumerate(zip(self.shards, gathered)):
             for param_index, offset, numel in zip(shard.bucket.param_indices, shard.bucket.offsets, shard.bucket.numels):
@@ -386,58 +389,94 @@ class ShardedGradientSynchronizer(GradientSynchronizer):
                 entry.update({key: t[offset : offset + numel].view(param.shape).clone() for key, t in tensors.items()})
                 if entry:
                     full_state[index[id(param)]] = entry
-        groups = []
-        for g, (group, params) in enumerate(zip(self.optimizer.param_groups, self._original_groups)):
-            options = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**options, "params": [index[id(p)] for p in params]})
-        return {"state": full_state, "param_groups": groups}
+        return {"state": full_state, "param_groups": self.full_param_groups()}
 
     def load_full_optimizer_state(self, full: dict[str, Any]) -> None:
         """Load a full-form optimizer state (any world size or mesh wrote it, or an unsharded run): cut this rank's
         pieces out of it."""
-        originals = [p for params in self._original_groups for p in params]
-        index = {id(p): i for i, p in enumerate(originals)}
-        if len(full["param_groups"]) != len(self._original_groups):
-            raise ValueError(f"static_dist: the checkpoint's optimizer has {len(full['param_groups'])} param groups,"
+        numels = {i: p.numel() for i, p in enumerate(self._originals())}
+        self.load_optimizer_state(FullSource(full["state"], numels), full["param_groups"])
+
+    def load_optimizer_state(self, source: Any, param_groups: list[dict[str, Any]]) -> None:
+        """Cut this rank's pieces out of ``source`` (a :class:`~lightning_static_dist.checkpoint.FullSource` or
+        :class:`~lightning_static_dist.checkpoint.PieceSource`) and load them with the saved group options."""
+        if len(param_groups) != len(self._original_groups):
+            raise ValueError(f"static_dist: the checkpoint's optimizer has {len(param_groups)} param groups,"
                              f" this one {len(self._original_groups)}")
-        saved = full["state"]
+        index = self._original_index
+        owner = {id(piece.param): (shard, piece) for shard in self.shards for piece in shard.pieces}
         piece_state: dict[int, dict[str, Any]] = {}
-        pieces = {id(piece.param): piece for piece in self.pieces()}
         flat_index = 0
         groups = []
         for g, group in enumerate(self.optimizer.param_groups):
             ids = []
             for param in group["params"]:
-                piece = pieces[id(param)]
-                shard = next(s for s in self.shards if any(p is piece for p in s.pieces))
-                entry = self._cut_piece(shard, piece, saved, index)
+                shard, piece = owner[id(param)]
+                entry = self._cut_piece(shard, piece, source, index)
                 if entry:
                     piece_state[flat_index] = entry
                 ids.append(flat_index)
                 flat_index += 1
-            options = {k: v for k, v in full["param_groups"][g].items() if k != "params"}
+            options = {k: v for k, v in param_groups[g].items() if k != "params"}
             groups.append({**options, "params": ids})
         self.optimizer.load_state_dict({"state": piece_state, "param_groups": groups})
 
-    def _cut_piece(self, shard: BucketShard, piece: Piece, saved: dict[Any, dict[str, Any]],
-                   index: dict[int, int]) -> dict[str, Any]:
-        entry: dict[str, Any] = {}
+    def _overlaps(self, shard: BucketShard, piece: Piece) -> Iterator[tuple[Parameter, int, int, int]]:
+        """``(parameter, offset in the bucket, lo, hi)`` for each parameter the piece holds elements ``lo..hi`` of
+        (bucket coordinates)."""
         for param_index, offset, numel in zip(shard.bucket.param_indices, shard.bucket.offsets, shard.bucket.numels):
             lo, hi = max(offset, piece.start), min(offset + numel, piece.end)
-            if lo >= hi:
-                continue
-            param = self._params[param_index]
-            state = saved.get(index[id(param)], saved.get(str(index[id(param)])))
-            if not state:
-                continue
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.dim() > 0 and value.numel() == param.numel():
-                    if key not in entry:
-                        entry[key] = torch.zeros(piece.end - piece.start, dtype=value.dtype, device=value.device)
-                    entry[key][lo - piece.start : hi - piece.start].copy_(value.reshape(-1)[lo - offset : hi - offset])
-                else:
-                    entry.setdefault(key, value)
+            if lo < hi:
+                yield self._params[param_index], offset, lo, hi
+
+    def _cut_piece(self, shard: BucketShard, piece: Piece, source: Any, index: dict[int, int]) -> dict[str, Any]:
+        entry: dict[str, Any] = {}
+        for param, offset, lo, hi in self._overlaps(shard, piece):
+            i = index[id(param)]
+            for key, elementwise in source.keys(i).items():
+                if not elementwise:
+                    entry.setdefault(key, source.scalar(i, key))
+                    continue
+                values = source.elements(i, key, lo - offset, hi - offset)
+                if key not in entry:
+                    entry[key] = torch.zeros(piece.end - piece.start, dtype=values.dtype, device=piece.param.device)
+                entry[key][lo - piece.start : hi - piece.start].copy_(values)
         return entry
+
+    def _originals(self) -> list[Parameter]:
+        return [p for params in self._original_groups for p in params]
+
+    def wanted_ranges(self) -> list[tuple[int, int, int]]:
+        """``(original parameter index, lo, hi)`` of every element this rank's optimizer state covers."""
+        index = self._original_index
+        return [(index[id(param)], lo - offset, hi - offset)
+                for shard in self.shards for piece in shard.pieces if piece.group != NOT_OPTIMIZED
+                for param, offset, lo, hi in self._overlaps(shard, piece)]
+
+    def piece_tensors(self) -> dict[str, Tensor]:
+        """This rank's optimizer state as ranges of the flattened original parameters (for a sharded checkpoint)."""
+        index = self._original_index
+        out: dict[str, Tensor] = {}
+        for shard in self.shards:
+            for piece in shard.pieces:
+                state = self.optimizer.state.get(piece.param) if piece.group != NOT_OPTIMIZED else None
+                for param, offset, lo, hi in self._overlaps(shard, piece) if state else ():
+                    i = index[id(param)]
+                    for key, value in state.items():
+                        if torch.is_tensor(value) and value.dim() > 0 and value.numel() == piece.param.numel():
+                            out[range_key(i, key, lo - offset, hi - offset)] = value[lo - piece.start : hi - piece.start]
+                        else:
+                            out[scalar_key(i, key)] = value if torch.is_tensor(value) else torch.tensor(value)
+        return out
+
+    def full_param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's param groups in full form: options, and the original parameters' indices."""
+        index = self._original_index
+        return [{**{k: v for k, v in group.items() if k != "params"}, "params": [index[id(p)] for p in params]}
+                for group, params in zip(self.optimizer.param_groups, self._original_groups)]
+
+    def original_shapes(self) -> dict[int, torch.Size]:
+        return {i: p.shape for i, p in enumerate(self._originals())}
 
     # -------------------------------------------------------------------------------------- gathers, clipping
 
