@@ -117,6 +117,11 @@ _COMPRESSION_KEY = "static_dist_compression"
 _PIECES_KEY = "static_dist_optimizer_pieces"  # optimizer_state() in sharded-checkpoint mode: this rank's ranges
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+#: torch.optim optimizers whose update of an element depends on more than that element's own gradient and state:
+#: stepping flat chunks of the parameters would change their results (reduce_scatter refuses them).
+_NOT_ELEMENTWISE = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafactor", "SparseAdam")
+                         if hasattr(torch.optim, name))
 _Section = Union[dict[str, Any], Any, None]  # a dict or that section's dataclass (typed per keyword below)
 
 
@@ -447,6 +452,12 @@ class StaticDistStrategy(ParallelStrategy):
         if len(self.optimizers) != 1:
             raise ConfigError(f"strategy.sync.reduce='reduce_scatter': needs exactly one optimizer, configure_optimizers"
                               f" returned {len(self.optimizers)}; allowed with several: 'all_reduce'")
+        optimizer = self.optimizers[0]
+        inner = optimizer._optimizer if hasattr(optimizer, "_optimizer") else optimizer
+        if isinstance(inner, _NOT_ELEMENTWISE):
+            raise ConfigError(f"strategy.sync.reduce='reduce_scatter': {type(inner).__name__} does not update each element"
+                              " on its own (it would see flat chunks, not the parameters' shapes); allowed with it:"
+                              " 'all_reduce'")
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ConfigError("strategy.sync.reduce='reduce_scatter': the 16-mixed gradient scaler decides per rank on"
                               " shards; use precision bf16-mixed or 32, or strategy.sync.reduce='all_reduce'")

@@ -214,6 +214,21 @@ def test_bad_mesh_configs_name_the_key(section: dict[str, Any], key: str, fragme
     assert "\n" not in message and key in message and fragment in message
 
 
+class _LBFGSGPT(CharGPT):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.LBFGS(self.parameters())
+
+
+@pytest.mark.multiprocess
+def test_an_optimizer_that_is_not_element_wise_is_refused_by_name(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    model = _LBFGSGPT(vocab_size=256, n_layer=1, n_embd=16, n_head=2, block_size=16)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=static(1, 2), max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=str(tmp_path))
+    with pytest.raises(Exception, match=r"strategy.sync.reduce='reduce_scatter': LBFGS does not update each element"):
+        trainer.fit(model, datamodule=CharDataModule(block_size=16, batch_size=4, max_bytes=4_000))
+
+
 def test_mesh_that_does_not_fit_the_world_fails_before_any_rank_starts() -> None:
     with pytest.raises(ConfigError, match=r"strategy.mesh: dp_replicate=3 x dp_shard=1 = 3 does not match the world"):
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=static(3, 1), logger=False, enable_progress_bar=False)
