@@ -149,16 +149,29 @@ def save_sharded(path: str, meta: dict[str, Any], model_state: Mapping[str, Tens
     if rank == 0 and os.path.exists(tmp):
         shutil.rmtree(tmp)
     dist.barrier()
-    tensors = {**{MODEL + k: v.detach() for k, v in model_state.items()}, **pieces}
+    tensors = {**{MODEL + k: v.detach() for k, v in model_state.items() if torch.is_tensor(v)}, **pieces}
+    meta = {**meta, "model_extra": {k: v for k, v in model_state.items() if not torch.is_tensor(v)}}
     dcp.save(tensors, checkpoint_id=tmp)
     if rank == 0:
         torch.save(meta, os.path.join(tmp, META_FILE))
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
-        os.replace(tmp, path)  # the checkpoint exists only once it is whole
+        _replace(tmp, path)
     dist.barrier()
+
+
+def _replace(new: str, path: str) -> None:
+    """Put ``new`` (a file or a directory) at ``path``; the old one is moved aside first and removed last, so a
+    failure in between leaves one of the two whole under its own name."""
+    old = f"{path}.old"
+    if os.path.lexists(path):
+        if os.path.islink(path):
+            os.remove(path)  # Lightning's save_last="link": the link goes, what it points to stays
+        else:
+            os.replace(path, old)
+    os.replace(new, path)
+    if os.path.isdir(old):
+        shutil.rmtree(old)
+    elif os.path.lexists(old):
+        os.remove(old)
 
 
 def stored_tensors(path: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -189,8 +202,9 @@ def load_sharded(path: str, no_dist: bool = False) -> dict[str, Any]:
     stored = stored_tensors(path)
     model = read_tensors(path, [n for n in stored if n.startswith(MODEL)], stored, no_dist=no_dist)
     checkpoint = dict(meta["lightning"])
-    checkpoint["state_dict"] = {name[len(MODEL):]: tensor for name, tensor in model.items()}
-    checkpoint["optimizer_states"] = [ShardedOptimizerState(path, meta["param_groups"], meta["shapes"], stored)]
+    checkpoint["state_dict"] = {**{name[len(MODEL):]: tensor for name, tensor in model.items()}, **meta["model_extra"]}
+    if meta["has_optimizer"]:  # (a weights-only save has none)
+        checkpoint["optimizer_states"] = [ShardedOptimizerState(path, meta["param_groups"], meta["shapes"], stored)]
     return checkpoint
 
 
@@ -231,10 +245,9 @@ def consolidate(path: str, out: str) -> None:
         consolidate("runs/x/checkpoints/epoch=0-step=100.ckpt", "model.ckpt")   # or: lsd-consolidate DIR OUT
     """
     checkpoint = load_sharded(path, no_dist=True)
-    checkpoint["optimizer_states"] = [state.full(no_dist=True) if isinstance(state, ShardedOptimizerState) else state
-                                      for state in checkpoint["optimizer_states"]]
+    if "optimizer_states" in checkpoint:
+        checkpoint["optimizer_states"] = [s.full(no_dist=True) if isinstance(s, ShardedOptimizerState) else s
+                                          for s in checkpoint["optimizer_states"]]
     tmp = f"{out}.tmp"
     torch.save(checkpoint, tmp)
-    if os.path.isdir(out):
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    _replace(tmp, out)

@@ -431,7 +431,7 @@ class StrategyConfig:
         if self.embedding.shard is not False and self.sync.mode == "graph":
             _fail(f"{self.KEY}.embedding.shard", self.embedding.shard,
                   "sharded embeddings need strategy.sync.mode=hooks (mode is 'graph'); allowed with graph: false")
-        if self.sync.reduce == "reduce_scatter" or self.mesh.dp_shard not in (1, -1):
+        if self.sync.reduce == "reduce_scatter" or self.mesh.dp_shard != 1:  # -1 may resolve to > 1
             self._check_sharded()
         if self.compression.name != "none" and self.sync.mode == "graph":
             _fail(f"{self.KEY}.compression.name", self.compression.name,

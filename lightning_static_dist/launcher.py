@@ -1,4 +1,5 @@
-"""The ``static_dist`` subprocess launcher: Lightning's, with a grace period before a dead child takes the job down.
+"""The ``static_dist`` launchers: Lightning's subprocess launcher with a grace period before a dead child takes the
+job down, and Lightning's spawn launcher whose ranks skip the interpreter's teardown once their work is done.
 
 Lightning's launcher watches its child ranks and, when one dies, SIGKILLs every process at its next poll — often
 before the survivors' collective has even failed, so the user learns *which* rank died but not *where*. Here the
@@ -10,15 +11,18 @@ Only a process that is still around after the grace period is killed, with Light
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any, Callable, Optional
+
+import torch.distributed
 
 from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
 
 class _PatientObserver(_ChildProcessObserver):
@@ -57,3 +61,29 @@ class StaticDistLauncher(_SubprocessScriptLauncher):
             _PatientObserver(os.getpid(), self.procs, self.grace_s).start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
+
+
+class StaticDistSpawnLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, whose spawned ranks leave with ``os._exit`` once their work is handed over.
+
+    A spawned rank otherwise ends through the interpreter's full teardown, and there, now and then, a C++ thread of
+    the process-group machinery is still joinable when its destructor runs: ``terminate called without an active
+    exception``, SIGABRT, and ``torch.multiprocessing`` reports a finished, successful rank as crashed (seen in about
+    one full run of this project's test suite out of two, each time in a different test, after ``fit`` had
+    returned; destroying the process groups at exit did not stop it).
+    After ``fit`` has returned and rank 0 has written its results to the parent (a synchronous pipe write), there
+    is nothing left to do: the rank destroys its process groups, flushes its output and exits 0. A rank that raised
+    never gets here (torch's spawn wrapper records its traceback and exits 1). Fork children already leave this way.
+    """
+
+    @override
+    def _wrapping_function(self, process_idx: int, trainer: Optional[pl.Trainer], function: Callable, args: Any,
+                           kwargs: Any, return_queue: Any, global_states: Any = None) -> None:
+        super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
+        if self._start_method != "spawn":
+            return
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -48,7 +48,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -74,7 +74,7 @@ from lightning_static_dist.compression import CompressingReducer, build_compress
 from lightning_static_dist.config import ConfigError, StrategyConfig
 from lightning_static_dist.embedding import EmbeddingSharder
 from lightning_static_dist.faults import diagnose, is_collective_failure, waiting_in
-from lightning_static_dist.launcher import StaticDistLauncher
+from lightning_static_dist.launcher import StaticDistLauncher, StaticDistSpawnLauncher
 from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_parameters
 from lightning_static_dist.mesh import REPLICATE_DIM, SHARD_DIM, build_dp_mesh, resolve_mesh_shape
 from lightning_static_dist.overlap.recorder import StepRecorder
@@ -291,7 +291,7 @@ class StaticDistStrategy(ParallelStrategy):
     def sharded_sync(self) -> Optional[ShardedGradientSynchronizer]:
         """With ``sync.reduce: reduce_scatter`` while fitting: the synchroniser holding this rank's shards."""
         sync = self._synchronizer
-        return sync if isinstance(sync, ShardedGradientSynchronizer) else None
+        return sync if isinstance(sync, ShardedGradientSynchronizer) and not sync.released else None
 
     def _reduce_scatter(self) -> bool:
         """``strategy.sync.reduce`` resolved against the mesh that started (``auto``: reduce_scatter if dp_shard > 1)."""
@@ -308,7 +308,7 @@ class StaticDistStrategy(ParallelStrategy):
         if self._start_method == "popen":
             self._launcher = StaticDistLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = StaticDistSpawnLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -626,7 +626,8 @@ class StaticDistStrategy(ParallelStrategy):
         model_state = rest.pop("state_dict", {})
         states = rest.pop("optimizer_states", [])
         pieces = states[0][_PIECES_KEY] if states else {}
-        meta = {"lightning": rest, "param_groups": sync.full_param_groups(), "shapes": sync.original_shapes()}
+        meta = {"lightning": rest, "param_groups": sync.full_param_groups(), "shapes": sync.original_shapes(),
+                "has_optimizer": bool(states)}
         with waiting_in("writing the sharded checkpoint"):
             save_sharded(path, meta, model_state, pieces, self.global_rank)
         self._last_sharded_checkpoint = path
@@ -744,16 +745,16 @@ class StaticDistStrategy(ParallelStrategy):
                      for piece in self.sharded_sync.pieces(optimized_only=False) if piece.param.grad is not None]
         else:
             named = [(n, p) for n, p in self.lightning_module.named_parameters() if p.grad is not None]
-        if not named:
-            return
-        norms = torch._foreach_norm([p.grad for _, p in named])
-        finite = torch.isfinite(torch.stack(norms))
-        flag = (~finite).any().to(torch.float32).reshape(1)
+        # a rank with no gradient here (its chunks all padding) still takes part in the flag's all-reduce
+        finite = torch.isfinite(torch.stack(torch._foreach_norm([p.grad for _, p in named]))) if named else None
+        flag = torch.zeros(1, dtype=torch.float32, device=self.root_device)
+        if finite is not None:
+            flag += (~finite).any().to(torch.float32)
         if self.world_size > 1:  # a shard's gradient is only on its owner: decide together
             torch.distributed.all_reduce(flag, group=self._dp_group)
         if flag.item() == 0:
             return
-        bad = [n for (n, _), ok in zip(named, finite.tolist()) if not ok]
+        bad = [n for (n, _), ok in zip(named, finite.tolist()) if not ok] if finite is not None else []
         first = bad[0] if bad else "a parameter sharded on another rank"
         step = self.lightning_module.trainer.global_step
         self.nonfinite_steps += 1
@@ -870,9 +871,11 @@ class StaticDistStrategy(ParallelStrategy):
         for hook in self._gather_hooks:
             hook.remove()
         self._gather_hooks = []
-        if self.sharded_sync is not None and not self._failed:
-            self.sharded_sync.release()  # whole parameters and a full-form optimizer after fit (collective)
-            self._consolidate_last_checkpoint()
+        if self.sharded_sync is not None:
+            self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # the plugin's own clipping again
+            if not self._failed:
+                self.sharded_sync.release()  # whole parameters and a full-form optimizer after fit (collective)
+                self._consolidate_last_checkpoint()
         if self._synchronizer is not None:
             self._synchronizer.detach()  # frees its buffers; the plan and the counters stay readable
         if self._graph_sync is not None:

@@ -214,6 +214,21 @@ def test_bad_mesh_configs_name_the_key(section: dict[str, Any], key: str, fragme
     assert "\n" not in message and key in message and fragment in message
 
 
+class _FreezeAt(L.Callback):
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == 2:
+            pl_module.ln_f.weight.requires_grad_(False)
+
+
+@pytest.mark.multiprocess
+def test_freezing_a_parameter_during_fit_stops_every_rank_with_its_name(tmp_path: Any) -> None:
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=static(1, 2), max_steps=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, callbacks=[_FreezeAt()],
+                        default_root_dir=str(tmp_path))
+    with pytest.raises(Exception, match=r"'ln_f.weight' was frozen during fit"):
+        trainer.fit(tiny_gpt(), datamodule=CharDataModule(block_size=16, batch_size=4, max_bytes=4_000))
+
+
 class _LBFGSGPT(CharGPT):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.LBFGS(self.parameters())

@@ -72,3 +72,15 @@ def test_trace_without_communication_has_no_hidden_fraction() -> None:
 def test_profiler_options_are_validated(options: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(".", r"\.")):
         OverlapMonitor(profiler=options)
+
+
+def test_overlapping_step_windows_count_each_moment_once() -> None:
+    trace = {"traceEvents": [
+        event("ProfilerStep#1", 0, 100, cat="gpu_user_annotation", pid=0),
+        event("ProfilerStep#2", 80, 120, cat="gpu_user_annotation", pid=0),  # step 1's collectives run into step 2
+        event("gemm", 0, 50, cat="kernel", pid=0, tid=7),
+        event("ncclDevKernel_AllGather", 85, 20, cat="kernel", pid=0, tid=20),
+    ]}
+    metrics = trace_metrics(trace)
+    assert metrics["comm_ms"] == pytest.approx(0.020 / 2)  # 20 us over 2 steps, not 40
+    assert metrics["hidden_comm_fraction"] == 0.0

@@ -220,6 +220,12 @@ class OverlapMonitor(Callback):
             self._publish(trainer, pl_module, timeline)
 
     @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._profile is not None:  # a profiler left running would refuse to start in the next fit
+            self._profile.stop()
+            self._profile = None
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._profile is not None:  # training ended inside the profiled window: what was recorded is written
             rank_zero_warn("OverlapMonitor: training ended before the profiler's active steps were done;"

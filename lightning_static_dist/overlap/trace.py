@@ -22,7 +22,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lightning_static_dist.overlap.intervals import Interval, intersection, total
+from lightning_static_dist.overlap.intervals import Interval, intersection, merge, total
 
 #: Metrics the trace yields, logged as ``static_dist/trace_<name>``.
 TRACE_METRICS = ("overlap_ratio", "hidden_comm_fraction", "comm_ms", "compute_ms", "exposed_comm_ms")
@@ -91,8 +91,10 @@ def trace_metrics(trace: Mapping[str, Any]) -> dict[str, float]:
     if not steps:  # a trace without step markers: the whole of it is one window
         spans = compute + comm
         steps = [(min(s for s, _ in spans), max(e for _, e in spans))] if spans else []
+    count = len(steps)
+    # windows can overlap (a step's collectives still running into the next step's mark): count each moment once
     comm_us = comp_us = both_us = 0.0
-    for window in steps:
+    for window in merge(steps):
         step_comm, step_comp = _clip(comm, window), _clip(compute, window)
         comm_us += total(step_comm)
         comp_us += total(step_comp)
@@ -101,9 +103,9 @@ def trace_metrics(trace: Mapping[str, Any]) -> dict[str, float]:
     return {
         "overlap_ratio": both_us / longest if longest > 0 else math.nan,
         "hidden_comm_fraction": both_us / comm_us if comm_us > 0 else math.nan,
-        "comm_ms": comm_us / 1e3 / max(len(steps), 1),
-        "compute_ms": comp_us / 1e3 / max(len(steps), 1),
-        "exposed_comm_ms": (comm_us - both_us) / 1e3 / max(len(steps), 1),
+        "comm_ms": comm_us / 1e3 / max(count, 1),
+        "compute_ms": comp_us / 1e3 / max(count, 1),
+        "exposed_comm_ms": (comm_us - both_us) / 1e3 / max(count, 1),
     }
 
 

@@ -4,8 +4,9 @@ all-gathered back — hybrid-sharded data parallelism from the same bucket plan 
 Over a ``(dp_replicate, dp_shard)`` mesh of ``R x S`` ranks, one step is:
 
 1. **backward** — the same gradient-ready hooks fill the same flat buckets (each padded to a multiple of ``S``). A
-   full bucket is reduce-scattered over its shard group; when that completes (checked from later hooks) its chunk
-   is all-reduced over the replica group. Each rank ends backward holding the *average over all R x S ranks* of
+   full bucket is reduce-scattered over its shard group; its chunk is then all-reduced over the replica group — on
+   Gloo as soon as the reduce-scatter completes (checked from later hooks), on NCCL at the end of backward in
+   bucket order (NCCL needs collectives on several communicators issued in one order on every rank). Each rank ends backward holding the *average over all R x S ranks* of
    one ``1/S`` chunk of every bucket, written into the ``.grad`` of that chunk's optimizer parameters. The
    model's full ``param.grad`` is freed as soon as it is copied into its bucket.
 2. **optimizer step** — the optimizer was re-pointed at the chunks: it holds state for ``1/S`` of every
@@ -21,10 +22,21 @@ Over a ``(dp_replicate, dp_shard)`` mesh of ``R x S`` ranks, one step is:
 Checkpoints hold the optimizer state in the *full* form an unsharded optimizer would write (gathered at save,
 cut again at load), so a checkpoint resumes at any world size or mesh, and a plain Lightning run loads it.
 
-A difference from DDP to know: every planned parameter is treated as used (a parameter that no rank used gets a
-zero gradient, not ``None``: with weight decay it decays). Gradient clipping by norm must go through
-:meth:`ShardedGradientSynchronizer.clip_grad_norm_`, which the strategy installs in place of the precision
-plugin's: the norm is summed over the shard group.
+Differences from DDP to know:
+
+- every planned parameter is treated as used (a parameter that no rank used gets a zero gradient, not ``None``:
+  with weight decay it decays), and freezing or unfreezing a parameter during ``fit`` is an error naming it;
+- the model's ``param.grad`` is ``None`` after backward (the averaged gradients are the pieces' ``.grad``);
+- between the optimizer step and the next forward the parameters are being gathered: a callback that reads them
+  there (an EMA in ``on_train_batch_end``) must call :meth:`ShardedGradientSynchronizer.wait_gather` first;
+- the optimizer sees flat pieces, so it must update each element from that element's gradient and state alone
+  (SGD, Adam, AdamW, ... ; the strategy refuses LBFGS, Adafactor and SparseAdam; per-tensor trust ratios such
+  as LAMB's would be computed per piece);
+- gradient clipping by norm goes through :meth:`ShardedGradientSynchronizer.clip_grad_norm_`, which the strategy
+  installs in place of the precision plugin's: the norm is summed over the shard group;
+- at the end of ``fit`` (:meth:`ShardedGradientSynchronizer.release`) every rank holds the full optimizer state
+  again, so that the optimizer is usable after ``fit``: a model whose state fits only sharded needs the memory
+  for that once.
 """
 
 from __future__ import annotations
@@ -153,6 +165,11 @@ class ShardedMean:
         self.shard_group = shard_group
         self.shard_size = dist.get_world_size(shard_group)
         self.replicate_group = replicate_group if dist.get_world_size(replicate_group) > 1 else None
+        # Gloo: each group runs on its own threads, so issuing a replica all-reduce the moment its reduce-scatter is
+        # done (a local, timing-dependent decision) cannot deadlock. NCCL warns that collectives on several
+        # communicators must be issued in the same order on every rank: there they are all issued at the end of
+        # backward, in bucket order (the reduce-scatters still overlap backward).
+        self._poll_replicas = self.replicate_group is not None and dist.get_backend(self.replicate_group) != "nccl"
         self._in_flight: list[_ShardPending] = []
 
     def launch(self, bucket: GradBucket, flat: Tensor, group: Optional[dist.ProcessGroup]) -> _ShardPending:
@@ -177,6 +194,8 @@ class ShardedMean:
 
     def poll(self) -> None:
         """Issue, in bucket order, the replica all-reduce of every chunk whose reduce-scatter has completed."""
+        if not self._poll_replicas:
+            return
         for pending in self._in_flight:
             if pending.replica_issued:
                 continue
@@ -265,6 +284,9 @@ class ShardedGradientSynchronizer(GradientSynchronizer):
         self.shards = [self._shard_bucket(bucket, group_of) for bucket in self._plan.buckets]
         self._buffers = [self._make_buffer(bucket) for bucket in self._plan.buckets]
         self._bound = False
+        self.released = False
+        """True after :meth:`release`: the parameters and the optimizer are whole again; nothing is sharded."""
+        self._trainable = [p.requires_grad for p in self._params]
         self._reset_round()
 
     # -------------------------------------------------------------------------------------------- layout
@@ -328,18 +350,19 @@ class ShardedGradientSynchronizer(GradientSynchronizer):
 
     def _gather_chunks(self, chunk_states: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
         """Per bucket, each element-wise state gathered from the shard group to the bucket's full length."""
-        keys: list[Any] = [sorted(s) for s in chunk_states]
+        # every rank must gather the same keys with the same dtypes, also where it holds none of a key's state
+        keys: list[Any] = [{key: value.dtype for key, value in s.items()} for s in chunk_states]
         if self.shard_size > 1:
             everyone: list[Any] = [None] * self.shard_size
             dist.all_gather_object(everyone, keys, group=self.shard_group)
-            keys = [sorted(set().union(*(rank[b] for rank in everyone))) for b in range(len(chunk_states))]
+            keys = [{k: v for rank in everyone for k, v in rank[b].items()} for b in range(len(chunk_states))]
         out = []
         for shard, local, names in zip(self.shards, chunk_states, keys):
             gathered = {}
-            for key in names:
+            for key in sorted(names):
                 mine = local.get(key)
                 if mine is None:
-                    mine = torch.zeros_like(shard.chunk, dtype=torch.float32)
+                    mine = torch.zeros_like(shard.chunk, dtype=names[key])
                 full = torch.empty(shard.full.numel(), dtype=mine.dtype, device=mine.device)
                 if self.shard_size > 1:
                     _all_gather_single(full, mine.contiguous(), group=self.shard_group)
@@ -485,8 +508,9 @@ class ShardedGradientSynchronizer(GradientSynchronizer):
         if self.shard_size == 1:
             return  # the chunk *is* the parameters' storage
         for shard in reversed(self.shards):  # buckets are in backward order; the forward needs the last first
-            if shard.work is None:
-                shard.work = _all_gather_single(shard.full, shard.chunk, group=self.shard_group, async_op=True)
+            if shard.work is not None:  # a bucket no forward waited for (a block skipped): finish it, then renew
+                self.wait_gather([shard.bucket.index])
+            shard.work = _all_gather_single(shard.full, shard.chunk, group=self.shard_group, async_op=True)
 
     def wait_gather(self, buckets: Optional[Iterable[int]] = None) -> None:
         """Wait for the gathers of ``buckets`` (all by default): their parameters are then current."""
@@ -517,14 +541,16 @@ class ShardedGradientSynchronizer(GradientSynchronizer):
         if norm_type != 2.0:
             raise ValueError(f"static_dist: reduce_scatter clips by the 2-norm only, got norm_type={norm_type}")
         grads = [piece.param.grad for piece in self.pieces() if piece.param.grad is not None]
-        if not grads:
-            return torch.zeros(())
-        squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum().reshape(1)
+        device = self.shards[0].full.device if self.shards else torch.device("cpu")
+        squares = torch.zeros(1, dtype=torch.float32, device=device)
+        if grads:  # a rank whose chunks are all padding still takes part in the sum
+            squares += torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
         if self.shard_size > 1:
             dist.all_reduce(squares, group=self.shard_group)
         total = squares.sqrt()[0]
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
+        if grads:
+            torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
         return total
 
     # --------------------------------------------------------------------------------------------- a round
@@ -535,6 +561,14 @@ class ShardedGradientSynchronizer(GradientSynchronizer):
             param.grad = None  # copied into its bucket: the full-size gradient is not kept
 
     def finish(self) -> None:
+        for name, param, planned in zip(self._names, self._params, self._trainable):
+            if self._sync_enabled and param.requires_grad != planned:
+                self.abandon_round()
+                raise RuntimeError(
+                    f"static_dist: {name!r} was {'unfrozen' if param.requires_grad else 'frozen'} during fit;"
+                    " reduce_scatter splits the trainable parameters between ranks once, before the first step."
+                    " Freeze or unfreeze before fit (a new fit plans again), or use strategy.sync.reduce='all_reduce'"
+                )
         super().finish()
         if self._sync_enabled:
             for param in self._params:
@@ -547,3 +581,6 @@ class ShardedGradientSynchronizer(GradientSynchronizer):
         self.unbind()
         for param in self._params:
             param.data = param.data.clone()
+        self.shards = []  # the flat buffers, chunks and pieces: nothing views them any more
+        self._buffers = []
+        self.released = True
