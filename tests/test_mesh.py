@@ -201,11 +201,13 @@ def test_compiled_blocks_wait_for_their_own_gathers_and_the_model_is_whole_after
         ({"mesh": {"dp_shard": 0}}, "strategy.mesh.dp_shard", "-1 (infer) or an integer >= 1"),
         ({"mesh": {"dp_replicate": -1, "dp_shard": -1}}, "strategy.mesh.dp_shard", "at most one"),
         ({"mesh": {"dp_shard": 2}, "sync": {"mode": "graph"}}, "strategy.sync.reduce", "graph mode"),
+        ({"mesh": {"dp_replicate": 2, "dp_shard": -1}, "sync": {"mode": "graph"}}, "strategy.sync.reduce", "graph mode"),
         ({"mesh": {"dp_shard": 2}, "compression": {"name": "powersgd"}}, "strategy.compression.name", "all_reduce"),
         ({"sync": {"reduce": "reduce_scatter"}, "embedding": {"shard": True}}, "strategy.embedding.shard", "already"),
         ({"sync": {"reduce": "scatter"}}, "strategy.sync.reduce", "reduce_scatter"),
     ],
-    ids=["zero", "both-inferred", "graph-mode", "compression", "embedding", "unknown-primitive"],
+    ids=["zero", "both-inferred", "graph-mode", "graph-mode-inferred-shard", "compression", "embedding",
+         "unknown-primitive"],
 )
 def test_bad_mesh_configs_name_the_key(section: dict[str, Any], key: str, fragment: str) -> None:
     with pytest.raises(ConfigError) as excinfo:
