@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional
@@ -191,7 +192,9 @@ def read_tensors(path: str, names: Iterable[str], stored: Optional[Mapping[str, 
 
     stored = stored if stored is not None else stored_tensors(path)
     tensors = {name: torch.empty(stored[name][0], dtype=stored[name][1]) for name in names}
-    dcp.load(tensors, checkpoint_id=path, no_dist=no_dist)
+    with warnings.catch_warnings():  # no_dist: DCP warns that it assumes one process, which is what was asked
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, checkpoint_id=path, no_dist=no_dist)
     return tensors
 
 

@@ -13,7 +13,7 @@ import torch
 import lightning as L
 from examples.charlm import CharDataModule, CharGPT
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_static_dist import StaticDistStrategy
+from lightning_static_dist import OverlapMonitor, StaticDistStrategy
 from lightning_static_dist.checkpoint import consolidate, is_sharded_checkpoint, parse_key, stored_tensors
 from lightning_static_dist.config import ConfigError, StrategyConfig
 from lightning_static_dist.mesh import RankPlace, TopologyError, check_topology
@@ -72,19 +72,19 @@ class _Record(L.Callback):
 
 
 def fit(tmp: str, devices: int, strategy: Any, steps: int = STEPS, ckpt_path: Optional[str] = None,
-        save_at: Optional[int] = None, after: Any = None) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+        save_at: Optional[int] = None, after: Any = None, extra_callbacks: tuple = (),
+        **trainer_kwargs: Any) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     os.makedirs(tmp, exist_ok=True)
     L.seed_everything(0)
     model = tiny_gpt()
-    callbacks: list[Any] = [_Record(tmp)]
+    callbacks: list[Any] = [_Record(tmp), *extra_callbacks]
     if save_at is not None:
         callbacks.append(ModelCheckpoint(dirpath=tmp, filename="step{step}", every_n_train_steps=save_at,
                                          save_top_k=-1, save_on_train_epoch_end=False))
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False, callbacks=callbacks,
-        enable_checkpointing=save_at is not None, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, gradient_clip_val=CLIP, default_root_dir=tmp,
-    )
+    options = dict(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                   callbacks=callbacks, enable_checkpointing=save_at is not None, enable_progress_bar=False,
+                   enable_model_summary=False, limit_val_batches=0, gradient_clip_val=CLIP, default_root_dir=tmp)
+    trainer = L.Trainer(**{**options, **trainer_kwargs})
     trainer.fit(model, datamodule=CharDataModule(block_size=16, batch_size=4, max_bytes=40_000), ckpt_path=ckpt_path)
     if after is not None:
         after(model, trainer)
@@ -190,6 +190,32 @@ def test_compiled_blocks_wait_for_their_own_gathers_and_the_model_is_whole_after
         assert all(n > 0 for n in record["in_flight"][1:])
         # after fit, on the rank: plain parameters again (each its own storage), the optimizer over them, full state
         assert record["after_fit"] == {"own_storages": True, "optimizer_holds_model": True, "full_state": True}
+
+
+class _ValLoss(L.Callback):
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.losses: list[float] = []
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.losses.append(float(trainer.callback_metrics["val_loss"]))
+        torch.save(self.losses, os.path.join(self.directory, f"val_rank{trainer.global_rank}.pt"))
+
+
+@pytest.mark.multiprocess
+def test_accumulation_validation_and_the_monitor_work_with_reduce_scatter(tmp_path: Any) -> None:
+    runs = {}
+    for name, strategy in (("rs", static(1, 2)), ("ar", static(2, 1, reduce="all_reduce"))):
+        tmp = str(tmp_path / name)
+        os.makedirs(tmp)
+        weights, records = fit(tmp, 2, strategy, steps=6, accumulate_grad_batches=2, limit_val_batches=2,
+                               val_check_interval=4, extra_callbacks=(_ValLoss(tmp), OverlapMonitor()))
+        runs[name] = (weights, torch.load(os.path.join(tmp, "val_rank0.pt")), records)
+    assert runs["rs"][2][0]["sharded"]
+    assert_same(runs["rs"][0], runs["ar"][0])
+    # validation reads whole, current parameters (waited gathers) at every check
+    assert len(runs["rs"][1]) >= 2
+    torch.testing.assert_close(torch.tensor(runs["rs"][1]), torch.tensor(runs["ar"][1]), atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------- bad input

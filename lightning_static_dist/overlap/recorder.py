@@ -88,10 +88,11 @@ class StepRecorder:
             return
         issued = self._mark()
         work = getattr(pending, "work", None)
-        if work is not None and not self._cuda:
+        future = _future_of(work) if work is not None and not self._cuda else None
+        if future is not None:
             # Gloo completes the future on its own thread the moment the collective finishes
             # bind this step's dict now: the callback may run after end_step() started a new one
-            work.get_future().add_done_callback(lambda _, b=bucket, done=self._done: done.__setitem__(b, time.perf_counter()))
+            future.add_done_callback(lambda _, b=bucket, done=self._done: done.__setitem__(b, time.perf_counter()))
         self._issued[bucket] = (issued, nbytes, work, nbytes if dense_nbytes is None else dense_nbytes)
 
     def bucket_waited(self, bucket: int) -> None:
@@ -178,3 +179,12 @@ def _nccl_duration_ms(work: Any) -> Optional[float]:
     except Exception:  # not NCCL, timing off, or an older torch
         return None
     return duration if duration and duration > 0 else None
+
+
+def _future_of(work: Any) -> Any:
+    """The work's completion future, or ``None`` where the backend has none (Gloo's ``reduce_scatter_tensor``): the
+    collective then counts as done when it was waited for — an upper bound."""
+    try:
+        return work.get_future()
+    except RuntimeError:
+        return None
