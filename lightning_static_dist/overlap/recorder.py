@@ -15,9 +15,11 @@ bucket ready, issued and waited. When :attr:`StepRecorder.active` is false every
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -88,11 +90,14 @@ class StepRecorder:
             return
         issued = self._mark()
         work = getattr(pending, "work", None)
-        future = _future_of(work) if work is not None and not self._cuda else None
-        if future is not None:
-            # Gloo completes the future on its own thread the moment the collective finishes
-            # bind this step's dict now: the callback may run after end_step() started a new one
-            future.add_done_callback(lambda _, b=bucket, done=self._done: done.__setitem__(b, time.perf_counter()))
+        if work is not None and not self._cuda:
+            # bind this step's dict now: the completion may be noted after end_step() started a new one
+            note = functools.partial(self._done.__setitem__, bucket)
+            future = _future_of(work)
+            if future is not None:  # Gloo completes the future on its own thread the moment the collective finishes
+                future.add_done_callback(lambda _: note(time.perf_counter()))
+            else:  # (Gloo's reduce-scatter work has no future): a thread waits for it, the GIL released meanwhile
+                threading.Thread(target=_note_when_done, args=(work, note), daemon=True).start()
         self._issued[bucket] = (issued, nbytes, work, nbytes if dense_nbytes is None else dense_nbytes)
 
     def bucket_waited(self, bucket: int) -> None:
@@ -182,9 +187,16 @@ def _nccl_duration_ms(work: Any) -> Optional[float]:
 
 
 def _future_of(work: Any) -> Any:
-    """The work's completion future, or ``None`` where the backend has none (Gloo's ``reduce_scatter_tensor``): the
-    collective then counts as done when it was waited for — an upper bound."""
+    """The work's completion future, or ``None`` where the backend has none (Gloo's ``reduce_scatter_tensor``)."""
     try:
         return work.get_future()
     except RuntimeError:
         return None
+
+
+def _note_when_done(work: Any, note: Callable[[float], None]) -> None:
+    try:
+        work.wait()
+    except Exception:  # a failed collective: the strategy reports it where it waits; no completion time here
+        return
+    note(time.perf_counter())
