@@ -429,6 +429,9 @@ class StaticDistStrategy(ParallelStrategy):
         if self._reduce_scatter():
             self._attach_sharded_synchronizer()
             return
+        if self._config.checkpoint.format == "sharded":
+            rank_zero_warn("static_dist: strategy.checkpoint.format='sharded' has nothing to shard with"
+                           " strategy.sync.reduce=all_reduce (every rank holds the whole state); checkpoints are full")
         self._synchronizer = GradientSynchronizer(
             # a shard's gradient arrives averaged by its own reduce-scatter
             [(name, p) for name, p in self.model.named_parameters() if id(p) not in sharded],
