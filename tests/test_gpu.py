@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 import lightning as L
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from _dist import reference_ddp
 from lightning_static_dist import StaticDistStrategy
 
 pytestmark = [
@@ -58,7 +59,7 @@ def test_one_gpu_matches_single_device_training(precision: str) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpus_match_ddp_over_nccl() -> None:
     ours = _fit(StaticDistStrategy(start_method="spawn"), 2, "bf16-mixed")
-    theirs = _fit(DDPStrategy(start_method="spawn"), 2, "bf16-mixed")
+    theirs = _fit(reference_ddp(), 2, "bf16-mixed")
     for key in ours:
         torch.testing.assert_close(ours[key], theirs[key], atol=1e-5, rtol=1e-5)
 

@@ -13,6 +13,7 @@ import torch
 import lightning as L
 from examples.charlm import CharDataModule, CharGPT
 from lightning.pytorch.callbacks import ModelCheckpoint
+from _dist import reference_ddp
 from lightning_static_dist import OverlapMonitor, StaticDistStrategy
 from lightning_static_dist.checkpoint import consolidate, is_sharded_checkpoint, parse_key, stored_tensors
 from lightning_static_dist.config import ConfigError, StrategyConfig
@@ -107,7 +108,7 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 @pytest.fixture(scope="module")
 def ddp4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """Lightning's own DDP on 4 ranks: the reference every mesh must reproduce."""
-    weights, _ = fit(str(tmp_path_factory.mktemp("ddp4")), 4, "ddp_spawn")
+    weights, _ = fit(str(tmp_path_factory.mktemp("ddp4")), 4, reference_ddp())
     return weights
 
 

@@ -20,6 +20,7 @@ import lightning as L
 import lightning_static_dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from _dist import reference_ddp
 from lightning_static_dist import StaticDistStrategy
 
 pytestmark = pytest.mark.multiprocess
@@ -124,7 +125,7 @@ def static_dist(**kwargs: Any) -> StaticDistStrategy:
 
 
 def ddp(**kwargs: Any) -> DDPStrategy:
-    return DDPStrategy(start_method="spawn", **kwargs)
+    return reference_ddp(**kwargs)
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float = 1e-6) -> None:
@@ -195,7 +196,7 @@ class BatchNormNet(L.LightningModule):
 def test_buffers_usage_change_sync_dist_and_sampler(tmp_path: Any) -> None:
     (tmp_path / "ours").mkdir()
     ours, reports = fit(BatchNormNet, static_dist(), tmp_path / "ours", max_steps=8)
-    theirs, _ = fit(BatchNormNet, DDPStrategy(start_method="spawn", find_unused_parameters=True), max_steps=8)
+    theirs, _ = fit(BatchNormNet, ddp(find_unused_parameters=True), max_steps=8)
     assert_same_weights(ours, theirs)  # includes BatchNorm running stats (rank 0's, broadcast like DDP)
     r0, r1 = reports
     # Lightning inserted a DistributedSampler: the ranks see disjoint halves of the data
