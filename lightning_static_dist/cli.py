@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from lightning_static_dist.overlap.intervals import median_of
 from lightning_static_dist.config import CALLBACKS, ConfigError, RunConfig, import_object, load_run_config
+from lightning_static_dist.launcher import exit_without_native_teardown
 
 
 def build_trainer_inputs(cfg: RunConfig) -> tuple[Any, Any, Any]:
@@ -56,7 +57,8 @@ def default_loggers(root_dir: str) -> list[Any]:
 
 
 def train_main(argv: Optional[Sequence[str]] = None) -> None:
-    """Entry point of ``lsd-train``."""
+    """Entry point of ``lsd-train``: after a training run the process ends here (it is a command, not a library call:
+    use :func:`build_trainer_inputs` and ``trainer.fit`` to train inside your own program)."""
     parser = argparse.ArgumentParser(
         prog="lsd-train",
         description="Train a LightningModule with the static_dist strategy from a YAML run file.",
@@ -88,6 +90,8 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+    # done: Python's exit handlers run, the native teardown (where Gloo threads sometimes abort) does not
+    exit_without_native_teardown(0)
 
 
 def _jsonable(obj: Any) -> Any:

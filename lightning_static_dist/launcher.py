@@ -10,6 +10,7 @@ Only a process that is still around after the grace period is killed, with Light
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
@@ -72,7 +73,7 @@ class StaticDistSpawnLauncher(_MultiProcessingLauncher):
     one full run of this project's test suite out of two, each time in a different test, after ``fit`` had
     returned; destroying the process groups at exit did not stop it).
     After ``fit`` has returned and rank 0 has written its results to the parent (a synchronous pipe write), there
-    is nothing left to do: the rank destroys its process groups, flushes its output and exits 0. A rank that raised
+    is nothing left to do: the rank leaves through :func:`exit_without_native_teardown` with status 0. A rank that raised
     never gets here (torch's spawn wrapper records its traceback and exits 1). Fork children already leave this way.
     """
 
@@ -80,10 +81,17 @@ class StaticDistSpawnLauncher(_MultiProcessingLauncher):
     def _wrapping_function(self, process_idx: int, trainer: Optional[pl.Trainer], function: Callable, args: Any,
                            kwargs: Any, return_queue: Any, global_states: Any = None) -> None:
         super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
-        if self._start_method != "spawn":
-            return
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        if self._start_method == "spawn":
+            exit_without_native_teardown(0)
+
+
+def exit_without_native_teardown(code: int) -> None:
+    """End a process whose work is done: destroy its process groups, run Python's exit handlers (loggers' and
+    other libraries' ``atexit`` hooks), flush, and ``os._exit`` — skipping only the C++ static destructors, where
+    torch 2.13's Gloo threads sometimes abort a finished process (SIGABRT)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
