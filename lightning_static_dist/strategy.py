@@ -479,7 +479,7 @@ class StaticDistStrategy(ParallelStrategy):
         self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: sync.clip_grad_norm_(clip_val)
         self._wait_for_parameters_where_needed(sync)
         replicate, shard = self._mesh.size(0), self._mesh.size(1)
-        state_share = "1/{}".format(shard) if shard > 1 else "all"
+        state_share = f"1/{shard}" if shard > 1 else "all"
         rank_zero_info(f"static_dist: reduce_scatter over a {replicate} x {shard} mesh ({sync.plan.describe()});"
                        f" each rank keeps {state_share} of the optimizer state")
 
