@@ -17,8 +17,8 @@ def event(name: str, ts: float, dur: float, cat: str = "cpu_op", tid: int = 1, p
 
 def test_gpu_trace_classifies_kernels_like_hta() -> None:
     trace = {"traceEvents": [
-        event("ProfilerStep#4", -500, 900, cat="user_annotation"),          # the CPU's mark of the step
-        event("ProfilerStep#4", 0, 1000, cat="gpu_user_annotation", pid=0),  # the GPU's: kernels are measured in it
+        event("ProfilerStep#4", -500, 900, cat="user_annotation"),          # the CPU's mark of the step (counted)
+        event("ProfilerStep#4", 0, 1000, cat="gpu_user_annotation", pid=0),  # the GPU's
         event("sm90_xmma_gemm_bf16", 100, 400, cat="kernel", pid=0, tid=7),      # compute 100..500
         event("triton_poi_fused_add", 450, 150, cat="kernel", pid=0, tid=7),     # compute 450..600
         event("ncclDevKernel_AllReduce_Sum_f32", 500, 300, cat="kernel", pid=0, tid=20),  # comm 500..800
@@ -26,7 +26,7 @@ def test_gpu_trace_classifies_kernels_like_hta() -> None:
         event("aten::mm", 0, 900),                                                # CPU op: ignored on GPU
     ]}
     steps, compute, comm, kind = classify(trace)
-    assert kind == "gpu" and steps == [(0.0, 1000.0)] and len(compute) == 2 and comm == [(500.0, 800.0)]
+    assert kind == "gpu" and steps == [(-500.0, 400.0)] and len(compute) == 2 and comm == [(500.0, 800.0)]
     metrics = trace_metrics(trace)
     # comm 300 us, compute union 500 us (100..600), both 100 us (500..600)
     assert metrics["hidden_comm_fraction"] == pytest.approx(100 / 300)
@@ -76,11 +76,40 @@ def test_profiler_options_are_validated(options: dict[str, Any], fragment: str) 
 
 def test_overlapping_step_windows_count_each_moment_once() -> None:
     trace = {"traceEvents": [
-        event("ProfilerStep#1", 0, 100, cat="gpu_user_annotation", pid=0),
-        event("ProfilerStep#2", 80, 120, cat="gpu_user_annotation", pid=0),  # step 1's collectives run into step 2
-        event("gemm", 0, 50, cat="kernel", pid=0, tid=7),
-        event("ncclDevKernel_AllGather", 85, 20, cat="kernel", pid=0, tid=20),
+        event("ProfilerStep#1", 0, 100),
+        event("ProfilerStep#2", 80, 120),  # (marks that overlap: each moment must still count once)
+        event("aten::mm", 0, 50),
+        event("gloo:all_gather", 85, 20, cat="user_annotation", tid=9),
     ]}
     metrics = trace_metrics(trace)
     assert metrics["comm_ms"] == pytest.approx(0.020 / 2)  # 20 us over 2 steps, not 40
     assert metrics["hidden_comm_fraction"] == 0.0
+
+
+def test_gpu_kernels_count_even_outside_the_gpu_step_marks() -> None:
+    # on the H200 the GPU's ProfilerStep marks covered 0.06 ms of each step's 4 ms of kernels: kernels are not cut
+    trace = {"traceEvents": [
+        event("ProfilerStep#1", 0, 50, cat="user_annotation"),
+        event("ProfilerStep#1", 10, 5, cat="gpu_user_annotation", pid=0),
+        event("gemm", 100, 200, cat="kernel", pid=0, tid=7),
+        event("ncclDevKernel_AllReduce", 250, 100, cat="kernel", pid=0, tid=17),
+    ]}
+    metrics = trace_metrics(trace)
+    assert metrics["compute_ms"] == pytest.approx(0.2) and metrics["comm_ms"] == pytest.approx(0.1)
+    assert metrics["hidden_comm_fraction"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(("rank", "hta"), [(0, 0.0666), (1, 0.0)])
+def test_real_two_gpu_traces_agree_with_holistic_trace_analysis(rank: int, hta: float) -> None:
+    # traces of a 2 x H200 static_dist run (profiler mode), and HTA 0.5.0's get_comm_comp_overlap on them
+    # (benchmarks/results/hta-check-2gpu-2026-11-29.json): the issue's target is agreement within 0.05
+    import gzip
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "hta-traces-2gpu-2026-11-29",
+                        f"rank{rank}.pt.trace.json.gz")
+    with gzip.open(path, "rt") as f:
+        trace = json.load(f)
+    assert trace["distributedInfo"]["rank"] == rank
+    assert abs(trace_metrics(trace)["hidden_comm_fraction"] - hta) <= 0.05

@@ -4,7 +4,9 @@ The trace is the ground truth the recorder's cheap timestamps are checked agains
 window of one rank's trace:
 
 - on GPU (the trace has kernels): communication = GPU kernels whose name contains ``nccl``; compute = every other
-  kernel; memory copies and sets are neither — HTA's classification of kernels;
+  kernel; memory copies and sets are neither — HTA's classification of kernels. Kernels are not cut by the steps'
+  marks (a step's kernels run after its CPU mark, and the GPU marks need not cover them — seen on the H200): all
+  kernels of the trace count, which holds only the profiled steps;
 - on CPU (Gloo: no kernels): communication = the ``gloo:<collective>`` ranges the process group's worker threads
   record while a collective runs; compute = the operators on the training thread (the thread of the
   ``ProfilerStep`` ranges), except the ``c10d::`` calls that only issue collectives.
@@ -48,14 +50,11 @@ def classify(trace: Mapping[str, Any]) -> tuple[list[Interval], list[Interval], 
     """
     events = _complete_events(trace)
     marks = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
-    # a CUDA trace marks each step twice: on the CPU (user_annotation) and on the GPU (gpu_user_annotation); kernels
-    # are measured against the GPU's marks, CPU work against the CPU's
+    # a CUDA trace marks each step twice: on the CPU (user_annotation) and on the GPU (gpu_user_annotation)
     step_events = [e for e in marks if e.get("cat") != "gpu_user_annotation"]
-    gpu_steps = [_span(e) for e in marks if e.get("cat") == "gpu_user_annotation"]
-    steps = [_span(e) for e in step_events]
+    steps = [_span(e) for e in step_events] or [_span(e) for e in marks]
     kernels = [e for e in events if e.get("cat") == "kernel"]
     if kernels:
-        steps = gpu_steps or steps
         comm = [_span(e) for e in kernels if "nccl" in e["name"].lower()]
         compute = [_span(e) for e in kernels
                    if "nccl" not in e["name"].lower() and not any(m in e["name"].lower() for m in _MEMORY_KERNELS)]
@@ -87,11 +86,11 @@ def trace_metrics(trace: Mapping[str, Any]) -> dict[str, float]:
         >>> trace_metrics(trace)["hidden_comm_fraction"]
         0.5
     """
-    steps, compute, comm, _ = classify(trace)
-    if not steps:  # a trace without step markers: the whole of it is one window
+    steps, compute, comm, kind = classify(trace)
+    count = len(steps)
+    if kind == "gpu" or not steps:  # kernels: the whole trace (see the module's docstring); no marks: likewise
         spans = compute + comm
         steps = [(min(s for s, _ in spans), max(e for _, e in spans))] if spans else []
-    count = len(steps)
     # windows can overlap (a step's collectives still running into the next step's mark): count each moment once
     comm_us = comp_us = both_us = 0.0
     for window in merge(steps):
