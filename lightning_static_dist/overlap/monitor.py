@@ -181,19 +181,9 @@ class OverlapMonitor(Callback):
 
     def _publish_trace(self, trainer: pl.Trainer) -> None:
         per_rank = trace_metrics(load_trace(self.trace_paths[-1]))
-        values = [per_rank[k] for k in TRACE_METRICS]
-        if trainer.world_size > 1:
-            aggregate = RankAggregate(len(TRACE_METRICS)).to(trainer.strategy.root_device)
-            values = aggregate(torch.tensor(values, dtype=torch.float64)).tolist()
-        else:
-            values = values + values
-        row = {f"static_dist/trace_{k}": values[i] for i, k in enumerate(TRACE_METRICS)}
-        if trainer.world_size > 1:
-            row.update({f"static_dist/trace_{k}_max": values[len(TRACE_METRICS) + i] for i, k in enumerate(TRACE_METRICS)})
+        aggregate = RankAggregate(len(TRACE_METRICS)).to(trainer.strategy.root_device)
+        row = _log_over_ranks(trainer, aggregate, TRACE_METRICS, per_rank, "trace_", trainer.global_step)
         self.trace_history.append({"step": float(trainer.global_step), **row})
-        row = {k: v for k, v in row.items() if v == v}
-        for logger in trainer.loggers:
-            logger.log_metrics(row, step=trainer.global_step)
 
     def _recording(self, trainer: pl.Trainer) -> bool:
         return self._recorder is not None and trainer.global_step % self.every_n_steps == 0
@@ -238,23 +228,11 @@ class OverlapMonitor(Callback):
                 self._publish(trainer, None, held)
 
     def _publish(self, trainer: pl.Trainer, pl_module: Optional[pl.LightningModule], timeline: StepTimeline) -> None:
-        per_rank = step_metrics(timeline)
-        values = [per_rank[k] for k in METRICS]
-        if trainer.world_size > 1:
-            assert self._aggregate is not None
-            values = self._aggregate(torch.tensor(values, dtype=torch.float64)).tolist()
-            self._aggregate.reset()
-        else:  # one rank: the mean and the max are the value itself, and nothing needs synchronising
-            values = values + values
-        row = {f"static_dist/{k}": values[i] for i, k in enumerate(METRICS)}
-        if trainer.world_size > 1:  # maxima over ranks (the per-step maximum of the trigger delay has its own name)
-            row.update({f"static_dist/{k}_max": values[len(METRICS) + i] for i, k in enumerate(METRICS) if k != "trigger_delay_max_ms"})
+        assert self._aggregate is not None
+        row = _log_over_ranks(trainer, self._aggregate, METRICS, step_metrics(timeline), "", timeline.step,
+                              # the per-step maximum of the trigger delay has its own name
+                              no_max=("trigger_delay_max_ms",))
         self.history.append({"step": float(timeline.step), **row})
-        row = {k: v for k, v in row.items() if v == v}  # NaN: nothing to measure (no sharded embedding ...)
-        # straight to the loggers (rank zero only, values already aggregated): LightningModule.log costs ~0.3 ms a
-        # call, 15 calls a step were most of this monitor's cost (monitor-cost benchmark)
-        for logger in trainer.loggers:
-            logger.log_metrics(row, step=timeline.step)
         if self.prog_bar and pl_module is not None:  # on_train_end cannot log any more
             pl_module.log("static_dist/overlap_ratio", self.history[-1]["static_dist/overlap_ratio"], prog_bar=True,
                           logger=False)
@@ -279,6 +257,27 @@ class OverlapMonitor(Callback):
         )
         self.timeline_paths.append(path)
         _add_to_tensorboard(trainer, path, step)
+
+
+def _log_over_ranks(trainer: pl.Trainer, aggregate: RankAggregate, names: tuple[str, ...], per_rank: Mapping[str, float],
+                    prefix: str, step: int, no_max: tuple[str, ...] = ()) -> dict[str, float]:
+    """Aggregate this rank's figures over ranks (mean, and ``_max``), log them as ``static_dist/<prefix><name>`` to
+    every logger, and return the row (NaN kept: the history shows what could not be measured)."""
+    values = [per_rank[k] for k in names]
+    if trainer.world_size > 1:
+        values = aggregate(torch.tensor(values, dtype=torch.float64)).tolist()
+        aggregate.reset()
+    else:  # one rank: the mean and the max are the value itself, and nothing needs synchronising
+        values = values + values
+    row = {f"static_dist/{prefix}{k}": values[i] for i, k in enumerate(names)}
+    if trainer.world_size > 1:
+        row.update({f"static_dist/{prefix}{k}_max": values[len(names) + i] for i, k in enumerate(names) if k not in no_max})
+    # straight to the loggers (rank zero only, values already aggregated): LightningModule.log costs ~0.3 ms a call,
+    # 15 calls a step were most of this monitor's cost (monitor-cost benchmark); NaN: nothing to measure
+    finite = {k: v for k, v in row.items() if v == v}
+    for logger in trainer.loggers:
+        logger.log_metrics(finite, step=step)
+    return row
 
 
 def _profiler_options(options: Optional[Mapping[str, Any]]) -> dict[str, Any]:
