@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn import Parameter
 
-from lightning_static_dist.checkpoint import FullSource, range_key, scalar_key
+from lightning_static_dist.checkpoint import FullSource, PieceSource, full_state_from_pieces, range_key, scalar_key
 from lightning_static_dist.faults import waiting_in
 from lightning_static_dist.sync.plan import BucketPlan, GradBucket, plan_buckets
 from lightning_static_dist.sync.synchronizer import GradientSynchronizer, _BucketBuffer
@@ -92,8 +92,6 @@ class BucketShard:
     pieces: list[Piece]
     work: Optional[dist.Work] = None
     """The all-gather in flight, if any."""
-    group_ranges: list[tuple[int, int, int]] = field(default_factory=list)
-    """``(group, start, end)`` in the flat buffer, in bucket order."""
 
 
 def _ordered_by_group(plan: BucketPlan, group_of: dict[int, int]) -> BucketPlan:
@@ -315,7 +313,7 @@ class ShardedGradientSynchronizer(GradientSynchronizer):
                 names = tuple(self._names[i] for i, o, n in zip(bucket.param_indices, bucket.offsets, bucket.numels)
                               if o < hi and o + n > lo)
                 pieces.append(Piece(group, Parameter(chunk[lo - start : hi - start]), lo, hi, names))
-        return BucketShard(bucket, full, chunk, start, pieces, group_ranges=ranges)
+        return BucketShard(bucket, full, chunk, start, pieces)
 
     def _make_buffer(self, bucket: GradBucket) -> _BucketBuffer:
         return _ShardBuffer(bucket, self._params, self.shards[bucket.index])
@@ -348,71 +346,20 @@ class ShardedGradientSynchronizer(GradientSynchronizer):
         self.optimizer.load_state_dict(full)
         self._bound = False
 
-    def _gather_chunks(self, chunk_states: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
-        """Per bucket, each element-wise state gathered from the shard group to the bucket's full length."""
-        # every rank must gather the same keys with the same dtypes, also where it holds none of a key's state
-        keys: list[Any] = [{key: value.dtype for key, value in s.items()} for s in chunk_states]
-        if self.shard_size > 1:
-            everyone: list[Any] = [None] * self.shard_size
-            dist.all_gather_object(everyone, keys, group=self.shard_group)
-            keys = [{k: v for rank in everyone for k, v in rank[b].items()} for b in range(len(chunk_states))]
-        out = []
-        for shard, local, names in zip(self.shards, chunk_states, keys):
-            gathered = {}
-            for key in sorted(names):
-                mine = local.get(key)
-                if mine is None:
-                    mine = torch.zeros_like(shard.chunk, dtype=names[key])
-                full = torch.empty(shard.full.numel(), dtype=mine.dtype, device=mine.device)
-                if self.shard_size > 1:
-                    _all_gather_single(full, mine.contiguous(), group=self.shard_group)
-                else:
-                    full.copy_(mine)
-                gathered[key] = full
-            out.append(gathered)
-        return out
-
     def full_optimizer_state(self) -> dict[str, Any]:
         """The optimizer's ``state_dict()`` as an unsharded optimizer over the original parameters would give it.
 
-        Collective over the shard group (every rank of it calls this: Lightning dumps checkpoints on every rank).
+        Every rank of the shard group contributes its :meth:`piece_tensors` (replica groups hold the same ones) and
+        the whole is assembled the way a sharded checkpoint is consolidated. Collective over the shard group (every
+        rank of it calls this: Lightning dumps checkpoints on every rank); the state comes back on the CPU.
         """
-        state = self.optimizer.state
-        chunk_states: list[dict[str, Tensor]] = []
-        scalars: dict[tuple[int, int], dict[str, Any]] = {}
-        for b, shard in enumerate(self.shards):
-            local: dict[str, Tensor] = {}
-            for piece in shard.pieces:
-                for key, value in state.get(piece.param, {}).items():
-                    if torch.is_tensor(value) and value.dim() > 0 and value.numel() == piece.param.numel():
-                        if key not in local:
-                            local[key] = torch.zeros(shard.chunk.numel(), dtype=value.dtype, device=value.device)
-                        a, z = piece.start - shard.chunk_start, piece.end - shard.chunk_start
-                        local[key][a:z].copy_(value.reshape(-1))
-                    else:
-                        scalars.setdefault((b, piece.group), {})[key] = value
-            chunk_states.append(local)
-        if self.shard_size > 1:  # a group's scalars (Adam's step) may live only on another rank of the bucket
+        pieces = {name: t.detach().to("cpu", copy=True) for name, t in self.piece_tensors().items()}
+        if self.shard_size > 1:
             everyone: list[Any] = [None] * self.shard_size
-            dist.all_gather_object(everyone, scalars, group=self.shard_group)
-            for rank_scalars in everyone:
-                for where, values in rank_scalars.items():
-                    scalars.setdefault(where, values)
-        gathered = self._gather_chunks(chunk_states)
-        index = self._original_index
-        full_state: dict[int, dict[str, Any]] = {}
-        for b, (shard, tensors) in enumerate(zip(self.shards, gathered)):
-            for param_index, offset, numel in zip(shard.bucket.param_indices, shard.bucket.offsets, shard.bucket.numels):
-                param = self._params[param_index]
-                group = next(g for g, lo, hi in shard.group_ranges if lo <= offset < hi)
-                if group == NOT_OPTIMIZED or (b, group) not in scalars and not tensors:
-                    continue
-                entry = {key: value.clone() if torch.is_tensor(value) else value
-                         for key, value in scalars.get((b, group), {}).items()}
-                entry.update({key: t[offset : offset + numel].view(param.shape).clone() for key, t in tensors.items()})
-                if entry:
-                    full_state[index[id(param)]] = entry
-        return {"state": full_state, "param_groups": self.full_param_groups()}
+            dist.all_gather_object(everyone, pieces, group=self.shard_group)
+            pieces = {name: t for rank in everyone for name, t in rank.items()}
+        state = full_state_from_pieces(PieceSource(pieces), self.original_shapes())
+        return {"state": state, "param_groups": self.full_param_groups()}
 
     def load_full_optimizer_state(self, full: dict[str, Any]) -> None:
         """Load a full-form optimizer state (any world size or mesh wrote it, or an unsharded run): cut this rank's
