@@ -42,6 +42,14 @@ def run_rounds(script: str, contenders: tuple[str, ...], rounds: int, *args: str
     return runs
 
 
+def step_ms(recs: list[dict[str, Any]], digits: int = 1) -> dict[str, Any]:
+    """A contender's median step over every timed step of every round, and each round's own median (ms)."""
+    return {
+        "step_ms_median": round(1e3 * statistics.median(s for rec in recs for s in rec["step_s"]), digits),
+        "step_ms_per_round": [round(1e3 * statistics.median(rec["step_s"]), digits) for rec in recs],
+    }
+
+
 def write_record(scenario: str, command: str, **fields: Any) -> str:
     """Write ``benchmarks/results/<scenario>-<date>.json`` with the machine and versions; return its path."""
     import lightning

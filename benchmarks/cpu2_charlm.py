@@ -29,7 +29,7 @@ import os
 import statistics
 import sys
 
-from _common import ROOT, run_worker, write_record
+from _common import ROOT, run_rounds, step_ms, write_record
 
 CONFIG = os.path.join(ROOT, "configs", "charlm_cpu.yaml")
 CONTENDERS = ("ddp", "static_dist", "ddp_compile", "static_dist_compile", "static_dist_graph")
@@ -107,10 +107,6 @@ def worker(contender: str, steps: int, warmup: int, out: str) -> None:
             json.dump(record, f)
 
 
-def run_one(contender: str, steps: int, warmup: int) -> dict:
-    return run_worker(__file__, contender, "--steps", str(steps), "--warmup", str(warmup))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -124,12 +120,7 @@ def main() -> None:
         worker(args.worker, args.steps, args.warmup, args.out)
         return
 
-    runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
-    for r in range(args.rounds):
-        for contender in CONTENDERS:  # interleaved: A B A B ...
-            record = run_one(contender, args.steps, args.warmup)
-            runs[contender].append(record)
-            print(f"round {r + 1}/{args.rounds} {contender:<20} median step {1e3 * statistics.median(record['step_s']):7.1f} ms")
+    runs = run_rounds(__file__, CONTENDERS, args.rounds, "--steps", str(args.steps), "--warmup", str(args.warmup))
 
     rows = []
     for contender in CONTENDERS:
@@ -139,8 +130,7 @@ def main() -> None:
             "contender": contender,
             "sync_mode": SETUP[contender][1],
             "compile": SETUP[contender][0],
-            "step_ms_median": round(1e3 * median_s, 2),
-            "step_ms_per_round": [round(1e3 * statistics.median(rec["step_s"]), 2) for rec in runs[contender]],
+            **step_ms(runs[contender], digits=2),
             "tokens_per_s": round(runs[contender][0]["tokens_per_step"] / median_s),
             "bytes_per_step": runs[contender][-1]["bytes_per_step"],
             "bytes_source": runs[contender][-1]["bytes_source"],

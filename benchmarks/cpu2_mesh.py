@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
-from _common import ROOT, run_rounds, write_record
+from _common import ROOT, run_rounds, step_ms, write_record
 
 CONTENDERS = ("all_reduce", "reduce_scatter")
 
@@ -97,8 +96,7 @@ def main() -> None:
             "bytes_per_rank": held,
             "params_grads_state_bytes": held["params"] + held["grads"] + held["optimizer_state"],
             "total_bytes_per_rank": sum(held.values()),
-            "step_ms_median": round(1e3 * statistics.median(s for rec in recs for s in rec["step_s"]), 1),
-            "step_ms_per_round": [round(1e3 * statistics.median(rec["step_s"]), 1) for rec in recs],
+            **step_ms(recs),
             "final_loss": [round(rec["final_loss"], 4) for rec in recs],
         })
     ar, rs = rows

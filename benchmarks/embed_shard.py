@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
-from _common import ROOT, run_rounds, write_record
+from _common import ROOT, run_rounds, step_ms, write_record
 
 CONTENDERS = ("replicated", "sharded", "sharded_after_optimizer")
 
@@ -93,8 +92,7 @@ def main() -> None:
             "contender": contender,
             "embedding_bytes_per_rank": held,
             "embedding_total_bytes_per_rank": sum(held.values()),
-            "step_ms_median": round(1e3 * statistics.median(s for rec in recs for s in rec["step_s"]), 1),
-            "step_ms_per_round": [round(1e3 * statistics.median(rec["step_s"]), 1) for rec in recs],
+            **step_ms(recs),
             "embed_gather_ms": [round(rec["embed_gather_ms"], 3) for rec in recs],
             "embed_gather_exposed_ms": [round(rec["embed_gather_exposed_ms"], 3) for rec in recs],
             "bucket_bytes_sent": recs[-1]["bytes_sent"],
