@@ -1,4 +1,4 @@
-"""What the CPU benchmarks share: running one contender as a fresh job, and writing the dated record."""
+"""What the benchmarks share: running one contender as a fresh job, and writing the dated record."""
 
 from __future__ import annotations
 
@@ -6,14 +6,49 @@ import datetime
 import json
 import os
 import platform
+import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: for every GPU worker, so that nothing NCCL or symmetric memory might touch tries NVLink multicast
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def run_job(name: str, cmd: list[str], env: dict[str, str], timeout_s: float,
+            log_path: Optional[str] = None) -> Optional[str]:
+    """Run one benchmark job (and every rank it starts) in its own process session; None when it succeeded, else
+    one line saying why (and its whole stderr in ``log_path``, if given). A job past ``timeout_s`` is killed with
+    all its ranks, so a hung collective costs one row."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the ranks Lightning started are in the same session
+        _, stderr = proc.communicate()
+        _keep_log(log_path, stderr)
+        print(f"--- {name} timed out after {timeout_s:.0f} s; stderr tail:\n{stderr[-2500:]}\n---", flush=True)
+        return f"timed out after {timeout_s:.0f} s"
+    if proc.returncode == 0:
+        return None
+    _keep_log(log_path, stderr)
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    # the exception line ("ConfigError: ..."), not the hint some libraries print after it
+    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", line)]
+    print(f"--- {name} failed (exit {proc.returncode}); stderr tail:\n{stderr[-2500:]}\n---", flush=True)
+    return (raised or lines or [f"exit {proc.returncode}"])[-1][:300]
+
+
+def _keep_log(path: Optional[str], text: str) -> None:
+    if path is not None:
+        with open(path, "w") as f:
+            f.write(text)
 
 
 def run_worker(script: str, contender: str, *args: str) -> dict[str, Any]:

@@ -44,81 +44,34 @@ import datetime
 import json
 import os
 import platform
-import re
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _common import ROOT, SAFE_ENV, run_job
+
+sys.path.insert(0, ROOT)  # examples.charlm, for the workload
+from _gpt2s import FULL, PEAK_FLOPS, TINY, StepTimer, flops_per_token, loader, new_model  # noqa: E402
+
 CONTENDERS = ("plain_eager", "plain_compile", "lightning_eager", "lightning_compile", "static_dist", "static_dist_regional",
               "static_dist_monitor")
-FULL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, batch=16)
-TINY = dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, batch=4)
-PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16, the anchor's denominator
 ANCHOR = {"tokens_per_s": 499_000, "mfu": 0.434, "contender": "lightning_compile"}
 DEFAULT_STATIC_COMPILE = {"enabled": True, "backend": "inductor", "regional": "auto"}
-# every worker, so that nothing NCCL or symmetric memory might touch tries NVLink multicast
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-POOL = 8  # distinct batches, cycled: enough to keep the loss honest, small enough to sit on the GPU
 
 
 def worker(name: str, args: argparse.Namespace) -> None:
     """Train one contender for warmup + steps steps and write its timings to ``args.out``."""
-    sys.path.insert(0, ROOT)
     import torch
-    from torch.utils.data import DataLoader, Dataset
-
-    from examples.charlm import CharGPT
 
     cfg, total = (TINY if args.tiny else FULL), args.warmup + args.steps
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
     torch.set_float32_matmul_precision("high")
-
-    class GPT(CharGPT):
-        """CharGPT with the same two param groups, but a fused AdamW on CUDA."""
-
-        def configure_optimizers(self):  # type: ignore[override]
-            reference = super().configure_optimizers()  # warmup_steps=0: a bare AdamW, no scheduler
-            groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in reference.param_groups]
-            return torch.optim.AdamW(groups, lr=self.hparams.lr, betas=(0.9, 0.95), fused=cuda)
-
-        def training_step(self, batch, batch_idx):  # type: ignore[override]
-            # no self.log: Lightning's fit(torch.compile(model)) compiles training_step, and dynamo fails on
-            # self.log's signature inspection there (lightning 2.6.6, torch 2.13); every contender drops it alike
-            x, y = batch
-            return self.loss(self(x), y)
-
-    class Batches(Dataset):
-        """``total`` items, each a whole (x, y) batch from the pool: one epoch is exactly the run."""
-
-        def __init__(self) -> None:
-            g = torch.Generator(device=device).manual_seed(1234)
-            tokens = torch.randint(0, cfg["vocab_size"], (POOL, cfg["batch"], cfg["block_size"] + 1),
-                                   generator=g, device=device)
-            self.x, self.y = tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous()
-
-        def __len__(self) -> int:
-            return total
-
-        def __getitem__(self, i: int):
-            return self.x[i % POOL], self.y[i % POOL]
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    torch.manual_seed(0)  # the same initial weights for every contender
-    model = GPT(**{k: v for k, v in cfg.items() if k != "batch"}, dropout=0.0, bias=True, lr=6e-4,
-                weight_decay=0.1, warmup_steps=0)
-    # batch_size=None: the dataset already yields batches, so no per-step collate on either side
-    loader = DataLoader(Batches(), batch_size=None, shuffle=False, num_workers=0)
-    starts: list[float] = []
-    ends: list[float] = []
-    last_loss = None
+    model = new_model(cfg)  # the same initial weights for every contender
+    batches = loader(cfg, total, device, seed=1234)
+    timer = StepTimer(cuda)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
@@ -130,30 +83,16 @@ def worker(name: str, args: argparse.Namespace) -> None:
             return model.loss(model(x), y)
 
         step_loss = torch.compile(loss_fn) if name == "plain_compile" else loss_fn
-        for x, y in loader:
-            sync()
-            starts.append(time.perf_counter())
+        for i, (x, y) in enumerate(batches):
+            timer.on_train_batch_start(None, model, (x, y), i)
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss = step_loss(x, y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            sync()
-            ends.append(time.perf_counter())
-            last_loss = loss.detach()
+            timer.on_train_batch_end(None, model, {"loss": loss}, (x, y), i)
     else:
         import lightning as L
-
-        class StepTimer(L.Callback):
-            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-                sync()
-                starts.append(time.perf_counter())
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-                nonlocal last_loss
-                sync()
-                ends.append(time.perf_counter())
-                last_loss = outputs["loss"].detach()
 
         strategy = "auto"
         if name.startswith("static_dist"):
@@ -163,7 +102,7 @@ def worker(name: str, args: argparse.Namespace) -> None:
             if name == "static_dist_regional":
                 compile_cfg["regional"] = True  # blocks one by one, as at world size > 1: the compile-time row
             strategy = StaticDistStrategy(compile=compile_cfg)
-        callbacks = [StepTimer()]
+        callbacks = [timer]
         if name == "static_dist_monitor":
             from lightning_static_dist import OverlapMonitor
 
@@ -176,22 +115,13 @@ def worker(name: str, args: argparse.Namespace) -> None:
             # the loader yields ready batches; at world size 1 a DistributedSampler would only get in the way
             use_distributed_sampler=False,
         )
-        trainer.fit(torch.compile(model) if name == "lightning_compile" else model, train_dataloaders=loader)
+        trainer.fit(torch.compile(model) if name == "lightning_compile" else model, train_dataloaders=batches)
 
     from torch._dynamo.utils import counters
 
-    step_s = [e - s for s, e in zip(starts, ends)]
-    if len(step_s) != total:
-        raise RuntimeError(f"{name}: timed {len(step_s)} steps, expected {total}")
-    timed = step_s[args.warmup:]
-    median = statistics.median(timed)
     record = {
-        "step_s": timed,
-        "loop_s": ends[-1] - starts[args.warmup],
-        "first_step_overhead_s": step_s[0] - median,
-        "warmup_overhead_s": sum(s - median for s in step_s[: args.warmup]),
+        **timer.timings(args.warmup, total),
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "final_loss": last_loss.item(),
         "n_params": model.num_parameters(),
         # 0 means nothing was compiled, whatever the contender asked for
         "dynamo_graphs": counters["stats"]["unique_graphs"],
@@ -215,16 +145,9 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
             env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
                        TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
         started = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.worker_timeout)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {args.worker_timeout} s"}
-        if proc.returncode != 0:
-            lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
-            # the exception line ("ConfigError: ..."), not the hint some libraries print after it
-            raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", line)]
-            print(f"--- {name} failed (exit {proc.returncode}); stderr tail:\n{proc.stderr[-2500:]}\n---")
-            return {"error": (raised or lines or [f"exit {proc.returncode}"])[-1][:300]}
+        error = run_job(name, cmd, env, args.worker_timeout)
+        if error is not None:
+            return {"error": error}
         with open(out) as f:
             record = json.load(f)
         record["wall_s"] = time.perf_counter() - started
@@ -241,13 +164,12 @@ def build_rows(runs: dict[str, list[dict]], tiny: bool) -> list[dict]:
             median_s = statistics.median(s for r in ok for s in r["step_s"])
             tokens, n = ok[0]["tokens_per_step"], ok[0]["n_params"]
             cfg = TINY if tiny else FULL
-            flops_per_token = 6 * n + 12 * cfg["n_layer"] * cfg["n_embd"] * cfg["block_size"]
             peaks = [r["peak_mem_gib"] for r in ok if r["peak_mem_gib"] is not None]
             row.update({
                 "tokens_per_s": round(tokens / median_s),
                 "tokens_per_s_per_round": [round(tokens / statistics.median(r["step_s"])) for r in ok],
                 "tokens_per_s_loop": round(statistics.median(tokens * len(r["step_s"]) / r["loop_s"] for r in ok)),
-                "mfu": None if tiny else round(flops_per_token * tokens / median_s / PEAK_FLOPS, 4),
+                "mfu": None if tiny else round(flops_per_token(cfg, n) * tokens / median_s / PEAK_FLOPS, 4),
                 "step_ms_median": round(1e3 * median_s, 2),
                 "first_step_overhead_s": round(statistics.median(r["first_step_overhead_s"] for r in ok), 2),
                 "warmup_overhead_s": round(statistics.median(r["warmup_overhead_s"] for r in ok), 2),

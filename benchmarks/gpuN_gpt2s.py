@@ -1,0 +1,406 @@
+"""Benchmark ``gpuN-gpt2s``: GPT-2 small, data parallel on N GPUs (NCCL), Lightning ``ddp`` vs ``static_dist``.
+
+Workload per GPU: gpu1-gpt2s's (``benchmarks/_gpt2s.py``: GPT-2 small, 16 x 1024 tokens, bf16-mixed, fused AdamW,
+synthetic tokens), each rank its own token pool. Every contender is a fresh N-rank job started the way users start
+one (Lightning's ``popen`` launcher re-runs this script per rank), run once per round, interleaved (A B C, A B C):
+
+    ddp_eager             lightning DDPStrategy (the ``ddp`` defaults: 25 MB buckets)
+    ddp_compile           the same, fit(torch.compile(model)) (Lightning compiles training_step; dynamo's
+                          DDPOptimizer splits the graph at DDP's buckets)
+    static_dist           StaticDistStrategy, compile.enabled (inductor, regional "auto": blocks one by one at
+                          N > 1 and training_step around them — the loss —, the whole training_step at N = 1),
+                          sync.mode hooks
+    static_dist_blocks    the same with compile.around_blocks false: only the blocks compiled (head and loss eager)
+    static_dist_whole     the same with compile.regional false: the whole training_step in one graph at N > 1
+    static_dist_graph     sync.mode graph: the bucket collectives inside the compiled backward
+    static_dist_bf16      compression bf16
+    static_dist_powersgd  compression powersgd, rank 4
+    static_dist_embed     embedding.shard true (the 50304 x 768 tied table sharded over the ranks)
+    static_dist_rs        a 1 x N mesh (mesh.dp_shard -1) with sync.reduce reduce_scatter: sharded optimizer state
+
+Contenders named in ``--one-gpu`` also run on 1 GPU, in the same rounds (after the N-GPU jobs): the reference of
+scaling efficiency.
+
+Figures per (contender, GPU count), from each rank's own timings: a step is timed from a CUDA synchronize to a
+CUDA synchronize (``on_train_batch_start`` to ``on_train_batch_end``); tokens/s per GPU = batch * seq / rank 0's
+median step (the slowest rank's median is recorded beside it); MFU per GPU as gpu1-gpt2s; peak memory = the
+largest ``max_memory_allocated`` over ranks. static_dist rows run the OverlapMonitor every 5th step and record the
+median over the run of each ``static_dist/*`` figure (already averaged over ranks; ``_max`` over ranks):
+overlap_ratio, hidden_comm_fraction, exposed_comm_ms, trigger_delay_ms, comm_ms, ... (graph mode: NaN — its
+collectives run inside the compiled graph, out of the recorder's sight). ``exposed_comm_share`` = exposed_comm_ms
+/ median step.
+
+Summary: ``scaling_efficiency`` = tokens/s per GPU at N / the same contender's on 1 GPU (static_dist variants
+without a 1-GPU row: static_dist's 1-GPU row); ``vs_ddp_compile`` = tokens/s / ddp_compile's at the same N.
+Targets (BENCHMARKS.md): >= 0.97 scaling efficiency at 8 GPUs, exposed comm <= 3 % of the step, >= 1.10x
+Lightning ddp+compile.
+
+``--trace``: after the first round, one more static_dist job on N GPUs with the OverlapMonitor's profiler mode (3 active
+steps); its per-rank ``static_dist/trace_hidden_comm_fraction`` is compared with Holistic Trace Analysis's
+``comp_comm_overlap_pctg`` on the same traces (when ``hta`` is importable), and the traces are kept (gzip) in
+``--out-dir``.
+
+The inductor/Triton cache is shared by every job of one invocation (compile seconds are gpu1-gpt2s's figure, not
+this one's): first-step overheads here are warm after a graph's first compile. The record is rewritten after every
+job, so a run cut short (``--budget-s``) keeps what it measured, and ``--resume RECORD`` adds rounds to it.
+
+    python benchmarks/gpuN_gpt2s.py                                  # every visible GPU, 2 rounds, writes results/
+    python benchmarks/gpuN_gpt2s.py --rounds 1 --contenders ddp_compile,static_dist --trace --out-dir "$OUT"
+    python benchmarks/gpuN_gpt2s.py --tiny --rounds 1 --no-record    # 2 CPU ranks (Gloo), every code path
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gzip
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+from _common import ROOT, SAFE_ENV, run_job
+
+sys.path.insert(0, ROOT)  # examples.charlm, for the workload
+
+#: contender -> the StaticDistStrategy sections it sets over the default (None: Lightning's DDPStrategy)
+CONTENDERS: dict[str, Optional[dict[str, Any]]] = {
+    "ddp_eager": None,
+    "ddp_compile": None,
+    "static_dist": {},
+    "static_dist_blocks": {"compile": {"around_blocks": False}},
+    "static_dist_whole": {"compile": {"regional": False}},
+    "static_dist_graph": {"sync": {"mode": "graph"}},
+    "static_dist_bf16": {"compression": {"name": "bf16"}},
+    "static_dist_powersgd": {"compression": {"name": "powersgd", "rank": 4}},
+    "static_dist_embed": {"embedding": {"shard": True}},
+    "static_dist_rs": {"mesh": {"dp_replicate": 1, "dp_shard": -1}, "sync": {"reduce": "reduce_scatter"}},
+}
+STATIC_COMPILE = {"enabled": True, "backend": "inductor", "regional": "auto"}
+PROFILE = {"enabled": True, "wait": 5, "warmup": 2, "active": 3}
+PROFILE_TINY = {"enabled": True, "wait": 1, "warmup": 1, "active": 2}  # --tiny runs 5 steps
+MONITOR_EVERY = 5
+
+
+def strategy_sections(name: str) -> dict[str, Any]:
+    sections = copy.deepcopy(CONTENDERS[name]) or {}
+    sections["compile"] = {**STATIC_COMPILE, **sections.get("compile", {})}
+    return sections
+
+
+# ------------------------------------------------------------------------------------------------------ worker
+def worker(name: str, args: argparse.Namespace) -> None:
+    """One rank of a contender's job: train warmup + steps steps, write this rank's figures to ``<out>.rank<R>``."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from _gpt2s import FULL, TINY, StepTimer, loader, new_model
+    from lightning_static_dist import OverlapMonitor, StaticDistStrategy
+    from lightning_static_dist.overlap.intervals import median_of
+
+    cfg, total, cuda = (TINY if args.tiny else FULL), args.warmup + args.steps, not args.tiny
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # unset in rank 0, the process that launches the others
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    torch.set_float32_matmul_precision("high")
+    model = new_model(cfg)
+    timer = StepTimer(cuda)
+    callbacks: list[L.Callback] = [timer]
+    monitor = None
+    if CONTENDERS[name] is None:
+        strategy: Any = DDPStrategy()
+    else:
+        strategy = StaticDistStrategy(**strategy_sections(name))
+        profile = (PROFILE_TINY if args.tiny else PROFILE) if args.profile else None
+        monitor = OverlapMonitor(every_n_steps=1 if args.profile or args.tiny else MONITOR_EVERY, profiler=profile)
+        callbacks.append(monitor)
+    trainer = L.Trainer(
+        accelerator="gpu" if cuda else "cpu", devices=args.gpus, strategy=strategy, precision="bf16-mixed",
+        max_steps=total, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+        # each rank's loader already yields its own batches (its own token pool)
+        use_distributed_sampler=False, default_root_dir=args.profile or tempfile.gettempdir(),
+    )
+    batches = loader(cfg, total, device, seed=1234 + local_rank)
+    trainer.fit(torch.compile(model) if name == "ddp_compile" else model, train_dataloaders=batches)
+
+    from torch._dynamo.utils import counters
+
+    sync = getattr(trainer.strategy, "synchronizer", None)
+    record = {
+        **timer.timings(args.warmup, total),
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        "n_params": model.num_parameters(),
+        "dynamo_graphs": counters["stats"]["unique_graphs"],
+        "tokens_per_step": cfg["batch"] * cfg["block_size"],
+        "bytes_per_step": sync.stats.last_round_bytes if sync is not None else None,
+        "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
+    }
+    graph_mode = (CONTENDERS[name] or {}).get("sync", {}).get("mode") == "graph"
+    # graph mode: from step 2 the collectives run inside the compiled backward, where the recorder sees none (it
+    # would report 0 ms of communication): its overlap figures are not measured, not zero
+    if monitor is not None and trainer.is_global_zero and not graph_mode:
+        rows = [row for row in monitor.history if row["step"] >= args.warmup]  # the timed steps only
+        keys = sorted({k for row in rows for k in row if k != "step"})
+        record["overlap"] = {k.removeprefix("static_dist/"): median_of([row[k] for row in rows if k in row])
+                             for k in keys}
+    if monitor is not None and trainer.is_global_zero:
+        record["trace"] = monitor.trace_history
+    with open(f"{args.out}.rank{trainer.global_rank}", "w") as f:
+        json.dump(record, f)
+
+
+# ------------------------------------------------------------------------------------------------------ driver
+def run_one(name: str, gpus: int, args: argparse.Namespace, cache_dir: str, profile: Optional[str] = None) -> dict:
+    """One contender's N-rank job; its ranks' records merged, or {"error": why}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--gpus", str(gpus), "--out", out,
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        cmd += ["--tiny"] if args.tiny else []
+        cmd += ["--profile", profile] if profile else []
+        env = {**os.environ, **SAFE_ENV, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
+               "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton")}
+        started = time.perf_counter()
+        log = None if args.no_record else os.path.join(args.out_dir, f"{name}-{gpus}gpu{'-trace' if profile else ''}.stderr.log")
+        error = run_job(f"{name}@{gpus}", cmd, env, args.worker_timeout, log)
+        if error is not None:
+            return {"error": error, "wall_s": round(time.perf_counter() - started, 1)}
+        ranks = []
+        for rank in range(gpus):
+            with open(f"{out}.rank{rank}") as f:
+                ranks.append(json.load(f))
+    rank0 = ranks[0]
+    return {
+        **{k: v for k, v in rank0.items() if k not in ("rank",)},
+        "rank_median_step_s": [statistics.median(r["step_s"]) for r in ranks],
+        "peak_mem_gib": max((r["peak_mem_gib"] for r in ranks if r["peak_mem_gib"] is not None), default=None),
+        "final_loss_per_rank": [r["final_loss"] for r in ranks],
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def build_rows(runs: dict[str, list[dict]], tiny: bool) -> list[dict]:
+    from _gpt2s import FULL, PEAK_FLOPS, TINY, flops_per_token
+
+    cfg, rows = (TINY if tiny else FULL), []
+    for key, recs in runs.items():
+        name, gpus = key.rsplit("@", 1)
+        failed = [r for r in recs if "error" in r]
+        row: dict[str, Any] = {"contender": name, "gpus": int(gpus),
+                               "status": f"failed: {failed[0]['error']}" if failed else "ok"}
+        ok = [r for r in recs if "error" not in r]
+        if ok:
+            median_s = statistics.median(s for r in ok for s in r["step_s"])
+            tokens, n = ok[0]["tokens_per_step"], ok[0]["n_params"]
+            overlap = {k: statistics.median(r["overlap"][k] for r in ok) for k in ok[0].get("overlap") or {}
+                       if all(k in (r.get("overlap") or {}) for r in ok)}
+            row.update({
+                "tokens_per_s_per_gpu": round(tokens / median_s),
+                "tokens_per_s_total": round(tokens / median_s * int(gpus)),
+                "tokens_per_s_per_gpu_per_round": [round(tokens / statistics.median(r["step_s"])) for r in ok],
+                "mfu": None if tiny else round(flops_per_token(cfg, n) * tokens / median_s / PEAK_FLOPS, 4),
+                "step_ms_median": round(1e3 * median_s, 2),
+                "slowest_rank_step_ms": round(1e3 * statistics.median(max(r["rank_median_step_s"]) for r in ok), 2),
+                "peak_mem_gib": max((r["peak_mem_gib"] for r in ok if r["peak_mem_gib"] is not None), default=None),
+                "bytes_per_step": ok[-1]["bytes_per_step"],
+                "first_step_overhead_s": round(statistics.median(r["first_step_overhead_s"] for r in ok), 2),
+                "worker_wall_s": [r["wall_s"] for r in ok],
+                "final_loss": [round(r["final_loss"], 4) for r in ok],
+                "dynamo_graphs": ok[-1]["dynamo_graphs"],
+                "timed_steps": sum(len(r["step_s"]) for r in ok),
+                "overlap": {k: (round(v, 4) if v == v else None) for k, v in overlap.items()} or None,
+            })
+            exposed = overlap.get("exposed_comm_ms")
+            row["exposed_comm_share"] = round(exposed / (1e3 * median_s), 4) if exposed == exposed and exposed is not None else None
+        rows.append(row)
+    return rows
+
+
+def build_summary(rows: list[dict]) -> dict:
+    by = {(r["contender"], r["gpus"]): r for r in rows if r["status"] == "ok"}
+    n = max((g for _, g in by), default=0)
+    scaling, vs_ddp, exposed = {}, {}, {}
+    for (name, gpus), row in sorted(by.items()):
+        if gpus == 1:
+            continue
+        reference = by.get((name, 1)) or (by.get(("static_dist", 1)) if name.startswith("static_dist") else None)
+        if reference:
+            scaling[f"{name}@{gpus}"] = round(row["tokens_per_s_per_gpu"] / reference["tokens_per_s_per_gpu"], 4)
+        if ("ddp_compile", gpus) in by and name != "ddp_compile":
+            vs_ddp[f"{name}@{gpus}"] = round(row["tokens_per_s_per_gpu"] / by[("ddp_compile", gpus)]["tokens_per_s_per_gpu"], 4)
+        if row.get("exposed_comm_share") is not None:
+            exposed[f"{name}@{gpus}"] = row["exposed_comm_share"]
+    return {
+        "gpus": n,
+        "scaling_efficiency": scaling,
+        "vs_ddp_compile": vs_ddp,
+        "exposed_comm_share": exposed,
+        "targets": {"scaling_efficiency_at_8_gpus": ">= 0.97", "exposed_comm_share": "<= 0.03",
+                    "vs_ddp_compile": ">= 1.10"},
+    }
+
+
+def trace_check(gpus: int, args: argparse.Namespace, cache_dir: str) -> dict:
+    """One profiled static_dist job; our trace figure per rank beside Holistic Trace Analysis's, traces kept."""
+    trace_root = tempfile.mkdtemp(prefix="gpuN-trace-")
+    rec = run_one("static_dist", gpus, args, cache_dir, profile=trace_root)
+    if "error" in rec:
+        return {"status": f"failed: {rec['error']}"}
+    trace_dir = os.path.join(trace_root, "profiler")
+    traces = sorted(os.listdir(trace_dir)) if os.path.isdir(trace_dir) else []
+    if len(traces) != gpus:
+        return {"status": f"failed: {len(traces)} traces written for {gpus} ranks"}
+    result: dict[str, Any] = {"status": "ok", "gpus": gpus, "profiler": PROFILE_TINY if args.tiny else PROFILE,
+                              "ours_logged": rec.get("trace")}
+    try:
+        from hta_check import compare
+
+        result["per_rank"] = compare(trace_dir)
+    except ImportError as exc:  # HolisticTraceAnalysis is an optional extra
+        result["per_rank"] = None
+        result["hta"] = f"not run: {exc}"
+    if not args.no_record:
+        for path in traces:
+            with open(os.path.join(trace_dir, path), "rb") as src, gzip.open(
+                    os.path.join(args.out_dir, f"gpuN-trace-{path}.gz"), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    shutil.rmtree(trace_root, ignore_errors=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, default=None, help="ranks per job (default: every visible GPU; --tiny: 2)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 40; --tiny: 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 15; --tiny: 2)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma list, run on N GPUs in this order")
+    parser.add_argument("--one-gpu", default="ddp_compile,static_dist",
+                        help="comma list also run on 1 GPU (scaling efficiency's reference); empty: none")
+    parser.add_argument("--trace", action="store_true", help="profile one static_dist job and check it against HTA")
+    parser.add_argument("--tiny", action="store_true", help="CPU-sized smoke test: tiny model, Gloo ranks, no MFU")
+    parser.add_argument("--worker-timeout", type=float, default=300.0, help="seconds before a job counts as failed")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no job that would likely end past this many seconds from the start")
+    parser.add_argument("--resume", help="a record of this benchmark to add rounds to")
+    parser.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--no-record", action="store_true", help="print only; write no JSON record")
+    parser.add_argument("--worker", choices=tuple(CONTENDERS), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.steps = args.steps if args.steps is not None else (3 if args.tiny else 40)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 15)
+    if args.worker:
+        worker(args.worker, args)
+        return
+
+    def names(value: str, flag: str) -> list[str]:
+        chosen = [c.strip() for c in value.split(",") if c.strip()]
+        unknown = sorted(set(chosen) - set(CONTENDERS))
+        if unknown:
+            parser.error(f"{flag}: unknown {unknown}; allowed: {', '.join(CONTENDERS)}")
+        return chosen
+
+    at_n, at_one = names(args.contenders, "--contenders"), names(args.one_gpu, "--one-gpu")
+    import lightning
+    import torch
+
+    if args.gpus is None:
+        args.gpus = 2 if args.tiny else torch.cuda.device_count()
+    if args.gpus < 2 or (not args.tiny and args.gpus > torch.cuda.device_count()):
+        parser.error(f"--gpus {args.gpus}: needs 2 or more, at most the {torch.cuda.device_count()} GPUs visible")
+    plan = [f"{c}@{args.gpus}" for c in at_n] + [f"{c}@1" for c in at_one]
+    runs: dict[str, list[dict]] = {key: [] for key in plan}
+    if args.resume:
+        with open(args.resume) as f:
+            for key, recs in json.load(f)["runs"].items():
+                runs.setdefault(key, []).extend(recs)
+    today = datetime.date.today().isoformat()
+    scenario = f"gpu{args.gpus}-gpt2s" + ("-tiny" if args.tiny else "")
+    path = os.path.join(args.out_dir, f"{scenario}-{today}.json")
+    cache_dir = tempfile.mkdtemp(prefix="gpuN-cache-")
+    started = time.perf_counter()
+    record: dict[str, Any] = {
+        "scenario": scenario,
+        "date": today,
+        "hardware": {"cpu" if args.tiny else "gpu": None, "gpus": args.gpus},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "lightning": lightning.__version__, "cuda": torch.version.cuda,
+                     "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None},
+        "command": "python benchmarks/gpuN_gpt2s.py " + " ".join(map(shlex.quote, sys.argv[1:])),
+        "config": {**({"tiny": True} if args.tiny else {}), "steps": args.steps, "warmup": args.warmup,
+                   "static_dist_compile": STATIC_COMPILE, "monitor_every_n_steps": MONITOR_EVERY,
+                   "contenders": {c: strategy_sections(c) if CONTENDERS[c] is not None else "DDPStrategy()"
+                                  for c in dict.fromkeys(at_one + at_n)},
+                   "inductor_cache": "shared by the invocation's jobs (warm after a graph's first compile)",
+                   "env": SAFE_ENV},
+    }
+
+    def save() -> None:
+        rows = build_rows({k: v for k, v in runs.items() if v}, args.tiny)
+        first_ok = next((rec for recs in runs.values() for rec in recs if "error" not in rec), {})
+        record["hardware"]["cpu" if args.tiny else "gpu"] = first_ok.get("device")
+        record.update(rows=rows, summary=build_summary(rows), runs=runs)
+        if not args.no_record:  # after every job, so a run cut short still leaves its figures behind
+            os.makedirs(args.out_dir, exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(record, f, indent=2)
+
+    longest = 0.0
+    for r in range(args.rounds):
+        for key in plan:
+            name, gpus = key.rsplit("@", 1)
+            if any("error" in rec for rec in runs[key]):
+                continue  # a contender that failed once is not retried every round
+            if args.budget_s is not None and time.perf_counter() - started + 1.2 * longest > args.budget_s:
+                print(f"budget: {args.budget_s:.0f} s would be passed; {key} and the rest not run", flush=True)
+                break
+            rec = run_one(name, int(gpus), args, cache_dir)
+            longest = max(longest, rec["wall_s"])
+            runs[key].append(rec)
+            figure = (f"{rec['tokens_per_step'] / statistics.median(rec['step_s']):10,.0f} tokens/s per GPU"
+                      if "error" not in rec else f"FAILED: {rec['error']}")
+            print(f"round {r + 1}/{args.rounds} {key:<24} {figure}  ({rec['wall_s']:.0f} s)", flush=True)
+            save()
+        else:
+            if r == 0 and args.trace:  # after the first round: a run cut short by the budget still has it
+                record["hta_check"] = trace_check(args.gpus, args, cache_dir)
+                print(f"trace check: {json.dumps(record['hta_check'].get('per_rank') or record['hta_check'])[:800]}")
+                save()
+            continue
+        break
+    save()
+    shutil.rmtree(cache_dir, ignore_errors=True)
+
+    print(f"\n{'contender':<22} {'GPUs':>4} {'tok/s/GPU':>10} {'MFU':>6} {'step ms':>8} {'overlap':>7} "
+          f"{'exposed ms':>10} {'exp.share':>9} {'trig ms':>7} {'peak GiB':>8}  status")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for row in record["rows"]:
+        if row["status"] != "ok":
+            print(f"{row['contender']:<22} {row['gpus']:>4}  {row['status']}")
+            continue
+        o = row["overlap"] or {}
+        print(f"{row['contender']:<22} {row['gpus']:>4} {row['tokens_per_s_per_gpu']:>10,} {fmt(row['mfu'], '.3f'):>6} "
+              f"{row['step_ms_median']:>8.1f} {fmt(o.get('overlap_ratio'), '.2f'):>7} "
+              f"{fmt(o.get('exposed_comm_ms'), '.2f'):>10} {fmt(row['exposed_comm_share'], '.3f'):>9} "
+              f"{fmt(o.get('trigger_delay_ms'), '.2f'):>7} {fmt(row['peak_mem_gib'], '.1f'):>8}  ok")
+    summary = record["summary"]
+    print(f"\nscaling efficiency: {summary['scaling_efficiency']}\nvs ddp_compile: {summary['vs_ddp_compile']}")
+    if not args.no_record:
+        print(f"recorded: {path}")
+
+
+if __name__ == "__main__":
+    main()
