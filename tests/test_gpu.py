@@ -33,9 +33,16 @@ class Adam16(BoringModel):
         return DataLoader(self.data, batch_size=8)
 
 
-def _fit(strategy: Any, devices: int, precision: str, **kwargs: Any) -> dict[str, torch.Tensor]:
+class Adam16PerRank(Adam16):
+    """Each rank trains on its own share of the data: a gradient averaged wrongly across ranks shows in the weights."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data[self.global_rank :: self.trainer.world_size], batch_size=8)
+
+
+def _fit(strategy: Any, devices: int, precision: str, model_cls: type = Adam16, **kwargs: Any) -> dict[str, torch.Tensor]:
     L.seed_everything(3)
-    model = Adam16()
+    model = model_cls()
     trainer = L.Trainer(
         accelerator="gpu", devices=devices, strategy=strategy, precision=precision, max_steps=12,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -60,6 +67,42 @@ def test_one_gpu_matches_single_device_training(precision: str) -> None:
 def test_two_gpus_match_ddp_over_nccl() -> None:
     ours = _fit(StaticDistStrategy(start_method="spawn"), 2, "bf16-mixed")
     theirs = _fit(reference_ddp(), 2, "bf16-mixed")
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_reduce_scatter_matches_ddp_over_nccl() -> None:
+    # a 1 x 2 mesh: gradients reduce-scattered over NCCL, each rank steps its half of Adam's state, the halves
+    # all-gathered back; clipping at 0.05 clips every step, so the norm must be summed over the shard group
+    sharded = StaticDistStrategy(start_method="spawn", mesh={"dp_shard": 2}, sync={"reduce": "reduce_scatter"})
+    ours = _fit(sharded, 2, "bf16-mixed", Adam16PerRank, gradient_clip_val=0.05)
+    theirs = _fit(reference_ddp(), 2, "bf16-mixed", Adam16PerRank, gradient_clip_val=0.05)
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], atol=1e-5, rtol=1e-5)
+
+
+class WideSGD(Adam16PerRank):
+    """Two layers (32 -> 64 -> 2), batches of 4 and plain SGD: PowerSGD's error shows in the weights as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data[self.global_rank :: self.trainer.world_size], batch_size=4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_powersgd_phases_over_nccl_reach_ddp_at_full_rank() -> None:
+    # PowerSGD's two phases (P, then Q) each on their own NCCL communicator; at rank 16, twice the averaged 64 x 32
+    # gradient's rank (<= two ranks x batch 4), the approximation is exact up to round-off: the weights must be DDP's
+    compression = {"name": "powersgd", "rank": 16, "min_numel": 1, "min_compression_rate": 1.0}
+    ours = _fit(StaticDistStrategy(start_method="spawn", compression=compression, timeout_s=120), 2, "32-true", WideSGD)
+    theirs = _fit(reference_ddp(), 2, "32-true", WideSGD)
     for key in ours:
         torch.testing.assert_close(ours[key], theirs[key], atol=1e-5, rtol=1e-5)
 
