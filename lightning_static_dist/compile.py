@@ -70,6 +70,10 @@ class CompileReport:
     """Device transfers found inside captured graphs, with their source location."""
     backend: Any = None
     """The recording backend the regions were compiled with (shared, so dynamo's cache is too)."""
+    around_blocks: Optional[str] = None
+    """The region compiled around the blocks (``compile.around_blocks``), if any: its graph breaks at the blocks'
+    calls are boundaries by design, counted in ``block_boundaries``, not in ``graph_breaks``."""
+    block_boundaries: int = 0
 
     @property
     def compile_s(self) -> float:
@@ -83,7 +87,8 @@ class CompileReport:
         lines = [
             f"compiled regions: {len(self.regions)} ({', '.join(self.regions[:4])}{' ...' if len(self.regions) > 4 else ''})",
             f"graphs compiled: {len(self.graphs)} in {self.compile_s:.1f} s",
-            f"graph breaks: {len(self.graph_breaks)}",
+            f"graph breaks: {len(self.graph_breaks)}"
+            + (f" (and {self.block_boundaries} at the compiled blocks, by design)" if self.block_boundaries else ""),
             *[f"  - {reason} at {where}" for reason, where in self.graph_breaks[:10]],
             f"recompiles: {len(self.recompiles)}",
             *[f"  - {guard}" for guard in self.recompiles[:10]],
@@ -239,6 +244,11 @@ class _DynamoLogCapture(logging.Handler):
         explanation = next((l.split(":", 1)[1].strip() for l in lines if l.strip().startswith("Explanation:")), "")
         if explanation:
             reason = re.sub(r" at 0x[0-9a-f]+", "", f"{reason} {explanation}")  # no addresses: equal on every rank
+        # a compiled region called from the graph around the blocks: torch 2.13 names it in the reason, 2.11 only in
+        # the developer context ("Dynamo can only handle functions defined in python ... <..._RegionForward object>")
+        if "_RegionForward" in message:
+            self.report.block_boundaries += 1
+            return
         if "stack suppressed" in lines[0] and any(r == reason for r, _ in self.report.graph_breaks):
             return  # dynamo repeating a break it already reported, without the user's stack this time
         entry = (reason, self._user_frame(message) or self._at(lines[0]))
@@ -302,13 +312,16 @@ class _RegionForward:
         self.config = config
         self.report = report
 
+    # a boundary for an enclosing compiled frame (the graph around the blocks): dynamo does not trace into a region,
+    # it calls it — and the region's own compiled function still runs, under its own dynamo context
+    @torch._dynamo.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.region in self.report.fallbacks:
             return self.eager(*args, **kwargs)
         try:
             return self.compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:
-            reason = _reason(err)
+            reason = failure_reason(err)
             if self.config.fullgraph and isinstance(err, torch._dynamo.exc.Unsupported):
                 stack = getattr(err, "real_stack", None)
                 where = f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "<unknown location>"
@@ -324,7 +337,7 @@ class _RegionForward:
             return self.eager(*args, **kwargs)
 
 
-def _reason(err: BaseException) -> str:
+def failure_reason(err: BaseException) -> str:
     """One line saying why compilation failed: the backend's own exception when dynamo wrapped one."""
     inner = getattr(err, "inner_exception", None) or err.__cause__ or err
     lines = [line.strip() for line in str(inner).strip().splitlines() if line.strip()]
@@ -343,16 +356,28 @@ def compile_regions(module: nn.Module, config: CompileConfig, report: Optional[C
     report = report if report is not None else CompileReport()
     _capture_dynamo_logs(report)
     backend = RecordingBackend(config, report)
-    for name, region in find_regions(module, config.regional):
+    regions = find_regions(module, config.regional)
+    for name, region in regions:
         method = whole_method(region) if region is module and name.startswith("<") else "forward"
-        eager = getattr(type(region), method)
-        compiled = torch.compile(eager, backend=backend, fullgraph=config.fullgraph, dynamic=config.dynamic)
-        # an instance attribute shadows the class's method: nn.Module.__call__ (and its hooks) stay as they are
-        setattr(region, method, types.MethodType(_RegionForward(name, eager, compiled, config, report), region))
-        report.regions.append(name)
+        _compile_method(region, method, name, backend, config, report, fullgraph=config.fullgraph)
+    if config.around_blocks and regions[0][1] is not module:
+        # each block's call is a dynamo boundary (_RegionForward.__call__ is disabled for tracing): this graph holds
+        # what surrounds the blocks — in a language model, the loss over the vocabulary
+        method = whole_method(module)
+        report.around_blocks = f"<{method} around the blocks>"
+        _compile_method(module, method, report.around_blocks, backend, config, report, fullgraph=False)
     report.backend = backend
     log.debug(f"compiled {len(report.regions)} regions of {type(module).__name__} with {config.backend}")
     return report
+
+
+def _compile_method(region: nn.Module, method: str, name: str, backend: RecordingBackend, config: CompileConfig,
+                    report: CompileReport, fullgraph: bool) -> None:
+    eager = getattr(type(region), method)
+    compiled = torch.compile(eager, backend=backend, fullgraph=fullgraph, dynamic=config.dynamic)
+    # an instance attribute shadows the class's method: nn.Module.__call__ (and its hooks) stay as they are
+    setattr(region, method, types.MethodType(_RegionForward(name, eager, compiled, config, report), region))
+    report.regions.append(name)
 
 
 def compile_optimizer_step(optimizer: torch.optim.Optimizer, config: CompileConfig, report: CompileReport) -> None:

@@ -177,6 +177,11 @@ class CompileConfig:
     overlap) the whole training step; ``true``: blocks or an error; ``false``: the whole model, i.e. the
     LightningModule's ``training_step`` — forward and loss — in one graph (every gradient then becomes ready at
     the end of backward)."""
+    around_blocks: bool = True
+    """With blocks compiled one by one: compile ``training_step`` around them too — what surrounds the blocks,
+    typically the loss (a language model's cross-entropy over its vocabulary is a large share of the step) — with
+    each block call a boundary of that graph, so the blocks keep their own graphs and gradients still become ready
+    block by block. Never ``fullgraph`` (the boundaries are graph breaks by design)."""
     fallback: Literal["eager", "error"] = "eager"
     """A region that fails to compile: run it eagerly (logged once, counted) or raise."""
     optimizer: bool = False

@@ -63,10 +63,12 @@ from lightning_static_dist.checkpoint import (
     save_sharded,
 )
 from lightning_static_dist.compile import (
+    CompileFailure,
     CompileReport,
     compile_optimizer_step,
     compile_regions,
     drop_short_last_batch,
+    failure_reason,
     find_regions,
     is_compiled,
 )
@@ -719,7 +721,15 @@ class StaticDistStrategy(ParallelStrategy):
         if self._graph_sync is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         with compiled_backward(self._graph_backend):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            try:
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as err:
+                # seen on 2 x H200 (torch 2.11, NCCL): "Attempt to trace generator" while compiling the backward
+                raise CompileFailure(
+                    f"static_dist: strategy.sync.mode=graph: the backward with the gradient collectives traced in"
+                    f" failed to compile with {self._graph_backend!r} ({failure_reason(err)}); strategy.sync.mode=hooks"
+                    " averages the same gradients without compiled autograd"
+                ) from err
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:

@@ -58,10 +58,31 @@ def test_compiled_training_matches_eager(backend: str) -> None:
     compiled = copy.deepcopy(eager)
     report = compile_regions(compiled, CompileConfig(enabled=True, backend=backend))
     torch.testing.assert_close(train_losses(compiled), train_losses(eager), atol=1e-4, rtol=1e-4)
-    # three identical blocks, one compiled artefact; no break, no recompile across steps
-    assert report.regions == ["blocks.0", "blocks.1", "blocks.2"]
+    # three identical blocks, one compiled artefact; no break, no recompile across steps (this loop calls forward
+    # and loss, not training_step: the graph around the blocks is not reached)
+    assert report.regions == ["blocks.0", "blocks.1", "blocks.2", "<training_step around the blocks>"]
     assert len(report.graphs) == 1
     assert report.graph_breaks == [] and report.recompiles == []
+
+
+def test_training_step_is_compiled_around_the_blocks() -> None:
+    # the loss (cross-entropy over the vocabulary) gets a graph of its own; each block call is a boundary of that
+    # graph, not a reported graph break, and the gradients are eager's
+    eager = tiny_gpt()
+    around, blocks_only = copy.deepcopy(eager), copy.deepcopy(eager)
+    plain = compile_regions(blocks_only, CompileConfig(enabled=True, backend="aot_eager", around_blocks=False))
+    report = compile_regions(around, CompileConfig(enabled=True, backend="aot_eager"))  # dynamo's logs now go here
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randint(0, 256, (4, 17), generator=g)
+        for model in (eager, around, blocks_only):
+            model.zero_grad()
+            model.training_step((x[:, :-1], x[:, 1:]), step).backward()
+    for (name, a), b in zip(eager.named_parameters(), around.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert len(plain.graphs) == 1 and len(report.graphs) == 2
+    assert report.block_boundaries >= 1 and report.recompiles == []
+    assert not any("_RegionForward" in reason for reason, _ in report.graph_breaks)
 
 
 def test_zero_recompiles_over_twenty_steps() -> None:
@@ -298,6 +319,26 @@ def test_graph_mode_refuses_rank_dependent_usage_with_a_clear_error() -> None:
     )
     with pytest.raises(Exception, match=r"sync.mode=graph needs every rank .* b.weight \(1/2 ranks\)"):
         trainer.fit(RankBranch())
+
+
+class Dense(RankBranch):
+    """Both layers on every rank (defined here, so spawned ranks import this module and its test backend)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.b(self.a(batch[0])).square().mean()
+
+
+@pytest.mark.multiprocess
+def test_graph_mode_names_the_key_when_the_compiled_backward_fails() -> None:
+    # from the second step the backward runs under compiled autograd with the collectives traced in; a backend
+    # that cannot compile it must end the run with one line naming sync.mode, not dynamo's traceback alone
+    strategy = StaticDistStrategy(start_method="spawn", sync={"mode": "graph"},
+                                  compile={"enabled": True, "backend": "lsd_test_failing"})
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(Exception, match=r"sync.mode=graph: the backward .* failed to compile with 'lsd_test_failing' "
+                                        r"\(.*cannot compile anything\); strategy.sync.mode=hooks"):
+        trainer.fit(Dense())
 
 
 def test_a_deep_copy_of_a_compiled_model_runs_its_own_weights() -> None:
