@@ -103,13 +103,17 @@ class PhasedReduction:
                     stream.work = collective(self._reducer.group_for_phase(stream.phase))
                     self.sent += nbytes
                     progress = True
-        # the verdict reads the result on the host: only where the caller waits anyway (wait(), not a hook's poll)
         if block and not self._checked and all(stream.done for stream in self._streams):
             self._checked = True
-            if not all(bool(torch.isfinite(t).all()) for t in self._compressed):
+            finite = torch.stack([torch.isfinite(t).all() for t in self._compressed]).all()
+            if self._reference is None:
+                # read on the host once per round, at its end (round_finished): a read per bucket here would stall
+                # the host on the GPU bucket after bucket while it still has decompression and the step to queue
+                self._reducer.verdicts.append((finite, self._snapshot))
+            elif not bool(finite):  # the guard's check round reads its error sums on the host anyway
                 self._reducer.compressor.restore(self._snapshot)
                 self._reducer.nonfinite_buckets += 1
-            elif self._reference is not None:
+            else:
                 for exact, compressed in zip(self._reference, self._compressed):
                     self._reducer.error_sq[0] += float((compressed.float() - exact.float()).square().sum())
                     self._reducer.error_sq[1] += float(exact.float().square().sum())
@@ -154,6 +158,8 @@ class CompressingReducer:
         self._device: Optional[torch.device] = None
         self._phase_groups: list[Optional[dist.ProcessGroup]] = []
         self._chain: list[PhasedReduction] = []
+        self.verdicts: list[tuple[Tensor, Any]] = []
+        """(is the bucket's average finite — on the device —, its compressor-state snapshot) per bucket this round."""
 
     # ------------------------------------------------------------------------------------------------ groups
 
@@ -218,13 +224,20 @@ class CompressingReducer:
         return flat.numel() * flat.element_size()  # the exact path's; a compressed launch reports its own
 
     def round_finished(self) -> None:
+        if self.verdicts:  # one host read per round: restore the state of every bucket whose average was non-finite
+            for finite, (_, snapshot) in zip(torch.stack([f for f, _ in self.verdicts]).tolist(), self.verdicts):
+                if not finite:
+                    self.compressor.restore(snapshot)
+                    self.nonfinite_buckets += 1
         self.rounds += 1
         self._chain = []
+        self.verdicts = []
         self.measure = False
 
     def abandon_round(self) -> None:
         """Forget the round's reductions (the synchroniser gave up on the round after an exception)."""
         self._chain = []
+        self.verdicts = []
         self.measure = False
         self.error_sq = [0.0, 0.0]
 
