@@ -16,6 +16,7 @@ this module enables quietly — they print nothing unless the user asked for the
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import re
@@ -46,6 +47,8 @@ class GraphRecord:
     structure: str
     """Hash of the graph's op sequence: equal on every rank that traced the same program."""
     compile_s: float
+    region: str = ""
+    """The region whose call compiled it."""
 
 
 @dataclass
@@ -74,14 +77,19 @@ class CompileReport:
     """The region compiled around the blocks (``compile.around_blocks``), if any: its graph breaks at the blocks'
     calls are boundaries by design, counted in ``block_boundaries``, not in ``graph_breaks``."""
     block_boundaries: int = 0
+    active_region: str = ""
+    """The region being run now (set by its forward): graphs compiled meanwhile are recorded as its own."""
 
     @property
     def compile_s(self) -> float:
         return sum(g.compile_s for g in self.graphs)
 
     def structure_lines(self) -> list[str]:
-        """What this rank compiled, as comparable lines: graph structures (sorted), then the regions."""
-        return sorted(g.structure for g in self.graphs) + self.regions
+        """What this rank compiled, as comparable lines: graph structures (sorted), then the regions. The graphs
+        around the blocks are left out: ``training_step`` code that differs by rank (``if self.global_rank == 0``,
+        ``self.print``) splits them differently on each rank without anything being wrong."""
+        shared = [g.structure for g in self.graphs if not self.around_blocks or g.region != self.around_blocks]
+        return sorted(shared) + self.regions
 
     def summary(self) -> str:
         lines = [
@@ -205,16 +213,40 @@ class RecordingBackend:
     def __init__(self, config: CompileConfig, report: CompileReport) -> None:
         self._compiler = _resolve_backend(config)
         self._report = report
+        self._compiles: dict[int, Optional[int]] = {}
+        """dynamo frame id -> the compile number this backend last compiled it under."""
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         started = time.perf_counter()
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        frame = compile_id.frame_id if compile_id is not None else None
+        if frame is not None and self._compiles.get(frame, compile_id.frame_compile_id) != compile_id.frame_compile_id:
+            # a frame this backend compiled before, compiled again: a guard failed. Dynamo logs which one only when
+            # TORCH_LOGS asks for "recompiles" (the capture keeps it then); it is counted here either way. Dynamo's
+            # own numbering counts other backends' compiles of the same code too (another model, an earlier fit)
+            self._report.recompiles.append(f"{_compiling_code()} compiled again in region"
+                                           f" {self._report.active_region!r}: {_CAPTURE.take_guard() or 'guard not logged'}")
+        if frame is not None:
+            self._compiles[frame] = compile_id.frame_compile_id
         compiled = self._compiler(gm, example_inputs)
-        self._report.graphs.append(GraphRecord(len(gm.graph.nodes), _structure(gm), time.perf_counter() - started))
+        self._report.graphs.append(GraphRecord(len(gm.graph.nodes), _structure(gm), time.perf_counter() - started,
+                                               self._report.active_region))
         for transfer in _device_transfers(gm):
             if transfer not in self._report.placement:
                 self._report.placement.append(transfer)
                 log.warning(f"static_dist: device transfer inside a compiled graph: {transfer}")
         return compiled
+
+
+def _compiling_code() -> str:
+    """``function (file:line)`` of the frame dynamo is compiling now."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        code = InstructionTranslator.current_tx().f_code
+        return f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
+    except Exception:  # a dynamo without this internal: the frame stays unnamed
+        return "a frame"
 
 
 # -------------------------------------------------------------------------------------------- dynamo's logs
@@ -228,14 +260,20 @@ class _DynamoLogCapture(logging.Handler):
     def __init__(self) -> None:
         super().__init__(level=logging.DEBUG)
         self.report: Optional[CompileReport] = None
+        self._guard: Optional[str] = None
+
+    def take_guard(self) -> Optional[str]:
+        """The guard failure of the recompile being compiled now, if dynamo logged it."""
+        guard, self._guard = self._guard, None
+        return guard
 
     def emit(self, record: logging.LogRecord) -> None:
         if self.report is None:
             return
         message = record.getMessage()
-        if record.name.endswith("__recompiles"):
+        if record.name.endswith("__recompiles"):  # counted by the backend when the new graph compiles
             guards = [line.strip(" -") for line in message.splitlines() if line.strip().startswith("- ")]
-            self.report.recompiles.append("; ".join(guards) or message.splitlines()[0])
+            self._guard = "; ".join(guards) or message.splitlines()[0]
             return
         if "Graph Break Reason:" not in message and "Graph break" not in message:
             return
@@ -244,9 +282,10 @@ class _DynamoLogCapture(logging.Handler):
         explanation = next((l.split(":", 1)[1].strip() for l in lines if l.strip().startswith("Explanation:")), "")
         if explanation:
             reason = re.sub(r" at 0x[0-9a-f]+", "", f"{reason} {explanation}")  # no addresses: equal on every rank
-        # a compiled region called from the graph around the blocks: torch 2.13 names it in the reason, 2.11 only in
-        # the developer context ("Dynamo can only handle functions defined in python ... <..._RegionForward object>")
-        if "_RegionForward" in message:
+        # a compiled block called from the graph around the blocks: torch 2.13 names it in the reason, 2.11 only in the
+        # developer context ("Dynamo can only handle functions defined in python ... <..._BoundaryRegionForward ...>")
+        if "_BoundaryRegionForward" in message and not re.search(r"falling back to eager|[Ss]kipping the frame|frame skipped",
+                                                          message):
             self.report.block_boundaries += 1
             return
         if "stack suppressed" in lines[0] and any(r == reason for r, _ in self.report.graph_breaks):
@@ -308,16 +347,22 @@ class _RegionForward:
         # Lightning's is_overridden("training_step", module) compares code objects: look like the method we replace
         self.__code__ = getattr(eager, "__code__", None)
         self.__name__ = getattr(eager, "__name__", region)
+        # and inspect.signature (Lightning passes batch_idx / detects dataloader_iter by it) follows __wrapped__
+        self.__wrapped__ = eager
         self.compiled = compiled
         self.config = config
         self.report = report
 
-    # a boundary for an enclosing compiled frame (the graph around the blocks): dynamo does not trace into a region,
-    # it calls it — and the region's own compiled function still runs, under its own dynamo context
-    @torch._dynamo.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.region in self.report.fallbacks:
             return self.eager(*args, **kwargs)
+        outer, self.report.active_region = self.report.active_region, self.region
+        try:
+            return self._run(*args, **kwargs)
+        finally:
+            self.report.active_region = outer
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return self.compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:
@@ -335,6 +380,17 @@ class _RegionForward:
             self.report.fallbacks[self.region] = reason
             log.warning(f"static_dist: region {self.region!r} failed to compile and runs eagerly: {reason}")
             return self.eager(*args, **kwargs)
+
+
+class _BoundaryRegionForward(_RegionForward):
+    """A block's forward when ``training_step`` is compiled around the blocks: a boundary for that enclosing
+    compiled frame — dynamo does not trace into it, it calls it, and the block's own compiled function still runs,
+    under its own dynamo context. (Only then: a model compiled again by its user after ``fit`` would otherwise
+    break at every block.)"""
+
+    @torch._dynamo.disable
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return super().__call__(*args, **kwargs)
 
 
 def failure_reason(err: BaseException) -> str:
@@ -357,26 +413,32 @@ def compile_regions(module: nn.Module, config: CompileConfig, report: Optional[C
     _capture_dynamo_logs(report)
     backend = RecordingBackend(config, report)
     regions = find_regions(module, config.regional)
+    # not with manual optimization: training_step then holds backward and the optimizer step, and an eager fallback
+    # after a partial run would repeat them
+    around = config.around_blocks and regions[0][1] is not module and getattr(module, "automatic_optimization", True)
     for name, region in regions:
         method = whole_method(region) if region is module and name.startswith("<") else "forward"
-        _compile_method(region, method, name, backend, config, report, fullgraph=config.fullgraph)
-    if config.around_blocks and regions[0][1] is not module:
-        # each block's call is a dynamo boundary (_RegionForward.__call__ is disabled for tracing): this graph holds
-        # what surrounds the blocks — in a language model, the loss over the vocabulary
+        _compile_method(region, method, name, backend, config, report,
+                        _BoundaryRegionForward if around else _RegionForward)
+    if around:
+        # each block's call is a dynamo boundary (_BoundaryRegionForward): these graphs hold
+        # what runs around the call that runs the blocks — in a language model, the loss over the vocabulary
         method = whole_method(module)
         report.around_blocks = f"<{method} around the blocks>"
-        _compile_method(module, method, report.around_blocks, backend, config, report, fullgraph=False)
+        # never fullgraph: the boundaries are graph breaks by design (fullgraph applies to each block)
+        _compile_method(module, method, report.around_blocks, backend, dataclasses.replace(config, fullgraph=False),
+                        report, _RegionForward)
     report.backend = backend
     log.debug(f"compiled {len(report.regions)} regions of {type(module).__name__} with {config.backend}")
     return report
 
 
 def _compile_method(region: nn.Module, method: str, name: str, backend: RecordingBackend, config: CompileConfig,
-                    report: CompileReport, fullgraph: bool) -> None:
+                    report: CompileReport, wrapper: type) -> None:
     eager = getattr(type(region), method)
-    compiled = torch.compile(eager, backend=backend, fullgraph=fullgraph, dynamic=config.dynamic)
+    compiled = torch.compile(eager, backend=backend, fullgraph=config.fullgraph, dynamic=config.dynamic)
     # an instance attribute shadows the class's method: nn.Module.__call__ (and its hooks) stay as they are
-    setattr(region, method, types.MethodType(_RegionForward(name, eager, compiled, config, report), region))
+    setattr(region, method, types.MethodType(wrapper(name, eager, compiled, config, report), region))
     report.regions.append(name)
 
 

@@ -177,11 +177,14 @@ class CompileConfig:
     overlap) the whole training step; ``true``: blocks or an error; ``false``: the whole model, i.e. the
     LightningModule's ``training_step`` — forward and loss — in one graph (every gradient then becomes ready at
     the end of backward)."""
-    around_blocks: bool = True
-    """With blocks compiled one by one: compile ``training_step`` around them too — what surrounds the blocks,
-    typically the loss (a language model's cross-entropy over its vocabulary is a large share of the step) — with
-    each block call a boundary of that graph, so the blocks keep their own graphs and gradients still become ready
-    block by block. Never ``fullgraph`` (the boundaries are graph breaks by design)."""
+    around_blocks: bool = False
+    """With blocks compiled one by one: compile ``training_step`` around them too, each block call a boundary of
+    that graph, so the blocks keep their own graphs and gradients still become ready block by block. What gets
+    compiled is the code of ``training_step`` around the call that runs the blocks — typically the loss (a language
+    model's cross-entropy over its vocabulary is a large share of the step); a ``forward`` that runs the blocks in a
+    loop stays eager around them. Opt-in: ``training_step`` code then runs under dynamo — a branch on ``batch_idx``
+    recompiles, many ``self.log`` calls can reach dynamo's recompile limit (those frames then run eagerly); the
+    compile report shows both. Not applied with manual optimization. Never ``fullgraph``."""
     fallback: Literal["eager", "error"] = "eager"
     """A region that fails to compile: run it eagerly (logged once, counted) or raise."""
     optimizer: bool = False

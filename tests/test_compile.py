@@ -58,9 +58,8 @@ def test_compiled_training_matches_eager(backend: str) -> None:
     compiled = copy.deepcopy(eager)
     report = compile_regions(compiled, CompileConfig(enabled=True, backend=backend))
     torch.testing.assert_close(train_losses(compiled), train_losses(eager), atol=1e-4, rtol=1e-4)
-    # three identical blocks, one compiled artefact; no break, no recompile across steps (this loop calls forward
-    # and loss, not training_step: the graph around the blocks is not reached)
-    assert report.regions == ["blocks.0", "blocks.1", "blocks.2", "<training_step around the blocks>"]
+    # three identical blocks, one compiled artefact; no break, no recompile across steps
+    assert report.regions == ["blocks.0", "blocks.1", "blocks.2"]
     assert len(report.graphs) == 1
     assert report.graph_breaks == [] and report.recompiles == []
 
@@ -70,8 +69,9 @@ def test_training_step_is_compiled_around_the_blocks() -> None:
     # graph, not a reported graph break, and the gradients are eager's
     eager = tiny_gpt()
     around, blocks_only = copy.deepcopy(eager), copy.deepcopy(eager)
-    plain = compile_regions(blocks_only, CompileConfig(enabled=True, backend="aot_eager", around_blocks=False))
-    report = compile_regions(around, CompileConfig(enabled=True, backend="aot_eager"))  # dynamo's logs now go here
+    plain = compile_regions(blocks_only, CompileConfig(enabled=True, backend="aot_eager"))
+    # compiled second: dynamo's log records go to the latest report
+    report = compile_regions(around, CompileConfig(enabled=True, backend="aot_eager", around_blocks=True))
     g = torch.Generator().manual_seed(1)
     for step in range(3):
         x = torch.randint(0, 256, (4, 17), generator=g)
@@ -81,8 +81,29 @@ def test_training_step_is_compiled_around_the_blocks() -> None:
     for (name, a), b in zip(eager.named_parameters(), around.parameters()):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
     assert len(plain.graphs) == 1 and len(report.graphs) == 2
+    assert report.regions[-1] == "<training_step around the blocks>"
     assert report.block_boundaries >= 1 and report.recompiles == []
-    assert not any("_RegionForward" in reason for reason, _ in report.graph_breaks)
+    assert not any("RegionForward" in reason and "eager" not in reason for reason, _ in report.graph_breaks)
+    # rank-dependent code around the blocks changes only the graphs the cross-rank check leaves out
+    assert report.structure_lines()[:-1] == plain.structure_lines() and report.graphs[-1].region == report.regions[-1]
+
+
+class BatchOnly(CharGPT):
+    def training_step(self, batch):  # type: ignore[override]  # no batch_idx: Lightning must not pass one
+        x, y = batch
+        return self.loss(self(x), y)
+
+
+def test_the_compiled_training_step_keeps_its_signature() -> None:
+    # Lightning decides from the signature whether to pass batch_idx (and whether it is a dataloader_iter step)
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    torch.manual_seed(0)
+    model = BatchOnly(n_layer=2, n_embd=32, n_head=2, block_size=16, warmup_steps=0)
+    compile_regions(model, CompileConfig(enabled=True, backend="aot_eager", around_blocks=True))
+    assert not is_param_in_hook_signature(model.training_step, "batch_idx", min_args=2)
+    x = torch.randint(0, 256, (2, 17))
+    model.training_step((x[:, :-1], x[:, 1:])).backward()
 
 
 def test_zero_recompiles_over_twenty_steps() -> None:
@@ -90,6 +111,9 @@ def test_zero_recompiles_over_twenty_steps() -> None:
     report = compile_regions(model, CompileConfig(enabled=True, backend="aot_eager"))
     train_losses(model, steps=20)
     assert len(report.graphs) == 1 and report.recompiles == []
+    # and a recompile is seen when one happens (static shapes: another sequence length compiles again)
+    model(torch.randint(0, 256, (4, 9)))
+    assert len(report.recompiles) == 1 and "blocks.0" in report.recompiles[0], report.recompiles
 
 
 class Stack(nn.Module):
