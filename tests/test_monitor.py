@@ -106,8 +106,9 @@ def test_the_monitor_tells_whole_model_compile_from_regional(tmp_path: Any) -> N
     # the first bucket after the last 1-2 of 8 blocks (0.14-0.34, the top with a CPU hog beside the test).
     # This is structural (a ratio of one rank's own times); the hidden fraction's levels move with the load
     # of 2 ranks + 2 Gloo threads on 2 cores (whole 0.20-0.62, eager 0.69-0.77, regional 0.77-0.85 on CI),
-    # so only its order is asserted.
-    assert start["whole"] > 0.7, (start, hidden)
+    # so only its order is asserted. The start fraction too is compared, not thresholded, for whole: 0.84-0.94
+    # usually, 0.69 once in a full-suite run (eager 0.22, regional 0.12 in that run).
+    assert start["whole"] > max(start["eager"], start["regional"]) + 0.3, (start, hidden)
     assert start["eager"] < 0.55 and start["regional"] < 0.55, (start, hidden)
     assert hidden["whole"] < min(hidden["eager"], hidden["regional"]), (start, hidden)
 
