@@ -38,9 +38,10 @@ def run_job(name: str, cmd: list[str], env: dict[str, str], timeout_s: float,
     if proc.returncode == 0:
         return None
     _keep_log(log_path, stderr)
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    # torch.distributed prefixes each rank's traceback lines with "[rankN]: "
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in stderr.splitlines() if line.strip()]
     # the exception line ("ConfigError: ..."), not the hint some libraries print after it
-    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", line)]
+    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit|Failure|Unsupported)\b", line)]
     print(f"--- {name} failed (exit {proc.returncode}); stderr tail:\n{stderr[-2500:]}\n---", flush=True)
     return (raised or lines or [f"exit {proc.returncode}"])[-1][:300]
 

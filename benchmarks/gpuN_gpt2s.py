@@ -8,9 +8,8 @@ one (Lightning's ``popen`` launcher re-runs this script per rank), run once per 
     ddp_compile           the same, fit(torch.compile(model)) (Lightning compiles training_step; dynamo's
                           DDPOptimizer splits the graph at DDP's buckets)
     static_dist           StaticDistStrategy, compile.enabled (inductor, regional "auto": blocks one by one at
-                          N > 1 and training_step around them — the loss —, the whole training_step at N = 1),
-                          sync.mode hooks
-    static_dist_blocks    the same with compile.around_blocks false: only the blocks compiled (head and loss eager)
+                          N > 1, the whole training_step at N = 1), sync.mode hooks
+    static_dist_around    the same with compile.around_blocks true: training_step compiled around the blocks (the loss)
     static_dist_whole     the same with compile.regional false: the whole training_step in one graph at N > 1
     static_dist_graph     sync.mode graph: the bucket collectives inside the compiled backward
     static_dist_bf16      compression bf16
@@ -75,7 +74,7 @@ CONTENDERS: dict[str, Optional[dict[str, Any]]] = {
     "ddp_eager": None,
     "ddp_compile": None,
     "static_dist": {},
-    "static_dist_blocks": {"compile": {"around_blocks": False}},
+    "static_dist_around": {"compile": {"around_blocks": True}},
     "static_dist_whole": {"compile": {"regional": False}},
     "static_dist_graph": {"sync": {"mode": "graph"}},
     "static_dist_bf16": {"compression": {"name": "bf16"}},
