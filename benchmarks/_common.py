@@ -20,6 +20,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+def worker_env(cache_dir: Optional[str]) -> dict[str, str]:
+    """A benchmark job's environment: this one, the repository on PYTHONPATH, NVLink multicast off, and the
+    inductor/Triton caches under ``cache_dir`` (``None``: wherever they are by default)."""
+    env = {**os.environ, **SAFE_ENV, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if cache_dir is not None:
+        env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
+                   TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
+    return env
+
+
 def run_job(name: str, cmd: list[str], env: dict[str, str], timeout_s: float,
             log_path: Optional[str] = None) -> Optional[str]:
     """Run one benchmark job (and every rank it starts) in its own process session; None when it succeeded, else

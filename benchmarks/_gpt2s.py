@@ -6,6 +6,7 @@ Imported by benchmark *workers* only (it imports torch and Lightning at the top)
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Optional
 
@@ -86,26 +87,31 @@ class StepTimer(L.Callback):
         self._cuda = cuda
         self.starts: list[float] = []
         self.ends: list[float] = []
-        self.last_loss: Optional[float] = None
+        self.last_loss: Optional[torch.Tensor] = None
 
     def _sync(self) -> None:
         if self._cuda:
             torch.cuda.synchronize()
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def start(self) -> None:
+        """A step begins (a hand-written loop calls this; a Trainer through the hook below)."""
         self._sync()
         self.starts.append(time.perf_counter())
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def end(self, loss: torch.Tensor) -> None:
         self._sync()
         self.ends.append(time.perf_counter())
-        self.last_loss = outputs["loss"].detach()
+        self.last_loss = loss.detach()
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.start()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.end(outputs["loss"])
 
     def timings(self, warmup: int, expected: int) -> dict[str, Any]:
         """Timed step seconds (after ``warmup``), the loop's wall time over them, and the warmup's excess."""
-        import statistics
-
         step_s = [e - s for s, e in zip(self.starts, self.ends)]
         if len(step_s) != expected:
             raise RuntimeError(f"timed {len(step_s)} steps, expected {expected}")

@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 
-from _common import ROOT, SAFE_ENV, run_job
+from _common import ROOT, run_job, worker_env
 
 sys.path.insert(0, ROOT)  # examples.charlm, for the workload
 from _gpt2s import FULL, PEAK_FLOPS, TINY, StepTimer, flops_per_token, loader, new_model  # noqa: E402
@@ -83,14 +83,14 @@ def worker(name: str, args: argparse.Namespace) -> None:
             return model.loss(model(x), y)
 
         step_loss = torch.compile(loss_fn) if name == "plain_compile" else loss_fn
-        for i, (x, y) in enumerate(batches):
-            timer.on_train_batch_start(None, model, (x, y), i)
+        for x, y in batches:
+            timer.start()
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss = step_loss(x, y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            timer.on_train_batch_end(None, model, {"loss": loss}, (x, y), i)
+            timer.end(loss)
     else:
         import lightning as L
 
@@ -140,10 +140,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--out", out, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--static-dist-compile", args.static_dist_compile]
         cmd += ["--tiny"] if args.tiny else []
-        env = {**os.environ, **SAFE_ENV, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        if not args.warm_cache:  # cold compile, as a user's first run sees it
-            env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
-                       TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
+        env = worker_env(None if args.warm_cache else tmp)  # a fresh cache: cold compile, as a user's first run sees it
         started = time.perf_counter()
         error = run_job(name, cmd, env, args.worker_timeout)
         if error is not None:

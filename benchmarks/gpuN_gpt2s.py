@@ -65,7 +65,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from _common import ROOT, SAFE_ENV, run_job
+from _common import ROOT, SAFE_ENV, run_job, worker_env
 
 sys.path.insert(0, ROOT)  # examples.charlm, for the workload
 
@@ -147,13 +147,13 @@ def worker(name: str, args: argparse.Namespace) -> None:
     graph_mode = (CONTENDERS[name] or {}).get("sync", {}).get("mode") == "graph"
     # graph mode: from step 2 the collectives run inside the compiled backward, where the recorder sees none (it
     # would report 0 ms of communication): its overlap figures are not measured, not zero
-    if monitor is not None and trainer.is_global_zero and not graph_mode:
-        rows = [row for row in monitor.history if row["step"] >= args.warmup]  # the timed steps only
-        keys = sorted({k for row in rows for k in row if k != "step"})
-        record["overlap"] = {k.removeprefix("static_dist/"): median_of([row[k] for row in rows if k in row])
-                             for k in keys}
     if monitor is not None and trainer.is_global_zero:
         record["trace"] = monitor.trace_history
+        if not graph_mode:
+            rows = [row for row in monitor.history if row["step"] >= args.warmup]  # the timed steps only
+            keys = sorted({k for row in rows for k in row if k != "step"})
+            record["overlap"] = {k.removeprefix("static_dist/"): median_of([row[k] for row in rows if k in row])
+                                 for k in keys}
     with open(f"{args.out}.rank{trainer.global_rank}", "w") as f:
         json.dump(record, f)
 
@@ -167,9 +167,7 @@ def run_one(name: str, gpus: int, args: argparse.Namespace, cache_dir: str, prof
                "--steps", str(args.steps), "--warmup", str(args.warmup)]
         cmd += ["--tiny"] if args.tiny else []
         cmd += ["--profile", profile] if profile else []
-        env = {**os.environ, **SAFE_ENV, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
-               "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton")}
+        env = worker_env(cache_dir)
         started = time.perf_counter()
         log = None if args.no_record else os.path.join(args.out_dir, f"{name}-{gpus}gpu{'-trace' if profile else ''}.stderr.log")
         error = run_job(f"{name}@{gpus}", cmd, env, args.worker_timeout, log)
@@ -221,7 +219,7 @@ def build_rows(runs: dict[str, list[dict]], tiny: bool) -> list[dict]:
                 "overlap": {k: (round(v, 4) if v == v else None) for k, v in overlap.items()} or None,
             })
             exposed = overlap.get("exposed_comm_ms")
-            row["exposed_comm_share"] = round(exposed / (1e3 * median_s), 4) if exposed == exposed and exposed is not None else None
+            row["exposed_comm_share"] = round(exposed / (1e3 * median_s), 4) if exposed is not None and exposed == exposed else None
         rows.append(row)
     return rows
 

@@ -77,6 +77,7 @@ class CompileReport:
     """The region compiled around the blocks (``compile.around_blocks``), if any: its graph breaks at the blocks'
     calls are boundaries by design, counted in ``block_boundaries``, not in ``graph_breaks``."""
     block_boundaries: int = 0
+    """How many of dynamo's graph-break records were a compiled block called from the graph around the blocks."""
     active_region: str = ""
     """The region being run now (set by its forward): graphs compiled meanwhile are recorded as its own."""
 
@@ -88,7 +89,7 @@ class CompileReport:
         """What this rank compiled, as comparable lines: graph structures (sorted), then the regions. The graphs
         around the blocks are left out: ``training_step`` code that differs by rank (``if self.global_rank == 0``,
         ``self.print``) splits them differently on each rank without anything being wrong."""
-        shared = [g.structure for g in self.graphs if not self.around_blocks or g.region != self.around_blocks]
+        shared = [g.structure for g in self.graphs if g.region != self.around_blocks]
         return sorted(shared) + self.regions
 
     def summary(self) -> str:
