@@ -53,7 +53,7 @@ import time
 from _common import ROOT, run_job, worker_env
 
 sys.path.insert(0, ROOT)  # examples.charlm, for the workload
-from _gpt2s import FULL, PEAK_FLOPS, TINY, StepTimer, flops_per_token, loader, new_model  # noqa: E402
+from _gpt2s import FULL, PEAK_FLOPS, TINY, StepTimer, flops_per_token, loader, new_model, train_plainly  # noqa: E402
 
 CONTENDERS = ("plain_eager", "plain_compile", "lightning_eager", "lightning_compile", "static_dist", "static_dist_regional",
               "static_dist_monitor")
@@ -82,15 +82,7 @@ def worker(name: str, args: argparse.Namespace) -> None:
         def loss_fn(x, y):
             return model.loss(model(x), y)
 
-        step_loss = torch.compile(loss_fn) if name == "plain_compile" else loss_fn
-        for x, y in batches:
-            timer.start()
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = step_loss(x, y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            timer.end(loss)
+        train_plainly(torch.compile(loss_fn) if name == "plain_compile" else loss_fn, optimizer, batches, timer, device)
     else:
         import lightning as L
 
