@@ -1,11 +1,15 @@
-"""Static compilation of a LightningModule: regional by default, with a per-region eager fallback and a report.
+"""Static compilation of a LightningModule: the whole training step, or its blocks one by one, with a per-region
+eager fallback and a report.
 
-Why regional. A whole-model ``torch.compile`` turns backward into one autograd node: every gradient becomes ready at
-the very end, so hook-driven collectives cannot overlap with backward (measured in DESIGN.md: all hooks fired at
-98–100 % of backward). Compiling each repeated block separately keeps one autograd node per block, so gradients —
-and the synchroniser's buckets — become ready block by block, as in eager mode. Identical blocks share one compiled
-artefact: dynamo caches on the code object of ``Block.forward`` and guards on the module's type, not its identity,
-so N blocks cost one compilation.
+What gets compiled (``strategy.compile.regional``). By default (``auto``) the LightningModule's whole
+``training_step`` — forward and loss — is one region, traced as one graph. A graph compiled whole is one autograd
+node, so every gradient would become ready at the very end of backward and no collective could overlap it; at
+world size > 1 the strategy therefore hands :func:`compile_regions` a ``split``: the graph is cut where the gradient
+buckets end (:mod:`~lightning_static_dist.graph_split`), each piece its own autograd node. ``regional: true``
+compiles each repeated block separately instead — one autograd node per block, gradients ready block by block —
+with identical blocks sharing one compiled artefact (dynamo caches on the code object of ``Block.forward`` and
+guards on the module's type, not its identity, so N blocks cost one compilation); ``regional: false`` compiles
+the whole step uncut.
 
 What is recorded (:class:`CompileReport`): every graph the backend compiled (node count, structural hash), graph
 breaks with reason and user location, recompiles with the guard that failed, device transfers found inside graphs
@@ -31,6 +35,7 @@ import torch._dynamo
 from torch import nn
 
 from lightning_static_dist.config import CompileConfig, ConfigError
+from lightning_static_dist.graph_split import BucketGraphSplitter
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,8 @@ class GraphRecord:
     compile_s: float
     region: str = ""
     """The region whose call compiled it."""
+    params: int = 0
+    """Trainable parameters among its inputs (graphs without any hold no model code: a ``self.log`` tail ...)."""
 
 
 @dataclass
@@ -80,16 +87,24 @@ class CompileReport:
     """How many of dynamo's graph-break records were a compiled block called from the graph around the blocks."""
     active_region: str = ""
     """The region being run now (set by its forward): graphs compiled meanwhile are recorded as its own."""
+    splitter: Optional[BucketGraphSplitter] = None
+    """With a whole-step region cut at the gradient buckets: the backend that cut it (its pieces, what stayed uncut)."""
+    notes: list[str] = field(default_factory=list)
+    """Settings the graphs were compiled with that a reader should know (graph mode's communication passes)."""
+    outside_blocks: list[str] = field(default_factory=list)
+    """With blocks compiled one by one: the modules holding parameters outside every block (they run eagerly, with
+    the rest of ``training_step``, unless ``around_blocks`` compiles around the blocks)."""
 
     @property
     def compile_s(self) -> float:
         return sum(g.compile_s for g in self.graphs)
 
     def structure_lines(self) -> list[str]:
-        """What this rank compiled, as comparable lines: graph structures (sorted), then the regions. The graphs
-        around the blocks are left out: ``training_step`` code that differs by rank (``if self.global_rank == 0``,
-        ``self.print``) splits them differently on each rank without anything being wrong."""
-        shared = [g.structure for g in self.graphs if g.region != self.around_blocks]
+        """What this rank compiled, as comparable lines: the structures of the graphs that hold model parameters
+        (sorted), then the regions. Graphs without parameters and the graphs around the blocks are left out:
+        ``training_step`` code that differs by rank (``if self.global_rank == 0``, ``self.print``) splits them
+        differently on each rank without anything being wrong."""
+        shared = [g.structure for g in self.graphs if g.region != self.around_blocks and g.params]
         return sorted(shared) + self.regions
 
     def summary(self) -> str:
@@ -102,6 +117,19 @@ class CompileReport:
             f"recompiles: {len(self.recompiles)}",
             *[f"  - {guard}" for guard in self.recompiles[:10]],
         ]
+        if self.splitter is not None:
+            lines.insert(2, f"  cut into {self.splitter.pieces} pieces at the gradient buckets (one autograd node"
+                            " each: their collectives overlap backward)")
+            lines.extend(f"  - NOT cut, its gradients are ready only at its end: {why}" for why in self.splitter.uncut)
+        lines.extend(self.notes)
+        if self.outside_blocks and self.around_blocks is None:
+            lines.append(f"runs eagerly, outside the compiled blocks: {', '.join(self.outside_blocks[:8])}"
+                         f"{' ...' if len(self.outside_blocks) > 8 else ''} and the rest of training_step (the loss);"
+                         " strategy.compile.regional=auto compiles the whole step (with all_reduce)")
+        if self.around_blocks is not None and self.graphs and not any(g.region == self.around_blocks for g in self.graphs):
+            lines.append(f"{self.around_blocks}: nothing was compiled around the blocks (dynamo left the code that"
+                         " calls them eager, e.g. blocks looped in a nested forward); regional=auto compiles the"
+                         " whole step")
         if self.fallbacks:
             lines.append("eager fallbacks: " + "; ".join(f"{r}: {why}" for r, why in self.fallbacks.items()))
         if self.placement:
@@ -114,20 +142,22 @@ class CompileReport:
 
 
 def find_regions(module: nn.Module, regional: Any) -> list[tuple[str, nn.Module]]:
-    """The modules to compile: each block of the largest container of repeated blocks, or the whole module.
+    """The modules to compile: the whole module, or each block of its largest container of repeated blocks.
 
-    A container is an ``nn.ModuleList`` or ``nn.Sequential`` with at least two children of one class; the blocks of
-    the container with the most parameters are the regions. ``regional=false`` compiles the whole module: its
-    ``training_step`` when it has one (forward *and* loss in one graph, as Lightning's ``torch.compile`` does),
-    else its ``forward``; see :func:`whole_method`.
+    ``regional`` ``auto`` or ``false``: the whole module — its ``training_step`` when it has one (forward *and* loss
+    in one graph), else its ``forward``; see :func:`whole_method`. ``true``: the blocks of the container with the
+    most parameters, a container being an ``nn.ModuleList`` or ``nn.Sequential`` with at least two children of one
+    class (an error when there is none).
 
     Example::
 
-        >>> [name for name, _ in find_regions(gpt, "auto")]
+        >>> [name for name, _ in find_regions(gpt, True)]
         ['blocks.0', 'blocks.1', 'blocks.2', 'blocks.3']
+        >>> [name for name, _ in find_regions(gpt, "auto")]
+        ['<training_step>']
     """
     whole = [(f"<{whole_method(module)}>", module)]
-    if regional is False:
+    if regional is not True:
         return whole
     best: tuple[int, str, list[tuple[str, nn.Module]]] = (0, "", [])
     for name, child in module.named_modules():
@@ -141,12 +171,10 @@ def find_regions(module: nn.Module, regional: Any) -> list[tuple[str, nn.Module]
             best = (size, name, [(f"{name}.{i}", block) for i, block in enumerate(child)])
     if best[2]:
         return best[2]
-    if regional is True:
-        raise ConfigError(
-            f"strategy.compile.regional=True: {type(module).__name__} has no nn.ModuleList/nn.Sequential of repeated"
-            " blocks to compile one by one; allowed: 'auto' (falls back to the whole model) or false"
-        )
-    return whole
+    raise ConfigError(
+        f"strategy.compile.regional=True: {type(module).__name__} has no nn.ModuleList/nn.Sequential of repeated"
+        " blocks to compile one by one; allowed: 'auto' or false (the whole training step)"
+    )
 
 
 def whole_method(module: nn.Module) -> str:
@@ -157,12 +185,15 @@ def whole_method(module: nn.Module) -> str:
 # -------------------------------------------------------------------------------------------- the backend
 
 
-def _resolve_backend(config: CompileConfig) -> Callable[..., Any]:
-    """The compiler function for ``config.backend``/``config.mode``, as ``torch.compile`` would pick it."""
-    if config.backend == "inductor":
+def _resolve_backend(config: CompileConfig, inductor_patches: Optional[dict[str, Any]] = None) -> Callable[..., Any]:
+    """The compiler function for ``config.backend``/``config.mode``, as ``torch.compile`` would pick it (with
+    ``inductor_patches`` on top when the backend is inductor)."""
+    if config.backend in ("inductor", "inductor_distributed"):
         from torch._inductor.compile_fx import compile_fx
 
         options = torch._inductor.list_mode_options(config.mode, config.dynamic) if config.mode != "default" else {}
+        if config.backend == "inductor_distributed" or inductor_patches:
+            options = {**options, **(inductor_patches or graph_mode_patches())}
         return lambda gm, example_inputs: compile_fx(gm, example_inputs, config_patches=options)
     return torch._dynamo.lookup_backend(config.backend)  # CompileConfig checked that it is registered
 
@@ -211,8 +242,9 @@ class RecordingBackend:
     identical blocks recompile instead of sharing one artefact.
     """
 
-    def __init__(self, config: CompileConfig, report: CompileReport) -> None:
-        self._compiler = _resolve_backend(config)
+    def __init__(self, config: CompileConfig, report: CompileReport,
+                 inductor_patches: Optional[dict[str, Any]] = None) -> None:
+        self._compiler = _resolve_backend(config, inductor_patches)
         self._report = report
         self._compiles: dict[int, Optional[int]] = {}
         """dynamo frame id -> the compile number this backend last compiled it under."""
@@ -230,8 +262,9 @@ class RecordingBackend:
         if frame is not None:
             self._compiles[frame] = compile_id.frame_compile_id
         compiled = self._compiler(gm, example_inputs)
+        params = sum(isinstance(x, nn.Parameter) and x.requires_grad for x in example_inputs)
         self._report.graphs.append(GraphRecord(len(gm.graph.nodes), _structure(gm), time.perf_counter() - started,
-                                               self._report.active_region))
+                                               self._report.active_region, params))
         for transfer in _device_transfers(gm):
             if transfer not in self._report.placement:
                 self._report.placement.append(transfer)
@@ -401,22 +434,40 @@ def failure_reason(err: BaseException) -> str:
     return f"{type(inner).__name__}: {lines[0][:300] if lines else ''}".rstrip(": ")
 
 
-def compile_regions(module: nn.Module, config: CompileConfig, report: Optional[CompileReport] = None) -> CompileReport:
+def compile_regions(module: nn.Module, config: CompileConfig, report: Optional[CompileReport] = None,
+                    split: Optional[tuple[int, int]] = None,
+                    inductor_patches: Optional[dict[str, Any]] = None) -> CompileReport:
     """Compile ``module`` in place as ``config`` says; return the report that fills as graphs compile.
+
+    ``split`` = ``(first_bucket_bytes, bucket_bytes)``: a whole-module region is cut into pieces of that many bytes
+    of parameters (:class:`~lightning_static_dist.graph_split.BucketGraphSplitter`), so that gradients become ready
+    piece by piece; ``report.splitter.ready_groups`` tells which piece readies which parameter.
+    ``inductor_patches``: inductor settings on top of the mode's (``sync.mode: graph``: :func:`graph_mode_patches`).
 
     Example::
 
-        report = compile_regions(model, CompileConfig(enabled=True, backend="aot_eager"))
-        model(x)            # compiles on first call
+        report = compile_regions(model, CompileConfig(enabled=True, backend="aot_eager"), split=(1 << 20, 25 << 20))
+        model.training_step(batch, 0)      # compiles on first call
         print(report.summary())
     """
     report = report if report is not None else CompileReport()
     _capture_dynamo_logs(report)
-    backend = RecordingBackend(config, report)
+    recording = RecordingBackend(config, report, inductor_patches)
+    backend: Any = recording
+    if inductor_patches and config.backend in ("inductor", "inductor_distributed"):
+        report.notes.append("inductor's communication passes: " + ", ".join(
+            f"{k}={v}" for k, v in inductor_patches.items()))
     regions = find_regions(module, config.regional)
+    if split is not None and regions[0][1] is module:
+        report.splitter = backend = BucketGraphSplitter(recording, *split)
     # not with manual optimization: training_step then holds backward and the optimizer step, and an eager fallback
     # after a partial run would repeat them
     around = config.around_blocks and regions[0][1] is not module and getattr(module, "automatic_optimization", True)
+    if regions[0][1] is not module:
+        inside = {id(p) for _, block in regions for p in block.parameters()}
+        report.outside_blocks = sorted({name.rsplit(".", 1)[0] for name, p in module.named_parameters()
+                                        if id(p) not in inside} - {""}) or (["<the module itself>"] if any(
+            id(p) not in inside for p in module.parameters()) else [])
     for name, region in regions:
         method = whole_method(region) if region is module and name.startswith("<") else "forward"
         _compile_method(region, method, name, backend, config, report,
@@ -429,12 +480,12 @@ def compile_regions(module: nn.Module, config: CompileConfig, report: Optional[C
         # never fullgraph: the boundaries are graph breaks by design (fullgraph applies to each block)
         _compile_method(module, method, report.around_blocks, backend, dataclasses.replace(config, fullgraph=False),
                         report, _RegionForward)
-    report.backend = backend
+    report.backend = recording  # (the optimizer step, compiled later, is never cut)
     log.debug(f"compiled {len(report.regions)} regions of {type(module).__name__} with {config.backend}")
     return report
 
 
-def _compile_method(region: nn.Module, method: str, name: str, backend: RecordingBackend, config: CompileConfig,
+def _compile_method(region: nn.Module, method: str, name: str, backend: Callable[..., Any], config: CompileConfig,
                     report: CompileReport, wrapper: type) -> None:
     eager = getattr(type(region), method)
     compiled = torch.compile(eager, backend=backend, fullgraph=config.fullgraph, dynamic=config.dynamic)
@@ -492,19 +543,43 @@ def is_compiled(module: nn.Module) -> bool:
 
 # ------------------------------------------------------------------------------- the inductor_distributed backend
 
-#: Inductor settings that make it communication-aware; each is applied only where this torch version has it.
-_DISTRIBUTED_PATCHES: dict[str, Any] = {
-    # move collectives earlier and their waits later, against compute (inductor's scheduler passes)
-    "reorder_for_compute_comm_overlap": True,
-    # bucket the per-parameter all-reduces of a traced backward into few large ones
-    "bucket_all_reduces_fx": "all",
-    "_fuse_ddp_communication": True,
-    "_fuse_ddp_bucket_size": 25,
-}
+def graph_mode_patches(first_bucket_mb: float = 1.0, bucket_mb: float = 25.0) -> dict[str, Any]:
+    """Inductor settings that make it communication-aware, each only where this torch version has it: bucket the
+    traced all-reduces (the first bucket ``first_bucket_mb``, later ones ``bucket_mb``: inductor's default is one
+    2 GB bucket, issued after the whole backward) and reorder collectives against compute (waits sunk, collectives
+    raised; the pass names changed between torch versions)."""
+    import torch._inductor.comms as comms
+
+    config = torch._inductor.config
+    patches: dict[str, Any] = {}
+    if hasattr(config, "bucket_all_reduces_fx"):
+        patches["bucket_all_reduces_fx"] = "all"
+        patches["bucket_all_reduces_fx_bucket_size_determinator"] = _BucketSizes(first_bucket_mb, bucket_mb)
+    if hasattr(config, "reorder_for_compute_comm_overlap"):
+        wanted = (("sink_waits_iterative", "sink_waits"), ("reorder_communication_preserving_peak_memory", "raise_comms"))
+        passes = [next(n for n in names if hasattr(comms, n)) for names in wanted if any(hasattr(comms, n) for n in names)]
+        if passes:
+            patches["reorder_for_compute_comm_overlap"] = True
+            patches["reorder_for_compute_comm_overlap_passes"] = passes
+    return patches
+
+
+class _BucketSizes:
+    """Inductor's all-reduce bucket size determinator: MiB for bucket ``i`` (an object, not a lambda: inductor's
+    cache keys its config, and pickles it)."""
+
+    def __init__(self, first_mb: float, later_mb: float) -> None:
+        self.first_mb, self.later_mb = first_mb, later_mb
+
+    def __call__(self, bucket_id: int) -> float:
+        return self.first_mb if bucket_id == 0 else self.later_mb
+
+    def __repr__(self) -> str:
+        return f"{self.first_mb}/{self.later_mb} MiB"
 
 
 def inductor_distributed(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-    """Inductor with communication-aware passes: all-reduce bucketing and compute/communication reordering.
+    """Inductor with communication-aware passes (:func:`graph_mode_patches`, default bucket sizes).
 
     Registered as the dynamo backend ``"inductor_distributed"`` when ``lightning_static_dist`` is imported::
 
@@ -512,9 +587,7 @@ def inductor_distributed(gm: torch.fx.GraphModule, example_inputs: list[Any]) ->
     """
     from torch._inductor.compile_fx import compile_fx
 
-    config = torch._inductor.config
-    patches = {k: v for k, v in _DISTRIBUTED_PATCHES.items() if hasattr(config, k)}
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    return compile_fx(gm, example_inputs, config_patches=graph_mode_patches())
 
 
 def register_inductor_distributed() -> None:

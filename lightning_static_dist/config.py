@@ -149,10 +149,9 @@ def _field_names(cls: type) -> str:
 class CompileConfig:
     """``strategy.compile``: static compilation of the LightningModule inside the strategy.
 
-    Regional by default: each block of the model's largest ``nn.ModuleList``/``nn.Sequential`` of repeated blocks is
-    compiled separately (one compiled artefact shared by identical blocks), so gradients become ready block by block
-    and the synchroniser's collectives keep overlapping backward. A model passed as ``torch.compile(model)`` is
-    compiled this way too, with its backend.
+    By default the whole ``training_step`` — forward and loss — is traced as one graph; at world size > 1 that graph
+    is cut where the gradient buckets end, each piece one autograd node, so the synchroniser's collectives go out
+    during backward. A model passed as ``torch.compile(model)`` is compiled this way too, with its backend.
 
     Example::
 
@@ -173,12 +172,13 @@ class CompileConfig:
     """false: static shapes; a train loader whose last batch is short has that batch dropped (with a warning)
     instead of recompiling for it."""
     regional: Union[bool, Literal["auto"]] = "auto"
-    """``auto``: compile repeated blocks one by one, else the whole model — and at world size 1 (nothing to
-    overlap) the whole training step; ``true``: blocks or an error; ``false``: the whole model, i.e. the
-    LightningModule's ``training_step`` — forward and loss — in one graph (every gradient then becomes ready at
-    the end of backward)."""
+    """``auto``: the LightningModule's whole ``training_step`` — forward and loss — as one graph, cut at the gradient
+    buckets at world size > 1 (with ``sync.mode: graph``: uncut, the collectives inside it); ``true``: each block
+    of the model's largest ``nn.ModuleList``/``nn.Sequential`` of repeated blocks compiled on its own (an error when
+    there is none); ``false``: the whole ``training_step``, never cut (every gradient then becomes ready at the end
+    of backward)."""
     around_blocks: bool = False
-    """With blocks compiled one by one: compile ``training_step`` around them too, each block call a boundary of
+    """With ``regional: true``: compile ``training_step`` around the blocks too, each block call a boundary of
     that graph, so the blocks keep their own graphs and gradients still become ready block by block. What gets
     compiled is the code of ``training_step`` around the call that runs the blocks — typically the loss (a language
     model's cross-entropy over its vocabulary is a large share of the step); a ``forward`` that runs the blocks in a
@@ -199,6 +199,10 @@ class CompileConfig:
             _fail(f"{self.KEY}.backend", self.backend, f"not a registered dynamo backend; allowed: {', '.join(sorted(backends))}")
         if self.mode != "default" and self.backend != "inductor":
             _fail(f"{self.KEY}.mode", self.mode, f"a mode needs backend 'inductor' (backend is {self.backend!r}); allowed with it: 'default'")
+        if self.around_blocks and self.regional is not True:
+            _fail(f"{self.KEY}.around_blocks", self.around_blocks,
+                  f"compiles around blocks compiled one by one, which needs {self.KEY}.regional=true"
+                  f" (it is {self.regional!r}); allowed otherwise: false")
 
 
 @dataclass
@@ -253,13 +257,19 @@ class SyncConfig:
 
     mode: Literal["hooks", "graph"] = "hooks"
     """``hooks``: bucketed async collectives launched from post-accumulate-grad hooks (any model, any usage).
-    ``graph``: functional collectives traced into the compiled backward (compiled autograd + the
-    ``inductor_distributed`` backend); needs every rank to use every trainable parameter on every step."""
+    ``graph``: each parameter read in the forward passes through an identity whose backward is a functional
+    all-reduce, so the collectives are traced into the compiled backward graph and inductor buckets them and
+    schedules them against compute; needs ``compile`` and every rank to use every trainable parameter on every
+    step (the ranks' graphs are compared before the first backward)."""
     reduce: Literal["auto", "all_reduce", "reduce_scatter"] = "auto"
     """``all_reduce``: every rank gets the whole averaged gradient and keeps the whole optimizer state.
     ``reduce_scatter``: each bucket is reduce-scattered over the mesh's ``dp_shard`` group and all-reduced over
     ``dp_replicate``; each rank steps only its shard (optimizer state / ``dp_shard``) and the updated shards are
     all-gathered back, overlapped with the next forward. ``auto``: ``reduce_scatter`` when ``dp_shard > 1``."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The dtype gradients are averaged in, like FSDP2's ``MixedPrecisionPolicy(reduce_dtype=...)``: ``fp32`` (their
+    own dtype, exact) or ``bf16`` (half the bytes: one cast into a persistent bf16 bucket, one all-reduce, one copy
+    back; the sum is rounded to bf16). Not a compressor: no error feedback, no phases."""
     bucket_mb: float = 25.0
     """Capacity of each bucket after the first, in MiB."""
     first_bucket_mb: float = 1.0
@@ -267,9 +277,10 @@ class SyncConfig:
     broadcast_buffers: bool = True
     """Broadcast module buffers (BatchNorm statistics ...) from rank 0 before every training forward, like DDP."""
     check: Literal["pass", "collective"] = "pass"
-    """How ranks check they are in step: ``pass`` (every bucket carries the backward-pass number; free) or, to
-    debug, ``collective`` (a small blocking all-gather before every bucket's collective comparing bucket, size and
-    pass: names the first disagreement before any mismatched data is exchanged; slow)."""
+    """How ranks check they are in step: ``pass`` (a small integer all-reduce per round compares their backward-pass
+    numbers, read two rounds later: nothing waits) or, to debug, ``collective`` (a small blocking all-gather before
+    every bucket's collective comparing bucket, size and pass: names the first disagreement before any mismatched
+    data is exchanged; slow)."""
     nonfinite: Literal["off", "warn", "skip", "error"] = "off"
     """After each synchronised backward, check the averaged gradients for NaN/Inf (one flag all-reduced, so every
     rank decides alike): ``warn`` and step anyway, ``skip`` the optimizer step on every rank, ``error`` naming the
@@ -444,6 +455,10 @@ class StrategyConfig:
         if self.compression.name != "none" and self.sync.mode == "graph":
             _fail(f"{self.KEY}.compression.name", self.compression.name,
                   "compression runs in the synchroniser's buckets; it needs strategy.sync.mode=hooks (mode is 'graph')")
+        if self.compression.name != "none" and self.sync.reduce_dtype != "fp32":
+            _fail(f"{self.KEY}.sync.reduce_dtype", self.sync.reduce_dtype,
+                  f"a compressor chooses what goes on the wire (compression.name is {self.compression.name!r});"
+                  " allowed with compression: 'fp32'")
 
     def _check_sharded(self) -> None:
         """What ``reduce_scatter`` cannot be combined with yet, named before any process starts."""
@@ -456,6 +471,10 @@ class StrategyConfig:
             _fail(f"{self.KEY}.compression.name", self.compression.name,
                   "the compressors are written for all_reduce buckets; with strategy.sync.reduce=reduce_scatter"
                   " allowed: 'none'")
+        if self.sync.reduce_dtype != "fp32":
+            _fail(f"{self.KEY}.sync.reduce_dtype", self.sync.reduce_dtype,
+                  "reduce_scatter reduces the parameters' own buckets; with strategy.sync.reduce=reduce_scatter"
+                  " allowed: 'fp32'")
         if self.embedding.shard is True:
             _fail(f"{self.KEY}.embedding.shard", self.embedding.shard,
                   "reduce_scatter already splits every parameter's optimizer state, embeddings included;"

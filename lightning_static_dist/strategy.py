@@ -7,9 +7,10 @@ calls; the mechanics live in small modules: :mod:`~lightning_static_dist.mesh` (
 One training step, as Lightning drives it::
 
     training_step      buffers broadcast from rank 0 (``sync.broadcast_buffers``), then the user's forward
-    backward           post-accumulate-grad hooks fill buckets; full buckets launch async collectives
-    post_backward      GradientSynchronizer.finish(): launch the rest, wait, write averaged grads back
-                       (sync.mode=graph: from step 2 the collectives are traced into the compiled backward)
+    backward           post-accumulate-grad hooks fill buckets; full buckets launch async collectives (compiled
+                       as one graph, the step is cut at the buckets: each piece's gradients are ready together)
+    post_backward      GradientSynchronizer.finish(): launch the rest, make the stream wait, no host wait
+                       (sync.mode=graph: the collectives are inside the compiled backward graph instead)
     optimizer step     the precision plugin unscales / clips the *synchronised* gradients, then steps
 """
 
@@ -63,26 +64,27 @@ from lightning_static_dist.checkpoint import (
     save_sharded,
 )
 from lightning_static_dist.compile import (
-    CompileFailure,
     CompileReport,
     compile_optimizer_step,
     compile_regions,
     drop_short_last_batch,
-    failure_reason,
     find_regions,
+    graph_mode_patches,
     is_compiled,
 )
 from lightning_static_dist.compression import CompressingReducer, build_compressor
-from lightning_static_dist.config import ConfigError, StrategyConfig
+from lightning_static_dist.config import CompileConfig, ConfigError, StrategyConfig
 from lightning_static_dist.embedding import EmbeddingSharder
 from lightning_static_dist.faults import diagnose, is_collective_failure, waiting_in
+from lightning_static_dist import loop as loop_patches
 from lightning_static_dist.launcher import StaticDistLauncher, StaticDistSpawnLauncher
-from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_parameters
+from lightning_static_dist.fingerprint import RankMismatchError, check_same_on_all_ranks, describe_parameters
 from lightning_static_dist.mesh import REPLICATE_DIM, SHARD_DIM, build_dp_mesh, resolve_mesh_shape
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.sync import GradientSynchronizer
 from lightning_static_dist.sync.broadcast import broadcast_tensors
-from lightning_static_dist.sync.graph import GraphGradientSync, compiled_backward
+from lightning_static_dist.sync.plan import MiB
+from lightning_static_dist.sync.graph import GraphGradientSync
 from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
 
 log = logging.getLogger(__name__)
@@ -211,13 +213,14 @@ class StaticDistStrategy(ParallelStrategy):
         self._graph_sync: Optional[GraphGradientSync] = None
         self.recorder: Optional[StepRecorder] = None
         """The overlap monitor's recorder, when one is attached."""
-        self._graph_backend = "inductor_distributed"
         self.requested_backend: Optional[str] = None
         """Set when ``trainer.fit(torch.compile(model))`` asked for compilation with this backend."""
         self._graphs_checked = True
         self._gather_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._buckets_at_step_start: Optional[list[int]] = None
         self._last_sharded_checkpoint: Optional[str] = None
+        self._loop_patched: Optional[pl.Trainer] = None
+        self._host_group: Optional[torch.distributed.ProcessGroup] = None
         log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
 
     # ------------------------------------------------------------------------------------------ configuration
@@ -252,7 +255,7 @@ class StaticDistStrategy(ParallelStrategy):
 
     @property
     def graph_sync(self) -> Optional[GraphGradientSync]:
-        """With ``sync.mode: graph``, the traced collectives (from the second step on); else ``None``."""
+        """With ``sync.mode: graph`` while fitting: the averaging identity the parameters are read through."""
         return self._graph_sync
 
     @property
@@ -337,6 +340,8 @@ class StaticDistStrategy(ParallelStrategy):
         )
         _destroy_process_groups_at_exit()
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
+        if self.world_size > 1 and self._host_group is None:  # once per strategy: every later stage reuses it
+            self._host_group = loop_patches.host_group(timedelta(seconds=self._config.timeout_s))
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -368,6 +373,9 @@ class StaticDistStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self.world_size > 1:
+                # Lightning's per-step SIGTERM broadcast, host to host instead of through the device (loop.py says why)
+                self._loop_patched = trainer if loop_patches.install(trainer, self._host_group) else None
 
     # ----------------------------------------------------------------------------------------------- compile
 
@@ -376,29 +384,58 @@ class StaticDistStrategy(ParallelStrategy):
         """What static compilation did on this rank (``None`` when the model is not compiled)."""
         return self._compile_report
 
-    def _compile(self, trainer: pl.Trainer) -> None:
-        """Compile the LightningModule's regions, from the config or from a ``torch.compile``-d model."""
-        module = self.lightning_module
-        assert module is not None
+    def _compile_config(self) -> CompileConfig:
+        """``strategy.compile`` as it applies to this run: enabled by ``trainer.fit(torch.compile(model))``, and with
+        ``reduce_scatter`` a ``regional: auto`` resolved to the blocks one by one (each block waits for its own
+        parameters' all-gather in a forward pre-hook; a graph cut at the buckets could not follow that synchroniser's
+        static plan), or to the whole step uncut for a model without repeated blocks."""
         config = self._config.compile
         if self.requested_backend is not None:
             # the user passed torch.compile(model); Lightning's compile check (see compile.py) unwrapped it
             config = dataclasses.replace(config, enabled=True, backend=self.requested_backend)
-            rank_zero_info(f"static_dist: compiling the torch.compile()-d model regionally (backend {config.backend!r})")
-        if not config.enabled or is_compiled(module):
-            return
-        if config.regional == "auto" and self.world_size == 1:
-            # no gradient sync to overlap: one graph for forward + loss beats blocks compiled one by one
-            config = dataclasses.replace(config, regional=False)
-            rank_zero_info("static_dist: world size 1, compiling the whole training step in one graph"
-                           " (strategy.compile.regional=true keeps the blocks separate)")
-        self._compile_report = compile_regions(module, config)
-        if config.optimizer and trainer.state.fn == TrainerFn.FITTING:
-            for optimizer in self.optimizers:
-                compile_optimizer_step(optimizer, config, self._compile_report)
-        if not any(isinstance(c, GraphReport) for c in trainer.callbacks):
-            trainer.callbacks.append(GraphReport())
-        self._graphs_checked = False
+        if config.regional == "auto" and self._reduce_scatter():
+            config = dataclasses.replace(config, regional=bool(self._repeated_blocks()))
+        return config
+
+    def _repeated_blocks(self) -> list[torch.nn.Module]:
+        """The blocks ``regional: true`` would compile one by one (none when the model has no repeated blocks)."""
+        assert self.lightning_module is not None
+        try:
+            return [m for _, m in find_regions(self.lightning_module, True)]
+        except ConfigError:
+            return []
+
+    def _compile(self, trainer: pl.Trainer) -> None:
+        """Compile the LightningModule as ``strategy.compile`` says (or as a ``torch.compile``-d model asked)."""
+        module = self.lightning_module
+        assert module is not None
+        config = self._compile_config()
+        if self.requested_backend is not None:
+            rank_zero_info(f"static_dist: compiling the torch.compile()-d model in the strategy (backend {config.backend!r})")
+        sync = self._config.sync
+        graph_mode = sync.mode == "graph" and self.world_size > 1
+        if graph_mode and not config.enabled:
+            raise ConfigError("strategy.sync.mode='graph': the collectives live in the compiled graph, which needs"
+                              " strategy.compile.enabled=true (or trainer.fit(torch.compile(model))); allowed"
+                              " without compile: 'hooks'")
+        if config.enabled and not is_compiled(module):
+            split = None
+            if config.regional == "auto" and self.world_size > 1 and not graph_mode:
+                # one graph for forward + loss, cut where the buckets end so that collectives still overlap backward
+                # (decided from the config, not from this stage: a validate before fit compiles for the fit too)
+                split = (int(sync.first_bucket_mb * MiB), int(sync.bucket_mb * MiB))
+            patches = graph_mode_patches(sync.first_bucket_mb, sync.bucket_mb) if graph_mode else None
+            self._compile_report = compile_regions(module, config, split=split, inductor_patches=patches)
+            if config.optimizer and trainer.state.fn == TrainerFn.FITTING:
+                for optimizer in self.optimizers:
+                    compile_optimizer_step(optimizer, config, self._compile_report)
+            if not any(isinstance(c, GraphReport) for c in trainer.callbacks):
+                trainer.callbacks.append(GraphReport())
+            self._graphs_checked = False
+        report = self._compile_report
+        if report is not None and report.splitter is not None and self._synchronizer is not None:
+            # also on a later fit of the same, already compiled model: its plan follows the same pieces
+            self._synchronizer.ready_groups = report.splitter.ready_groups
 
     def _check_graphs_once(self) -> None:
         # after round 1 (whose collectives are sized by the parameter list, checked at setup) and before the first
@@ -434,6 +471,11 @@ class StaticDistStrategy(ParallelStrategy):
         if self._config.checkpoint.format == "sharded":
             rank_zero_warn("static_dist: strategy.checkpoint.format='sharded' has nothing to shard with"
                            " strategy.sync.reduce=all_reduce (every rank holds the whole state); checkpoints are full")
+        reduce_dtype = torch.bfloat16 if sync.reduce_dtype == "bf16" else None
+        if sync.mode == "graph":
+            self._graph_sync = GraphGradientSync(self.model, group=self._dp_group, reduce_dtype=reduce_dtype)
+            self._graph_sync.attach()
+            return
         self._synchronizer = GradientSynchronizer(
             # a shard's gradient arrives averaged by its own reduce-scatter
             [(name, p) for name, p in self.model.named_parameters() if id(p) not in sharded],
@@ -441,6 +483,7 @@ class StaticDistStrategy(ParallelStrategy):
             first_bucket_mb=sync.first_bucket_mb,
             bucket_mb=sync.bucket_mb,
             check_each_collective=sync.check == "collective",
+            reduce_dtype=reduce_dtype,
         )
         compressor = build_compressor(self._config.compression)
         if compressor is not None:
@@ -490,9 +533,10 @@ class StaticDistStrategy(ParallelStrategy):
         regions regional compile uses; their hooks run outside the compiled code), the rest at the step's start."""
         module = self.lightning_module
         assert module is not None
-        compile_cfg = self._config.compile
-        whole = (compile_cfg.enabled or self.requested_backend is not None) and compile_cfg.regional is False
-        blocks = [] if whole else [m for name, m in find_regions(module, "auto") if not name.startswith("<")]
+        compile_cfg = self._compile_config()
+        # the blocks' pre-hooks run outside compiled code only when the blocks are compiled one by one (or eagerly)
+        whole = compile_cfg.enabled and compile_cfg.regional is not True
+        blocks = [] if whole else self._repeated_blocks()
         inside: set[int] = set()
         for block in blocks:
             buckets = sync.buckets_of(block.parameters())
@@ -607,6 +651,8 @@ class StaticDistStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
+        if self._synchronizer is not None:
+            self._synchronizer.check_pending_rounds()  # no checkpoint of a step whose ranks were out of step
         if self._sharded_checkpoints():
             self._save_sharded(checkpoint, os.fspath(filepath))
             return
@@ -700,6 +746,16 @@ class StaticDistStrategy(ParallelStrategy):
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
+        if self._graph_sync is not None and not self._graphs_checked:
+            # before the first backward runs the collectives compiled into it: every rank compiled the same graphs
+            try:
+                self._check_graphs_once()
+            except RankMismatchError as err:
+                raise RankMismatchError(
+                    "static_dist: strategy.sync.mode=graph needs every rank to compile the same graphs (the gradient"
+                    f" collectives are inside them): {err}. A model whose ranks use different parameters needs"
+                    " strategy.sync.mode=hooks"
+                ) from None
         if self.recorder is not None:
             self.recorder.begin("backward")
 
@@ -715,21 +771,6 @@ class StaticDistStrategy(ParallelStrategy):
         if self.recorder is not None:
             self.recorder.end("optimizer")
         return output
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
-        if self._graph_sync is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        with compiled_backward(self._graph_backend):
-            try:
-                return super().backward(closure_loss, optimizer, *args, **kwargs)
-            except torch._dynamo.exc.TorchDynamoException as err:
-                # seen on 2 x H200 (torch 2.11, NCCL): "Attempt to trace generator" while compiling the backward
-                raise CompileFailure(
-                    f"static_dist: strategy.sync.mode=graph: the backward with the gradient collectives traced in"
-                    f" failed to compile with {self._graph_backend!r} ({failure_reason(err)}); strategy.sync.mode=hooks"
-                    " averages the same gradients without compiled autograd"
-                ) from err
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -787,43 +828,22 @@ class StaticDistStrategy(ParallelStrategy):
 
     def _synchronize_gradients(self) -> None:
         if self._graph_sync is not None:
-            self._graph_sync.rounds += int(self._graph_sync.enabled)
+            self._graph_sync.check_trainable()
+            self._graph_sync.rounds += 1
         elif self._synchronizer is not None:
             self._check_graphs_once()
             self._synchronizer.finish_if_pending()
-            if self._config.sync.mode == "graph" and self._synchronizer.stats.rounds == 1:
-                self._switch_to_graph_sync()
-
-    def _switch_to_graph_sync(self) -> None:
-        """After the first round (run by the hook synchroniser, which decides usage collectively): graph mode."""
-        assert self._synchronizer is not None and self.model is not None
-        partial = {name: n for name, n in self._synchronizer.usage_counts.items() if n < self.world_size}
-        if partial:
-            names = ", ".join(f"{name} ({n}/{self.world_size} ranks)" for name, n in list(partial.items())[:5])
-            raise RuntimeError(
-                "static_dist: strategy.sync.mode=graph needs every rank to produce a gradient for every trainable"
-                f" parameter on every step; these did not: {names}. Use strategy.sync.mode=hooks, or freeze them."
-            )
-        self._synchronizer.detach()
-        self._graph_sync = GraphGradientSync(self.model.parameters(), group=self._dp_group)
-        self._graph_sync.attach()
-        compile_cfg = self._config.compile
-        self._graph_backend = (
-            "inductor_distributed" if not compile_cfg.enabled or compile_cfg.backend == "inductor" else compile_cfg.backend
-        )
-        rank_zero_info(f"static_dist: gradient collectives now traced into the compiled backward ({self._graph_backend})")
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Accumulate gradients locally (Lightning enters this on non-boundary micro-batches)."""
-        sync = self._graph_sync or self._synchronizer
         self._accumulating = True
         try:
-            if sync is None:
+            if self._synchronizer is None:  # (graph mode averages every micro-batch inside its backward graph)
                 yield None
                 return
-            with sync.no_sync():
+            with self._synchronizer.no_sync():
                 yield None
         finally:
             self._accumulating = False
@@ -881,6 +901,12 @@ class StaticDistStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         log.debug(f"{self.__class__.__name__}: tearing down strategy")
+        mismatch: Optional[RankMismatchError] = None
+        if self._synchronizer is not None and not self._failed:
+            try:  # the last rounds' step check, not read yet (no collective: it cannot wait for a peer)
+                self._synchronizer.check_pending_rounds()
+            except RankMismatchError as err:  # out of step: skip the collective parts of teardown, then raise
+                self._failed, mismatch = True, err
         for hook in self._gather_hooks:
             hook.remove()
         self._gather_hooks = []
@@ -904,8 +930,13 @@ class StaticDistStrategy(ParallelStrategy):
         self._buffers_to_broadcast = []
         self.requested_backend = None
         self.recorder = None
+        if self._loop_patched is not None:
+            loop_patches.uninstall(self._loop_patched)
+            self._loop_patched = None
 
         super().teardown()
+        if mismatch is not None:
+            raise mismatch
 
     def _consolidate_last_checkpoint(self) -> None:
         """``strategy.checkpoint.consolidate_at_end``: the last sharded checkpoint becomes a plain file, in place."""

@@ -144,7 +144,7 @@ def test_regional_inductor_compile_on_gpu_matches_eager() -> None:
     torch.manual_seed(0)
     eager = CharGPT(n_layer=3, n_embd=64, n_head=4, block_size=32, warmup_steps=0).cuda()
     compiled = copy.deepcopy(eager)
-    report = compile_regions(compiled, CompileConfig(enabled=True, backend="inductor"))
+    report = compile_regions(compiled, CompileConfig(enabled=True, backend="inductor", regional=True))
     x = torch.randint(0, 256, (8, 33), device="cuda")
     for model in (eager, compiled):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -152,3 +152,98 @@ def test_regional_inductor_compile_on_gpu_matches_eager() -> None:
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(b.grad, a.grad, atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
     assert len(report.graphs) == 1 and report.recompiles == [] and report.placement == []
+
+
+# ------------------------------------------------------------------ the default compile, graph mode, bf16, syncs
+
+
+def _fit_nested_gpu(strategy: Any, precision: str = "32-true", callbacks: Any = ()) -> dict[str, torch.Tensor]:
+    from test_compile import nested_gpt
+
+    L.seed_everything(0)
+    model = nested_gpt()
+    trainer = L.Trainer(
+        accelerator="gpu", devices=2, strategy=strategy, precision=precision, max_steps=6, accumulate_grad_batches=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=list(callbacks),
+    )
+    trainer.fit(model)
+    return {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("mode", ["hooks", "graph"])
+def test_two_gpus_compiled_step_matches_ddp_over_nccl(mode: str) -> None:
+    # inductor on CUDA: the default (the whole step cut at the buckets, AVG all-reduces, gradients as bucket views)
+    # and graph mode (the collectives inside the compiled backward, bucketed and reordered by inductor); tied
+    # weights, an unused branch, accumulation, blocks looped in a nested forward; SGD, fp32 (no TF32): 1e-4
+    from test_compile import SMALL_BUCKETS
+
+    ours = _fit_nested_gpu(StaticDistStrategy(start_method="spawn", compile={"enabled": True},
+                                              sync={"mode": mode, **SMALL_BUCKETS}))
+    theirs = _fit_nested_gpu(reference_ddp(find_unused_parameters=True))
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], atol=1e-4, rtol=1e-4, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_bf16_reduce_dtype_matches_ddps_bf16_hook_over_nccl() -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ours = _fit(StaticDistStrategy(start_method="spawn", sync={"reduce_dtype": "bf16"}), 2, "32-true", Adam16PerRank)
+    theirs = _fit(reference_ddp(ddp_comm_hook=default_hooks.bf16_compress_hook), 2, "32-true", Adam16PerRank)
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], atol=1e-5, rtol=1e-5)
+
+
+class CudaSyncs(L.Callback):
+    """Counts the CUDA synchronisations the host makes during one steady step (``torch.cuda.set_sync_debug_mode``),
+    by the file of the Python frame that made each; rank 0 prints them and writes them to ``path``."""
+
+    def __init__(self, path: str, step: int = 4) -> None:
+        self.path, self.step = path, step
+        self._catcher: Any = None
+        self._seen: list[Any] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step and self._catcher is None:
+            import warnings
+
+            self._catcher = warnings.catch_warnings(record=True)
+            self._seen = self._catcher.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._catcher is None:
+            return
+        torch.cuda.set_sync_debug_mode(0)
+        self._catcher.__exit__(None, None, None)
+        self._catcher = None
+        syncs = [f"{w.filename}:{w.lineno}" for w in self._seen if "synchroniz" in str(w.message)]
+        if trainer.is_global_zero:
+            import json
+
+            print(f"CUDA syncs in one steady step ({type(trainer.strategy).__name__}): {len(syncs)} {syncs}")
+            with open(self.path, "w") as f:
+                json.dump(syncs, f)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("mode", ["hooks", "graph"])
+def test_two_gpus_a_steady_step_makes_no_cuda_sync_of_the_strategys_own(tmp_path: Any, mode: str) -> None:
+    import json
+
+    from test_host_syncs import EveryParameterUsed
+
+    path = str(tmp_path / "syncs.json")
+    L.seed_everything(0)
+    strategy = StaticDistStrategy(start_method="spawn", compile={"enabled": True}, sync={"mode": mode})
+    trainer = L.Trainer(accelerator="gpu", devices=2, strategy=strategy, precision="bf16-mixed", max_steps=6,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[CudaSyncs(path)])
+    trainer.fit(EveryParameterUsed())
+    with open(path) as f:
+        syncs = json.load(f)
+    assert not [s for s in syncs if "lightning_static_dist" in s], syncs

@@ -180,10 +180,13 @@ def test_four_ranks_checkpoint_consolidated_at_end_resumes_on_two(tmp_path: Any)
 
 @pytest.mark.multiprocess
 def test_compiled_blocks_wait_for_their_own_gathers_and_the_model_is_whole_after_fit(tmp_path: Any) -> None:
-    compiled = {"enabled": True, "backend": "aot_eager", "regional": "auto"}
+    compiled = {"enabled": True, "backend": "aot_eager", "regional": True}
     weights, records = fit(str(tmp_path / "rs"), 2, static(1, 2, compile=compiled))
     reference, _ = fit(str(tmp_path / "ar"), 2, static(2, 1, reduce="all_reduce"))
     assert_same(weights, reference)
+    # the default compile (the whole step cut at the buckets) waits for every gather at the start of the step
+    cut, _ = fit(str(tmp_path / "rs_cut"), 2, static(1, 2, compile={"enabled": True, "backend": "aot_eager"}))
+    assert_same(cut, reference)
     for record in records:
         assert record["recompiles"] == 0  # parameters that are views of a bucket buffer: no recompile
         # every step after the first starts with the previous step's gathers still in flight (waited in pre-hooks)

@@ -69,3 +69,18 @@ def test_an_observed_ready_order_replaces_registration_order() -> None:
     # parameters the observation missed follow, in reverse registration order
     plan = plan_buckets(specs(1024, 1024, 1024, 1024), 4096, 8192, ready_order=[1])
     assert [b.param_indices for b in plan.buckets] == [(1,), (3, 2), (0,)]
+
+
+def test_graph_pieces_get_one_bucket_each_whatever_their_size() -> None:
+    # six parameters of 4 KiB in backward order 5..0; a cut graph made three pieces: {5, 4}, {3, 2, 1}, {0}
+    groups = {5: 0, 4: 0, 3: 1, 2: 1, 1: 1, 0: 2}
+    plan = plan_buckets(specs(*[1024] * 6), first_bucket_bytes=4096, bucket_bytes=8192, groups=groups)
+    # capacities would have said (5,), (4, 3), (2, 1), (0,): a bucket straddling two pieces waits for the later one
+    assert [b.param_indices for b in plan.buckets] == [(5, 4), (3, 2, 1), (0,)]
+
+
+def test_parameters_outside_the_pieces_are_bucketed_by_capacity_and_never_join_a_piece() -> None:
+    # 5 and 4 were read outside the compiled graph (no piece); 3..0 are one piece
+    groups = {3: 7, 2: 7, 1: 7, 0: 7}
+    plan = plan_buckets(specs(*[1024] * 6), first_bucket_bytes=4096, bucket_bytes=8192, groups=groups)
+    assert [b.param_indices for b in plan.buckets] == [(5,), (4,), (3, 2, 1, 0)]

@@ -164,6 +164,41 @@ def test_lightning_demo_modules_end_with_the_weights_ddp_gives(make_model: Calla
     assert any(not torch.equal(ours[k], untouched[k]) for k in ours)
 
 
+def _bf16_average(state: Any, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's ``bf16_compress_hook`` step for step (cast, divide, sum, copy back); torch allows that hook itself on
+    NCCL/XCCL only."""
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(torch.distributed.get_world_size())
+    future = torch.distributed.all_reduce(compressed, async_op=True).get_future()
+    return future.then(lambda done: buffer.copy_(done.value()[0]))
+
+
+# DDP checks the hook's annotations as objects; this module's are strings (``from __future__ import annotations``)
+_bf16_average.__annotations__ = {"state": Any, "bucket": torch.distributed.GradBucket,
+                                 "return": torch.futures.Future[torch.Tensor]}
+
+
+class DDPWithBf16Hook(type(reference_ddp())):  # type: ignore[misc]
+    """Lightning's DDP with the bf16 averaging hook registered on CPU too (Lightning registers hooks on CUDA only)."""
+
+    def _register_ddp_hooks(self) -> None:
+        self.model.register_comm_hook(state=None, hook=_bf16_average)
+
+
+def test_bf16_reduce_dtype_averages_like_ddps_bf16_hook_and_sends_half_the_bytes(tmp_path: Any) -> None:
+    # sync.reduce_dtype bf16: cast into a bf16 bucket, divide, sum, copy back (cast) — the order of operations of
+    # DDP's bf16_compress_hook, so the weights are DDP's with that hook; half the bytes of the fp32 path
+    for name in ("bf16", "fp32"):
+        (tmp_path / name).mkdir()
+    ours, reports = fit(DemoWithData, static_dist(sync={"reduce_dtype": "bf16"}), tmp_path / "bf16")
+    theirs, _ = fit(DemoWithData, DDPWithBf16Hook())
+    exact, exact_reports = fit(DemoWithData, static_dist(), tmp_path / "fp32")
+    assert_same_weights(ours, theirs)
+    assert any(not torch.equal(ours[k], exact[k]) for k in ours)  # the rounding is real
+    # gradients (and usage flags) in 2 bytes instead of 4
+    assert 2 * reports[0]["stats"]["last_round_bytes"] == exact_reports[0]["stats"]["last_round_bytes"]
+
+
 class BatchNormNet(L.LightningModule):
     """BatchNorm buffers, a frozen layer, a tied weight and a branch that only starts being used at step 3."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -228,7 +229,7 @@ def _skip_a_step(rank: int, world: int, check_each_collective: bool = False) -> 
     sync = GradientSynchronizer(model.named_parameters(), check_each_collective=check_each_collective)
     sync.attach()
     try:
-        for step in range(4):
+        for step in range(6):  # a round's verdict is read at the start of the round after next
             if rank == 1 and step == 2:
                 with sync.no_sync():  # rank 1 skips this step's synchronisation: its next round is rank 0's third
                     model(torch.randn(2, 8)).sum().backward()
@@ -251,3 +252,18 @@ def test_the_per_collective_check_names_the_disagreement_before_exchanging_data(
     for message in run_ranks(_skip_a_step, 2, args=(True,), timeout=60):
         assert message == ("static_dist: ranks disagree on the next gradient collective — rank 0: bucket 0, 144 values,"
                            " 4 parameters, backward pass 2; rank 1: bucket 0, 144 values, 4 parameters, backward pass 3")
+
+
+def _round_check(rank: int, world: int, passes: list[int]) -> Any:
+    from lightning_static_dist.sync.synchronizer import _RoundCheck
+
+    check = _RoundCheck(passes[rank], group=None, device=torch.device("cpu"))
+    check.settle()
+    return check.sums()
+
+
+def test_the_round_check_flags_every_rank_of_a_desynchronised_world_even_one_at_the_mean() -> None:
+    # three ranks at passes 1, 2 and 3: rank 1 is at the mean, but sum(p)^2 = 36 != 3 * sum(p^2) = 42 on every rank;
+    # in step (all at pass 70): nothing. Integer sums: exact on any number of ranks
+    assert run_ranks(_round_check, 3, args=([1, 2, 3],)) == [(6, 14)] * 3
+    assert run_ranks(_round_check, 3, args=([70, 70, 70],)) == [None] * 3

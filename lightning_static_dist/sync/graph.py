@@ -1,82 +1,143 @@
 """``sync.mode: graph``: gradient collectives traced into the compiled backward graph.
 
-Each parameter's post-accumulate-grad hook averages its gradient with a *functional* all-reduce
-(``torch.distributed._functional_collectives``), which dynamo can trace. Backward runs under compiled autograd, so
-the whole backward pass — gradient kernels and collectives — becomes one graph that the ``inductor_distributed``
-backend compiles: inductor buckets the all-reduces and reorders them against the gradient kernels, instead of a
-Python reducer choosing bucket boundaries (the trade-off DDPOptimizer makes, pytorch#108966).
+Every trainable parameter is read in the forward through an identity whose backward is a *functional* all-reduce
+of the gradient that reaches it (``torch.distributed._functional_collectives``, which dynamo and AOTAutograd trace
+as ordinary graph nodes). The compiled training step then holds its collectives: AOTAutograd places each one in the
+backward graph right after the gradient it averages, and inductor buckets them (``bucket_all_reduces_fx``, with the
+bucket sizes of ``strategy.sync``) and schedules them against the gradient kernels (its compute/communication
+reordering passes) — the choices a Python reducer makes at run time are made once, at compile time. No compiled
+autograd, no hooks: the optimizer reads gradients the backward graph already averaged.
 
-Limits (why ``hooks`` stays the default): the graph is static, so every rank must produce a gradient for every
-trainable parameter on every step (checked collectively on the first step, which runs the hook synchroniser);
-compiled autograd and functional collectives are private torch APIs that differ between versions; the first
-backward compiles the whole backward graph, which takes long on large models.
+How the identity is put in. A module holding trainable parameters gets a class of its own (a subclass made at
+:meth:`GraphGradientSync.attach`, undone at :meth:`~GraphGradientSync.detach`) in which each such parameter's name is
+a property: ``module.weight`` returns ``_AverageGrad.apply(module._parameters["weight"])``. Parameters stay where
+they were — ``named_parameters()``, ``state_dict()`` keys, the optimizer and checkpoints are untouched — and a
+tied weight stays one parameter (each module reading it averages the part of the gradient that flows through it:
+the sum of the averages is the average of the sum). Dynamo traces the property like any attribute read, with the
+parameter as a graph input. torchtitan's SimpleFSDP reaches its parameters the same way.
+
+What a user notices while attached: ``module.weight`` is the identity's output, not the ``Parameter`` (read
+``module._parameters["weight"]`` or ``named_parameters()``; ``module.weight.grad`` is ``None``); a model with
+swapped classes does not pickle (``copy.deepcopy`` works, and a copy made during ``fit`` keeps the swapped classes
+after :meth:`GraphGradientSync.detach`); freezing or unfreezing a parameter during ``fit`` is an error naming it.
+A tied weight read by two modules is averaged twice, once per read (``bytes_per_round`` counts it once).
+
+Limits: the collectives are fixed in the graph, so every rank must read every
+trainable parameter on every step (the ranks' compiled graphs are compared before the first backward: a rank that
+compiled another graph stops every rank with the difference); a parameter read outside compiled code is averaged
+eagerly, one collective per read; with gradient accumulation every micro-batch averages its own gradients (the sum
+of the averages is the average of the sum, but the collectives run on every micro-batch, where ``hooks``
+communicates once per optimizer step).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
-from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.nn import Parameter
+from torch import Tensor, nn
+
+from lightning_static_dist.sync.reducer import supports_avg
+
+
+class _AverageGrad(torch.autograd.Function):
+    """Identity forward; the backward averages the incoming gradient over the group (functional all-reduce)."""
+
+    @staticmethod
+    def forward(ctx: Any, param: Tensor, group_name: str, world: int, native_avg: bool,
+                reduce_dtype: Optional[torch.dtype]) -> Tensor:
+        ctx.group_name, ctx.world, ctx.native_avg, ctx.reduce_dtype = group_name, world, native_avg, reduce_dtype
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        import torch.distributed._functional_collectives as funcol
+
+        sent = grad if ctx.reduce_dtype is None else grad.to(ctx.reduce_dtype)
+        if ctx.native_avg:
+            reduced = funcol.all_reduce(sent, "avg", ctx.group_name)
+        else:  # Gloo has no AVG: divide first (no overflow in low precision), then sum
+            reduced = funcol.all_reduce(sent / ctx.world, "sum", ctx.group_name)
+        averaged = funcol.wait_tensor(reduced)
+        return averaged.to(grad.dtype), None, None, None, None
 
 
 class GraphGradientSync:
-    """Averages every gradient with a traceable functional all-reduce inside its post-accumulate-grad hook.
+    """Averages every gradient inside the (compiled) backward: parameters are read through an averaging identity.
+
+    Args:
+        module: the model; every submodule holding trainable parameters is switched to read them through the identity.
+        group: the data-parallel process group.
+        reduce_dtype: the dtype gradients travel in (``torch.bfloat16``); ``None``: their own.
 
     Example::
 
-        sync = GraphGradientSync(model.parameters(), group=dist.group.WORLD)
+        sync = GraphGradientSync(model, group=dist.group.WORLD)
         sync.attach()
-        with compiled_backward("inductor_distributed"):
-            loss.backward()      # gradients averaged inside the compiled backward graph
+        step = torch.compile(model.training_step, backend="inductor_distributed")
+        step(batch, 0).backward()      # gradients averaged inside the compiled backward graph
+        sync.detach()                  # the modules' own classes again
     """
 
-    def __init__(self, parameters: Iterable[Parameter], group: Optional[dist.ProcessGroup] = None) -> None:
-        # tied weights appear once (dicts keep the first-seen order)
-        self._params = list({id(p): p for p in parameters if p.requires_grad}.values())
-        self._group = group if group is not None else dist.group.WORLD
-        self._world = dist.get_world_size(self._group)
-        self._handles: list[Any] = []
-        self.enabled = True
+    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None,
+                 reduce_dtype: Optional[torch.dtype] = None) -> None:
+        self._module = module
+        group = group if group is not None else dist.group.WORLD
+        self._group_name: str = group.group_name  # a string: what the functional collectives (and dynamo) take
+        self._world = dist.get_world_size(group)
+        self._native_avg = supports_avg(group)
+        self._reduce_dtype = reduce_dtype
+        self._swapped: list[tuple[nn.Module, type]] = []
+        self._classes: dict[tuple[type, tuple[str, ...]], type] = {}
+        """One subclass per (class, parameter names): identical blocks keep one type, so dynamo compiles them once."""
+        self._trainable = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
         self.rounds = 0
-        self.bytes_per_round = sum(p.numel() * p.element_size() for p in self._params)
+        """Backward passes averaged (every micro-batch of an accumulation is one)."""
+        params = {id(p): p for p in module.parameters() if p.requires_grad}.values()
+        element = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype is not None else None
+        self.bytes_per_round = sum(p.numel() * (element or p.element_size()) for p in params)
+        """Payload bytes of one synchronised round (each parameter once, as if read once)."""
+
+    def read(self, param: Tensor) -> Tensor:
+        """``param`` as the forward should see it: through the averaging identity."""
+        return _AverageGrad.apply(param, self._group_name, self._world, self._native_avg, self._reduce_dtype)
 
     def attach(self) -> None:
-        for param in self._params:
-            self._handles.append(param.register_post_accumulate_grad_hook(partial(_average, self)))
+        """Give each module holding trainable parameters a class whose parameter names read through :meth:`read`."""
+        if self._swapped:
+            return
+        for module in self._module.modules():
+            names = [n for n, p in module._parameters.items() if p is not None and p.requires_grad]
+            if not names:
+                continue
+            cls = type(module)
+            key = (cls, tuple(names))
+            if key not in self._classes:
+                reading = {name: property(_reader(name, self)) for name in names}
+                self._classes[key] = type(cls.__name__, (cls,), {**reading, "__module__": cls.__module__,
+                                                                 "_static_dist_graph_sync": True})
+            module.__class__ = self._classes[key]
+            self._swapped.append((module, cls))
 
     def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        """Give every module its own class back (before the model is pickled or saved whole)."""
+        for module, cls in self._swapped:
+            module.__class__ = cls
+        self._swapped = []
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        # a Python flag read inside the hook: compiled autograd guards on it, so accumulation and boundary steps
-        # each get a graph of their own (two compilations, then cache hits)
-        previous, self.enabled = self.enabled, False
-        try:
-            yield
-        finally:
-            self.enabled = previous
-
-
-def _average(sync: GraphGradientSync, param: Parameter) -> None:
-    if not sync.enabled or param.grad is None:
-        return
-    import torch.distributed._functional_collectives as funcol
-
-    # divide first (no overflow in low precision); the wait is implicit where copy_ reads the result
-    param.grad.copy_(funcol.all_reduce(param.grad / sync._world, "sum", sync._group))
+    def check_trainable(self) -> None:
+        """Raise, naming the parameter, if ``requires_grad`` changed since :meth:`attach` (its reads are fixed)."""
+        for name, param in self._module.named_parameters():
+            if param.requires_grad != (id(param) in self._trainable):
+                state = "unfrozen" if param.requires_grad else "frozen"
+                raise RuntimeError(f"static_dist: {name!r} was {state} during fit; strategy.sync.mode=graph reads the"
+                                   " trainable parameters through its averaging identity from the first step on."
+                                   " Freeze or unfreeze before fit, or use strategy.sync.mode=hooks")
 
 
-def compiled_backward(backend: Any) -> contextlib.AbstractContextManager[None]:
-    """Run ``backward()`` under compiled autograd, compiling the backward graph with ``backend``."""
-    from torch._dynamo import compiled_autograd
+def _reader(name: str, sync: GraphGradientSync) -> Any:
+    def read(module: nn.Module) -> Tensor:
+        return sync.read(module._parameters[name])
 
-    enable: Callable[..., Any] = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
-    return enable(lambda gm: torch.compile(gm, backend=backend, fullgraph=True))
+    return read

@@ -9,13 +9,19 @@ rebuilds its buckets after the first iteration for the same reason. The first bu
 larger (``bucket_mb``, default 25 MiB) so each collective's fixed latency is paid rarely. This is the policy
 DDP's reducer uses; here it is a plain function whose result every rank can print and compare.
 
+When the model is compiled as one graph cut into pieces at the gradient buckets (:mod:`~lightning_static_dist.graph_split`),
+each piece's backward is one autograd node: all of its parameters' gradients become ready together, when that node
+finishes. The plan then follows the pieces (``groups``): one bucket per piece, so each collective is issued the
+moment its piece's backward is done — a bucket that straddled two pieces would wait for the later one.
+
 A bucket holds gradients of one dtype and one device only: a flat buffer cannot mix them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -95,6 +101,7 @@ def plan_buckets(
     first_bucket_bytes: int,
     bucket_bytes: int,
     ready_order: Sequence[int] = (),
+    groups: Optional[Mapping[int, int]] = None,
 ) -> BucketPlan:
     """Group parameters into buckets in the order their gradients become ready.
 
@@ -105,6 +112,10 @@ def plan_buckets(
     ``first_bucket_bytes``, every later one's ``bucket_bytes``) or when dtype or device change. A parameter larger
     than the capacity gets a bucket of its own.
 
+    ``groups`` maps a parameter index to the graph piece whose backward makes its gradient ready: parameters of one
+    piece share one bucket whatever its size, and a bucket never holds two pieces. Parameters without a group are
+    bucketed by capacity as above, never together with grouped ones.
+
     Example::
 
         >>> specs = [ParamSpec(i, 1024, torch.float32, torch.device("cpu")) for i in range(4)]
@@ -113,28 +124,30 @@ def plan_buckets(
     """
     if first_bucket_bytes <= 0 or bucket_bytes <= 0:
         raise ValueError(f"bucket capacities must be positive, got {first_bucket_bytes} and {bucket_bytes}")
-    groups: list[list[ParamSpec]] = []
+    piece_of = groups or {}
+    buckets_of_specs: list[list[ParamSpec]] = []
     filled = 0
     position = {index: i for i, index in enumerate(ready_order)}
     unobserved = len(position)
     for spec in sorted(params, key=lambda s: (position.get(s.index, unobserved), -s.index)):
-        current = groups[-1] if groups else None
-        capacity = first_bucket_bytes if len(groups) == 1 else bucket_bytes
-        if (
-            current is not None
-            and current[0].dtype == spec.dtype
-            and current[0].device == spec.device
-            and filled + spec.nbytes <= capacity
-        ):
+        current = buckets_of_specs[-1] if buckets_of_specs else None
+        capacity = first_bucket_bytes if len(buckets_of_specs) == 1 else bucket_bytes
+        piece = piece_of.get(spec.index)
+        if current is not None and current[0].dtype == spec.dtype and current[0].device == spec.device:
+            same_piece = piece_of.get(current[0].index) == piece
+            joins = same_piece and (piece is not None or filled + spec.nbytes <= capacity)
+        else:
+            joins = False
+        if joins:
             current.append(spec)
             filled += spec.nbytes
         else:
-            groups.append([spec])
+            buckets_of_specs.append([spec])
             filled = spec.nbytes
 
     buckets = []
     location: dict[int, tuple[int, int]] = {}
-    for b, group in enumerate(groups):
+    for b, group in enumerate(buckets_of_specs):
         offsets, numels, offset = [], [], 0
         for slot, spec in enumerate(group):
             offsets.append(offset)

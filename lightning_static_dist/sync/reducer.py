@@ -69,9 +69,11 @@ class _PendingWork:
 
 
 class MeanAllReduce:
-    """Average with one asynchronous ``all_reduce`` (sum of pre-divided values: Gloo has no ``AVG``).
+    """Average with one asynchronous ``all_reduce``: ``ReduceOp.AVG`` on NCCL (no separate division pass over the
+    bucket), a sum of pre-divided values elsewhere (Gloo has no ``AVG``).
 
-    Dividing *before* the sum keeps low-precision buckets (fp16/bf16) from overflowing on large worlds.
+    Dividing *before* the sum keeps low-precision buckets (fp16/bf16) from overflowing on large worlds; NCCL's
+    ``AVG`` does the same (it pre-multiplies floating-point inputs by ``1/world``).
 
     Example::
 
@@ -83,11 +85,18 @@ class MeanAllReduce:
         world = dist.get_world_size(group)
         if world == 1:
             return _PendingWork(None, flat)
+        if supports_avg(group):
+            return _PendingWork(dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group, async_op=True), flat)
         flat.div_(world)
         return _PendingWork(dist.all_reduce(flat, group=group, async_op=True), flat)
 
     def payload_bytes(self, bucket: GradBucket, flat: Tensor) -> int:
         return flat.numel() * flat.element_size()
+
+
+def supports_avg(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether the group's backend averages natively (``ReduceOp.AVG``): NCCL does, Gloo does not."""
+    return dist.get_backend(group) == "nccl"
 
 
 def all_reduce_sum(values: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:

@@ -116,7 +116,7 @@ def _ordered_by_group(plan: BucketPlan, group_of: dict[int, int]) -> BucketPlan:
 
 
 class _ShardPending:
-    """A bucket's reduce-scatter (shard group) -> all-reduce of the chunk (replica group); flags and pass number
+    """A bucket's reduce-scatter (shard group) -> all-reduce of the chunk (replica group); the usage flags
     all-reduced over the world beside them."""
 
     def __init__(self, reducer: ShardedMean, work: Optional[dist.Work], out: Tensor, chunk_numel: int,
@@ -153,8 +153,8 @@ class _ShardPending:
 class ShardedMean:
     """The bucket reducer of ``reduce_scatter``: averages over every rank, leaving this rank its chunk.
 
-    ``launch`` gets the bucket's flat buffer ``[grads (padded to S * c) | usage flags | pass number]`` and returns
-    a pending reduction whose ``wait()`` gives ``[averaged chunk (c) | averaged flags | averaged pass number]``.
+    ``launch`` gets the bucket's flat buffer ``[grads (padded to S * c) | usage flags]`` and returns a pending
+    reduction whose ``wait()`` gives ``[averaged chunk (c) | averaged flags]``.
     The replica all-reduces are issued strictly in bucket order, from the gradient hooks (``poll``) once a
     reduce-scatter has completed, or at the latest from ``wait``.
     """
@@ -172,7 +172,7 @@ class ShardedMean:
 
     def launch(self, bucket: GradBucket, flat: Tensor, group: Optional[dist.ProcessGroup]) -> _ShardPending:
         world = dist.get_world_size(group)
-        chunk = (flat.numel() - len(bucket.param_indices) - 1) // self.shard_size
+        chunk = (flat.numel() - len(bucket.param_indices)) // self.shard_size
         flat.div_(world)
         grads, tail = flat[: chunk * self.shard_size], flat[chunk * self.shard_size :]
         if self.shard_size == 1:  # a 4 x 1 mesh: the chunk is the bucket; one all-reduce over everyone
@@ -240,7 +240,7 @@ class ShardedGradientSynchronizer(GradientSynchronizer):
         optimizer: the one optimizer; :meth:`bind` re-points its param groups at this rank's pieces.
         shard_group: the mesh's ``dp_shard`` group (this rank's).
         replicate_group: the mesh's ``dp_replicate`` group (this rank's).
-        group: every data-parallel rank (flags and the backward-pass number are averaged over it).
+        group: every data-parallel rank (usage flags and the ranks' step check are reduced over it).
 
     Example::
 

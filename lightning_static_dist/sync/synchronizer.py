@@ -12,13 +12,30 @@ Usable without Lightning::
 
 One *round* is one backward pass followed by :meth:`GradientSynchronizer.finish`:
 
-1. Each parameter's post-accumulate-grad hook copies its gradient into its slot of the bucket's flat buffer. When
-   a bucket's last slot is filled, every full bucket from the *next bucket to launch* onwards is launched, in plan
-   order. Launching strictly in plan order is what keeps every rank issuing the same collectives in the same
+1. Each parameter's post-accumulate-grad hook marks its slot of the bucket ready. When a bucket's last slot is
+   ready, its gradients are copied into the bucket's flat buffer in one multi-tensor copy (cast to
+   ``reduce_dtype`` if one is set) and every full bucket from the *next bucket to launch* onwards is launched, in
+   plan order. Launching strictly in plan order is what keeps every rank issuing the same collectives in the same
    order even when hooks fire in a different order, or a parameter gets no gradient on one rank.
 2. ``finish()`` — queued on the autograd engine by the first hook, so it runs as backward returns — fills what the
-   hooks did not (a parameter unused on this rank contributes zeros), launches the remaining buckets in order,
-   waits for all of them and writes the averages back into ``param.grad``.
+   hooks did not (a parameter unused on this rank contributes zeros), launches the remaining buckets in order and
+   makes the compute stream wait for each of them. Nothing in a round waits on the host.
+
+Where the averages land. Without a ``reduce_dtype``, each ``param.grad`` *becomes a view of its slot* as soon as
+its bucket is packed (the gradient autograd made is freed there), and the collective averages in place: there is
+no copy back, and the model holds one copy of its gradients, not two. With ``reduce_dtype`` (bf16 buckets for fp32
+gradients) the averages are copied back, cast, in one multi-tensor copy per bucket. Keep that in mind when holding
+on to ``param.grad`` across steps: like DDP's ``gradient_as_bucket_view``, it is reused by the next round.
+
+No host synchronisation. A collective is averaged with ``ReduceOp.AVG`` on NCCL (pre-divided on Gloo, which has no
+``AVG``). The usage flags are read on the host only for a bucket in which a parameter got no gradient on *this*
+rank (otherwise every rank used it: nothing to read). The ranks check that they are in step with one small integer
+all-reduce per round, issued after the round's buckets: the sums of their backward-pass numbers ``p`` and of
+``p**2``. Integers add exactly, so ``world * sum(p**2) == sum(p)**2`` holds exactly when every rank is at the same
+pass, and every rank sees the same sums — a rank whose pass equals the others' mean sees the spread too. The sums
+reach the host asynchronously and are read at the start of the synchronised round two rounds later — long since
+arrived, and at the same point of every rank's collective sequence — and on teardown or before a checkpoint is
+written (waiting for them then); a mismatch stops every rank, each naming what it knows.
 
 Unused parameters. Each bucket carries one usage flag per parameter after its gradients, reduced together with
 them (a few bytes): a parameter that no rank used keeps ``grad = None`` instead of receiving an average of zeros,
@@ -35,11 +52,12 @@ Assumption: ``requires_grad`` of every parameter is the same on every rank (true
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -84,6 +102,8 @@ class GradientSynchronizer:
         reducer: the collective each full bucket launches; :class:`MeanAllReduce` by default.
         first_bucket_mb: capacity of the first bucket in MiB.
         bucket_mb: capacity of every later bucket in MiB.
+        check_each_collective: before each bucket's collective, compare it across ranks (debugging; slow).
+        reduce_dtype: the dtype gradients are averaged in (``torch.bfloat16`` halves the bytes); ``None``: their own.
 
     Example::
 
@@ -104,6 +124,7 @@ class GradientSynchronizer:
         first_bucket_mb: float = 1.0,
         bucket_mb: float = 25.0,
         check_each_collective: bool = False,
+        reduce_dtype: Optional[torch.dtype] = None,
     ) -> None:
         seen: set[int] = set()
         self._names: list[str] = []
@@ -118,6 +139,7 @@ class GradientSynchronizer:
         self._first_bucket_bytes = int(first_bucket_mb * MiB)
         self._bucket_bytes = int(bucket_mb * MiB)
         self._check_each_collective = check_each_collective
+        self._reduce_dtype = reduce_dtype
         self._plan = BucketPlan(buckets=(), location={})
         self._buffers: list[_BucketBuffer] = []
         self._ready_order: list[int] = []
@@ -136,7 +158,11 @@ class GradientSynchronizer:
         """Set by the overlap monitor: marks buckets ready, issued and waited."""
         self.usage_counts: dict[str, int] = {}
         """Ranks that produced a gradient, per parameter outside the plan, from the latest usage check."""
+        self.ready_groups: Optional[Mapping[int, int]] = None
+        """``id(parameter)`` -> the compiled graph piece whose backward makes its gradient ready (set by the strategy
+        when the model is compiled as one graph cut at the buckets): the plan puts each piece in a bucket of its own."""
         self.stats = SyncStats()
+        self._round_checks: deque[_RoundCheck] = deque()
         self._reset_round()
 
     # ----------------------------------------------------------------------------------------------- lifecycle
@@ -199,6 +225,7 @@ class GradientSynchronizer:
         abandon = getattr(self._reducer, "abandon_round", None)
         if abandon is not None:
             abandon()
+        self._round_checks.clear()
         self._reset_round()
 
     # ------------------------------------------------------------------------------------------------- a round
@@ -221,6 +248,8 @@ class GradientSynchronizer:
             self._in_pass = True
             self._pass_number = self.backward_passes
             torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+            if self._sync_enabled:
+                self._read_round_checks()  # earlier rounds' verdicts, before this round launches anything
         if not self._sync_enabled:
             return
         if not self._finish_queued:
@@ -236,7 +265,7 @@ class GradientSynchronizer:
             self._poll()  # start the next phase of multi-phase reductions whose current one is done
         bucket_index, slot = location
         buffer = self._buffers[bucket_index]
-        buffer.pack(slot, param.grad)
+        buffer.fill(slot, param.grad)
         if buffer.remaining == 0:
             if self.recorder is not None:
                 self.recorder.bucket_ready(bucket_index)
@@ -248,6 +277,7 @@ class GradientSynchronizer:
             self._next_to_launch += 1
 
     def _launch(self, buffer: _BucketBuffer, record_as: int) -> PendingReduction:
+        buffer.pack(self._params)
         flat = buffer.seal(self._pass_number)
         if self._check_each_collective:
             self._check_collective(record_as, buffer)
@@ -283,6 +313,8 @@ class GradientSynchronizer:
             # a backward that produced no gradient on this rank still counts as a pass, as on the other ranks
             self._pass_number = self.backward_passes
             self.backward_passes += 1
+            if self._sync_enabled:
+                self._read_round_checks()
         self._pass_counted = False
         if self._finished_by_engine:
             self._finished_by_engine = False
@@ -290,7 +322,8 @@ class GradientSynchronizer:
         self.finish()
 
     def finish(self) -> None:
-        """End the round: launch what is left, wait for every collective, write the averaged gradients back.
+        """End the round: launch what is left, make the compute stream wait for every collective (the host waits
+        only on CPU, where the collective is the host's own work), give the parameters their averaged gradients.
 
         Runs by itself at the end of every backward pass in which a gradient became ready (queued on the autograd
         engine); call it — or :meth:`finish_if_pending` — after a backward in which none did, so that every rank
@@ -303,22 +336,24 @@ class GradientSynchronizer:
         for bucket_index, buffer in enumerate(self._buffers):
             unfilled = buffer.unfilled()
             for slot in unfilled:
-                buffer.pack(slot, self._params[buffer.bucket.param_indices[slot]].grad)
+                buffer.fill(slot, self._params[buffer.bucket.param_indices[slot]].grad)
             if unfilled and self.recorder is not None:
                 self.recorder.bucket_ready(bucket_index)
         self._launch_ready_buckets()
         # 2. parameters outside the plan: decide together whether any of them got a gradient anywhere
         newcomers = self._reduce_usage_of_unplanned()
-        # 3. wait and write back
+        # 3. the ranks' step check (after the buckets: the same place in every rank's sequence of collectives)
+        check = _RoundCheck(self._pass_number, self._group, self._check_device())  # (16 bytes: not in bytes_sent)
+        # 4. make the compute stream wait for each collective, and write back where a copy is needed
         for bucket_index, (buffer, pending) in enumerate(zip(self._buffers, self._pending)):
             assert pending is not None
             with waiting_in(f"the gradient collective of bucket {bucket_index}"):
                 averaged = pending.wait()
             if self.recorder is not None:
                 self.recorder.bucket_waited(bucket_index)
-            if not buffer.agrees_on_round(averaged, dist.get_world_size(self._group)):
-                self._stop_desynchronised(bucket_index)
             buffer.unpack(averaged, self._params)
+        check.settle()
+        self._round_checks.append(check)
         if newcomers or not self._first_round_done:
             self._adopt(newcomers)
         self.stats.rounds += 1
@@ -330,11 +365,29 @@ class GradientSynchronizer:
             round_finished()
         self._reset_round()
 
+    def _read_round_checks(self, keep: int = 1) -> None:
+        """Stop on a backward-pass mismatch seen in an earlier round: read every verdict but the newest ``keep``.
+
+        Called at the start of each synchronised round, before it issues anything (``keep=1``: the verdict of the
+        round before last, which reached the host a whole step ago; the read waits only if the host is more than a
+        step ahead). Rounds pair collectives, so every rank reads a given round's verdict at the same point of its
+        collective sequence, even when the ranks' pass numbers differ; :meth:`check_pending_rounds` reads the rest."""
+        while len(self._round_checks) > keep:
+            check = self._round_checks.popleft()
+            with waiting_in("the ranks' backward-pass check"):
+                sums = check.sums()
+            if sums is not None:
+                self._stop_desynchronised(*sums, check.own_pass)
+
+    def check_pending_rounds(self) -> None:
+        """Read the verdicts of the rounds not checked yet, waiting for them (the end of fit, before a checkpoint)."""
+        self._read_round_checks(keep=0)
+
     def _check_collective(self, record_as: int, buffer: _BucketBuffer) -> None:
         """``sync.check: collective`` (debugging): before each bucket's collective, every rank compares what it is
         about to send — bucket, size, dtype, backward pass — in one small blocking all-gather."""
         world = dist.get_world_size(self._group)
-        mine = torch.tensor([record_as, buffer.bucket.numel, len(buffer.bucket.param_indices), buffer.sealed_round],
+        mine = torch.tensor([record_as, buffer.bucket.numel, len(buffer.bucket.param_indices), buffer.sealed_pass],
                             dtype=torch.int64, device=buffer.flat.device)
         everyone = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(everyone, mine, group=self._group)
@@ -345,16 +398,26 @@ class GradientSynchronizer:
                                 for r, (b, n, p, k) in enumerate(rows))
             raise RankMismatchError(f"static_dist: ranks disagree on the next gradient collective — {listing}")
 
-    def _stop_desynchronised(self, bucket_index: int) -> None:
-        """Every rank sees the mismatch in the same collective: gather the round numbers and stop, naming them."""
-        passes: list[Optional[int]] = [None] * dist.get_world_size(self._group)
-        dist.all_gather_object(passes, self._buffers[bucket_index].sealed_round, group=self._group)
+    def _stop_desynchronised(self, total: int, total_sq: int, own_pass: int) -> None:
+        """Every rank sees the same sums: each stops on its own, naming what it knows (no collective: the ranks are
+        out of step, so a collective to compare them could pair with anything). ``total``: the sum of the ranks'
+        pass numbers modulo :data:`_ROUND_MODULUS`."""
         self.abandon_round()
-        listing = ", ".join(f"rank {r} at backward pass {n}" for r, n in enumerate(passes))
+        rank, world = dist.get_rank(self._group), dist.get_world_size(self._group)
+        own_mod = own_pass % _ROUND_MODULUS
+        listing = f"rank {rank} at backward pass {own_pass}, the mean over the {world} ranks {own_pass - own_mod + total / world:g}"
+        if world == 2:  # the other rank's number follows from the sum
+            other = own_pass + (total - 2 * own_mod)
+            ranks = sorted([(rank, own_pass), (1 - rank, other)])
+            listing = ", ".join(f"rank {r} at backward pass {n}" for r, n in ranks)
         raise RankMismatchError(
-            f"static_dist: ranks are in different steps — {listing} — seen in the collective of bucket {bucket_index}"
+            f"static_dist: ranks are in different steps — {listing} — seen in the step check of a synchronised round"
             " (a rank skipped a step, ran an extra backward, or took another data-dependent branch)"
         )
+
+    def _check_device(self) -> torch.device:
+        """Where the step check's integers live: the gradients' device (NCCL reduces CUDA tensors only)."""
+        return self._params[0].device if self._params else torch.device("cpu")
 
     def _reduce_usage_of_unplanned(self) -> list[int]:
         """Indices of unplanned parameters that got a gradient on any rank this round (same list on every rank)."""
@@ -377,9 +440,9 @@ class GradientSynchronizer:
         if newcomers:
             one_off = plan_buckets(self._specs(newcomers), self._bucket_bytes, self._bucket_bytes)
             for i, bucket in enumerate(one_off.buckets):
-                buffer = _BucketBuffer(bucket, self._params)
+                buffer = self._make_buffer(bucket)
                 for slot, index in enumerate(bucket.param_indices):
-                    buffer.pack(slot, self._params[index].grad)
+                    buffer.fill(slot, self._params[index].grad)
                 record_as = len(self._buffers) + i  # after the planned buckets of this round
                 if self.recorder is not None:
                     self.recorder.bucket_ready(record_as)
@@ -391,9 +454,12 @@ class GradientSynchronizer:
         if self._first_round_done:
             self.stats.plan_rebuilds += 1
         self._first_round_done = True
-        observed = _rank_zero_list(self._observed_order, self._group)
+        pieces = self.ready_groups or {}
+        mine = (self._observed_order, {i: pieces[id(p)] for i, p in enumerate(self._params) if id(p) in pieces})
+        observed, groups = _from_rank_zero(mine, self._group)
         self._ready_order = self._ready_order + [i for i in observed if i not in self._ready_order]
-        self._plan = plan_buckets(self._specs(members), self._first_bucket_bytes, self._bucket_bytes, self._ready_order)
+        self._plan = plan_buckets(self._specs(members), self._first_bucket_bytes, self._bucket_bytes, self._ready_order,
+                                  groups=groups)
         self._buffers = [self._make_buffer(bucket) for bucket in self._plan.buckets]
         self.attach()  # parameters whose requires_grad was switched on since the last attach
         skipped = [self._names[i] for i, p in enumerate(self._params) if i not in self._plan.location and p.requires_grad]
@@ -403,14 +469,17 @@ class GradientSynchronizer:
         )
 
     def _make_buffer(self, bucket: GradBucket) -> _BucketBuffer:
-        return _BucketBuffer(bucket, self._params)
+        buffer = _BucketBuffer(bucket, self._params, dtype=self._reduce_dtype)
+        # in place (no copy back) when the bucket holds the gradients in their own dtype
+        buffer.alias_grads = buffer.flat.dtype == bucket.dtype
+        return buffer
 
     def _specs(self, indices: Sequence[int]) -> list[ParamSpec]:
         return [ParamSpec(i, self._params[i].numel(), self._params[i].dtype, self._params[i].device) for i in indices]
 
 
-def _rank_zero_list(values: list[int], group: Optional[dist.ProcessGroup]) -> list[int]:
-    """Group rank 0's ``values`` on every rank (ranks may see hooks fire in different orders; plans must agree)."""
+def _from_rank_zero(values: Any, group: Optional[dist.ProcessGroup]) -> Any:
+    """Rank 0's ``values`` on every rank (ranks may see hooks fire in different orders; plans must agree)."""
     if dist.get_world_size(group) == 1:
         return values
     holder = [values]
@@ -418,28 +487,29 @@ def _rank_zero_list(values: list[int], group: Optional[dist.ProcessGroup]) -> li
     return holder[0]
 
 
-_ROUND_MODULUS = 1 << 12  # pass numbers travel as floats, divided by the world size and summed: keep them small
-# enough that fp32 rounding stays far below the 0.25 / world tolerance on any world size
+_ROUND_MODULUS = 1 << 20  # pass numbers in the step check: sums of their squares stay exact in int64 for any world
 
 
 class _BucketBuffer:
-    """A bucket's flat buffer — its gradients, one usage flag per parameter, a pass number — with slot views.
+    """A bucket's flat buffer — its gradients and one usage flag per parameter — with slot views.
 
-    The pass number (this rank's count of backward passes, accumulation micro-batches included) makes every
-    collective check that the ranks are in the same step: averaged, it equals each rank's own number only if all
-    agree. A rank that skipped a step — or ran an extra backward — pairs its bucket with another step's, and every
-    rank sees it in that same collective.
-
-    The views are made once per plan, so a gradient-ready hook costs one ``copy_`` and the write-back one more.
+    The views are made once per plan. A round marks slots ready (:meth:`fill`, host-only), copies the bucket's
+    gradients in with one multi-tensor copy once all are ready (:meth:`pack`), and — unless ``alias_grads`` made the
+    gradients views of their slots — copies the averages back with one more (:meth:`unpack`).
     """
 
-    def __init__(self, bucket: GradBucket, params: Sequence[Parameter], padded_numel: Optional[int] = None) -> None:
+    def __init__(self, bucket: GradBucket, params: Sequence[Parameter], padded_numel: Optional[int] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
         self.bucket = bucket
         self.grad_numel = bucket.numel if padded_numel is None else padded_numel
         """Where the gradients end and the flags start: the bucket's size, or that padded (zeros) for sharding."""
-        self.flat = torch.zeros(self.grad_numel + len(bucket.param_indices) + 1, dtype=bucket.dtype, device=bucket.device)
+        self.flat = torch.zeros(self.grad_numel + len(bucket.param_indices), dtype=dtype or bucket.dtype,
+                                device=bucket.device)
         self.views = self._slot_views(self.flat, params)
-        self.sealed_round = 0
+        self.alias_grads = False
+        """Make each used parameter's ``.grad`` its slot's view when packing (the collective then averages in place)."""
+        self.sealed_pass = 0
+        self.used: list[bool] = []
         self.reset()
 
     def _slot_views(self, flat: Tensor, params: Sequence[Parameter]) -> list[Tensor]:
@@ -447,54 +517,126 @@ class _BucketBuffer:
         return [flat[o : o + n].view(params[i].shape) for i, o, n in zip(b.param_indices, b.offsets, b.numels)]
 
     def reset(self) -> None:
-        self.used = [False] * len(self.bucket.param_indices)
+        self.grads: list[Optional[Tensor]] = [None] * len(self.bucket.param_indices)
         self.filled = [False] * len(self.bucket.param_indices)
         self.remaining = len(self.bucket.param_indices)
 
     def unfilled(self) -> list[int]:
         return [slot for slot, filled in enumerate(self.filled) if not filled]
 
-    def pack(self, slot: int, grad: Optional[Tensor]) -> None:
-        """Copy one parameter's local gradient (zeros if it has none) into its slot."""
+    def fill(self, slot: int, grad: Optional[Tensor]) -> None:
+        """Mark one parameter's local gradient (``None``: it has none, zeros are sent) ready for its slot."""
         if self.filled[slot]:
             raise RuntimeError(
                 "static_dist: a gradient became ready twice in one round (backward called twice without a"
                 " synchronisation in between?). Use manual_backward once per step, or accumulate under no_sync."
             )
-        if grad is None:
-            self.views[slot].zero_()
-        else:
-            self.views[slot].copy_(grad)
-        self.used[slot] = grad is not None
+        self.grads[slot] = grad
         self.filled[slot] = True
         self.remaining -= 1
 
+    def pack(self, params: Sequence[Parameter]) -> None:
+        """Copy the bucket's gradients into the flat buffer: one multi-tensor copy (a cast, with a reduce dtype)."""
+        self.used = [g is not None for g in self.grads]
+        dst = [v for v, g in zip(self.views, self.grads) if g is not None]
+        src = [g for g in self.grads if g is not None]
+        if src:
+            _foreach_copy(dst, src)
+        for slot, grad in enumerate(self.grads):
+            if grad is None:
+                self.views[slot].zero_()
+            elif self.alias_grads:
+                params[self.bucket.param_indices[slot]].grad = self.views[slot]
+        self.grads = [None] * len(self.grads)  # the references the hooks handed over: freed now
+
     def seal(self, round_number: int) -> Tensor:
-        """Write the usage flags (one op for the bucket) and the round number; return the flat buffer to reduce."""
-        self.sealed_round = round_number % _ROUND_MODULUS
-        self.flat[-1:].fill_(float(self.sealed_round))
-        flags = self.flat[self.grad_numel : -1]
-        if all(self.used):
-            flags.fill_(1.0)  # the usual case, and no host-to-device copy that would wait for the GPU
-        else:
-            flags.copy_(torch.tensor(self.used, dtype=self.flat.dtype), non_blocking=True)
+        """Write the usage flags (device ops only); return the flat buffer to reduce."""
+        self.sealed_pass = round_number
+        flags = self.flat[self.grad_numel :]
+        flags.fill_(1.0)
+        for slot, used in enumerate(self.used):
+            if not used:  # a parameter with no gradient on this rank (rare): one small op each, no host-to-device copy
+                flags[slot].zero_()
         return self.flat
 
     def unpack(self, averaged: Tensor, params: Sequence[Parameter]) -> None:
-        """Write the averaged gradients back into ``param.grad`` for parameters some rank used."""
+        """Give every parameter some rank used its averaged gradient: already in place (``alias_grads``), or copied.
+
+        The averaged usage flags are read on the host only when a parameter of this bucket got no gradient on this
+        rank: otherwise this rank used them all, so every parameter was used somewhere."""
+        in_place = self.alias_grads and averaged is self.flat
         views = self.views if averaged is self.flat else self._slot_views(averaged, params)
-        used_anywhere = (averaged[self.grad_numel : -1] > 0).tolist()
+        if all(self.used):
+            used_anywhere = self.used
+        else:
+            used_anywhere = (averaged[self.grad_numel :] > 0).tolist()
+        dst, src = [], []
         for slot, index in enumerate(self.bucket.param_indices):
             if not used_anywhere[slot]:
                 continue  # no rank produced a gradient: leave it as it is (None), like single-process training
             param = params[index]
-            if param.grad is None:
-                param.grad = views[slot].clone()
+            if in_place:
+                param.grad = views[slot]  # (already, unless this rank had no gradient for it)
+            elif param.grad is None:  # no gradient here, one elsewhere
+                param.grad = views[slot].to(param.dtype, copy=True)
             else:
-                param.grad.copy_(views[slot])
+                dst.append(param.grad)
+                src.append(views[slot])
+        if src:
+            _foreach_copy(dst, src)
 
-    def agrees_on_round(self, averaged: Tensor, world: int) -> bool:
-        """Whether every rank sealed the number this rank did (checked where the dtype holds it exactly: fp32/64)."""
-        if self.flat.dtype not in (torch.float32, torch.float64):
-            return True
-        return abs(float(averaged[-1]) - self.sealed_round) < 0.25 / world
+
+def _foreach_copy(dst: list[Tensor], src: list[Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all ``i`` in one multi-tensor launch where this torch has it."""
+    foreach_copy = getattr(torch, "_foreach_copy_", None)
+    if foreach_copy is not None:
+        foreach_copy(dst, src)
+        return
+    for d, s in zip(dst, src):
+        d.copy_(s)
+
+
+class _RoundCheck:
+    """One round's step check: the sums over the ranks of their backward-pass numbers and of their squares, reduced
+    with one small asynchronous integer all-reduce and read on the host when the synchroniser asks.
+
+    ``world * sum(p**2) == sum(p)**2`` exactly when every rank is at the same pass (Cauchy-Schwarz), and integers
+    add exactly on any number of ranks.
+
+    Example::
+
+        check = _RoundCheck(own_pass=7, group=None, device=torch.device("cpu"))
+        check.settle()        # after the round's buckets were waited for
+        check.sums()          # None, or (sum of passes, sum of squares) when the ranks were at different passes
+    """
+
+    def __init__(self, own_pass: int, group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+        self.own_pass = own_pass
+        self._world = dist.get_world_size(group)
+        p = own_pass % _ROUND_MODULUS
+        values = torch.empty(2, dtype=torch.int64, device=device)
+        values[0].fill_(p)  # fills, not a copy from the host: nothing waits
+        values[1].fill_(p * p)
+        self._values = values
+        self._work = dist.all_reduce(values, group=group, async_op=True) if self._world > 1 else None
+        self._host: Optional[Tensor] = None
+        self._event: Optional[torch.cuda.Event] = None
+
+    def settle(self) -> None:
+        """Order the host copy after the all-reduce (a stream wait on CUDA) and start it."""
+        if self._work is not None:
+            self._work.wait()
+        self._host = torch.empty(2, dtype=torch.int64, pin_memory=self._values.is_cuda)
+        self._host.copy_(self._values, non_blocking=True)
+        if self._values.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def sums(self) -> Optional[tuple[int, int]]:
+        """``(sum of passes, sum of squares)`` if the ranks were at different passes, else ``None``; waits for the
+        copy only if it has not reached the host yet."""
+        assert self._host is not None, "settle() first"
+        if self._event is not None and not self._event.query():
+            self._event.synchronize()
+        total, total_sq = self._host.tolist()
+        return None if self._world * total_sq == total * total else (total, total_sq)

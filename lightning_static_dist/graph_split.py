@@ -1,0 +1,102 @@
+"""One compiled graph for the whole training step, cut where the gradient buckets end.
+
+Why cut. A training step compiled as one graph is one autograd node: every gradient becomes ready when its
+backward finishes, so no gradient collective can overlap backward. Compiling the repeated blocks one by one keeps
+the overlap but loses everything around them (the loss over a vocabulary, fusion across blocks) and, when the
+blocks are looped inside a nested ``forward``, leaves that code eager. The middle way is the one dynamo's
+DDPOptimizer takes for DDP: trace the whole step as one graph, walk it backwards (the order backward produces
+gradients), and cut it each time the parameters seen since the last cut fill a bucket. Each piece is compiled on its
+own and is one autograd node, so its parameters' gradients become ready — and their bucket's collective goes out —
+as soon as its backward finishes, while the compiled code inside each piece is the same as the whole graph's.
+
+How. The cutting is torch's own splitter (``torch._dynamo.backends.distributed.DDPOptimizer``), used here as a
+compiler of graphs: no DDP wrapper is involved and dynamo's ``optimize_ddp`` switch plays no part. It is driven by
+this strategy's bucket sizes (``strategy.sync.first_bucket_mb`` / ``bucket_mb``), and the pieces it made are
+reported back (:attr:`BucketGraphSplitter.ready_groups`) so that the synchroniser's bucket plan follows them: one
+bucket per piece (:func:`~lightning_static_dist.sync.plan.plan_buckets`). A parameter used in several pieces — a
+tied embedding and output layer — belongs to the *earliest* piece in forward order: its gradient is complete only
+when that piece's backward, the last to run, is done.
+
+Private API: ``DDPOptimizer`` (same constructor and ``compile_fn`` from torch 2.1 to 2.13; tested on 2.11 and 2.13).
+A graph it cannot cut is compiled whole and the compile report says so — its gradients then become ready at the end
+of backward. Retire this module if torch exposes graph splitting at caller-chosen boundaries as a public backend.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+class BucketGraphSplitter:
+    """A dynamo backend: cuts each graph into pieces of about one bucket of parameters, compiles each piece with
+    ``compiler``.
+
+    Args:
+        compiler: the backend that compiles each piece (the strategy's recording backend over inductor ...).
+        first_bucket_bytes: parameters in the piece whose backward runs first (the last layers): small, so the
+            first collective starts early.
+        bucket_bytes: parameters in every later piece.
+
+    Example::
+
+        splitter = BucketGraphSplitter(torch._dynamo.lookup_backend("inductor"), 1 << 20, 25 << 20)
+        step = torch.compile(model.training_step, backend=splitter)
+        step(batch, 0).backward()        # one autograd node per piece
+        splitter.ready_groups            # id(parameter) -> piece
+    """
+
+    def __init__(self, compiler: Callable[..., Any], first_bucket_bytes: int, bucket_bytes: int) -> None:
+        from torch._dynamo.backends.distributed import DDPOptimizer
+
+        self._compiler = compiler
+        self._splitter = DDPOptimizer(bucket_bytes_cap=bucket_bytes, backend_compile_fn=compiler,
+                                      first_bucket_cap=min(first_bucket_bytes, bucket_bytes))
+        self.ready_groups: dict[int, int] = {}
+        """``id(parameter)`` -> the piece whose backward completes its gradient (numbered across graphs)."""
+        self.pieces = 0
+        """Pieces made so far, over every graph this backend compiled."""
+        self.uncut: list[str] = []
+        """Why a graph holding parameters was compiled whole (its gradients are then ready only at its end)."""
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        # dynamo lifts the parameters a graph reads into its inputs: the example inputs are the parameters themselves
+        params = {i: x for i, x in enumerate(example_inputs) if isinstance(x, nn.Parameter) and x.requires_grad}
+        if not params:
+            return self._compiler(gm, example_inputs)
+        try:
+            compiled = self._splitter.compile_fn(gm, example_inputs)
+        except NotImplementedError as err:  # e.g. a higher-order op (activation checkpointing) on an older torch
+            reason = str(err).strip().splitlines()[0][:200]
+            self.uncut.append(reason)
+            log.warning(f"static_dist: a graph could not be cut at the gradient buckets ({reason}); compiled whole")
+            return self._compiler(gm, example_inputs)
+        first = self.pieces
+        self._record_pieces(gm, compiled, params)
+        self._splitter.buckets = []  # (DDPOptimizer keeps them for its tests: they hold the traced graph's nodes)
+        log.debug(f"static_dist: graph cut into {self.pieces - first} pieces at the gradient buckets")
+        return compiled
+
+    def _record_pieces(self, gm: torch.fx.GraphModule, compiled: Any, params: dict[int, nn.Parameter]) -> None:
+        placeholders = {node.name: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+        pieces: list[list[int]] = []  # per piece, in forward order: the input positions it reads
+        cut = len(getattr(self._splitter, "buckets", ())) > 1  # else the splitter compiled the graph whole
+        if cut and isinstance(compiled, torch.fx.GraphModule):
+            for node in compiled.graph.nodes:
+                if node.op == "call_module":  # one per piece: the compiled piece
+                    reads = [placeholders[a.name] for a in node.all_input_nodes if a.op == "placeholder"]
+                    pieces.append([i for i in reads if i in params])
+        if not pieces:  # not cut (all its parameters fit one bucket): one piece
+            pieces = [list(params)]
+        first = self.pieces
+        for k, reads in enumerate(pieces):
+            for i in reads:
+                # the earliest piece in forward order wins (and an earlier graph's piece over this one's)
+                self.ready_groups.setdefault(id(params[i]), first + k)
+        self.pieces += len(pieces)
