@@ -1,7 +1,8 @@
 """lightning-static-dist: statically planned data-parallel training for PyTorch Lightning.
 
 Importing the package registers the strategy names ``static_dist``, ``static_dist_spawn`` and
-``static_dist_notebook`` in Lightning's ``StrategyRegistry`` and the dynamo backend ``inductor_distributed``::
+``static_dist_notebook`` in Lightning's ``StrategyRegistry`` and the dynamo backend ``inductor_distributed`` — names
+only: Lightning behaves as without the import until a ``StaticDistStrategy`` is made::
 
     import lightning as L
     import lightning_static_dist
@@ -23,12 +24,7 @@ from lightning_static_dist.config import (
     load_run_config,
 )
 from lightning_static_dist.callbacks import GraphReport, RunSummary
-from lightning_static_dist.compile import (
-    CompileReport,
-    allow_compiled_models_in_trainer,
-    inductor_distributed,
-    register_inductor_distributed,
-)
+from lightning_static_dist.compile import CompileReport, inductor_distributed, register_inductor_distributed
 from lightning_static_dist.compression.guard import CompressionGuard
 from lightning_static_dist.overlap.monitor import OverlapMonitor
 from lightning_static_dist.strategy import StaticDistStrategy
@@ -57,5 +53,4 @@ __all__ = [
 ]
 
 StaticDistStrategy.register_strategies(StrategyRegistry)
-allow_compiled_models_in_trainer()
 register_inductor_distributed()

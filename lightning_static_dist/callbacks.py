@@ -8,6 +8,7 @@ synchroniser put on the wire — printed as a table on rank 0 and written to ``<
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import time
@@ -17,10 +18,39 @@ import torch
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_module
 
 SUMMARY_FILE = "summary.json"
+
+
+def say(trainer: pl.Trainer, text: str) -> None:
+    """Log ``text`` on rank 0 at INFO, like Lightning's own messages; above the bar while a TQDM bar is open.
+
+    Example::
+
+        say(trainer, f"step {trainer.global_step}  loss {loss:.4f}")
+    """
+    if not trainer.is_global_zero:
+        return
+    bar = _open_tqdm_bar(trainer)
+    if bar is None:
+        rank_zero_info(text)
+    elif rank_zero_module.log.isEnabledFor(logging.INFO):  # the level rank_zero_info would have respected
+        bar.write(text)  # a log line in mid-bar would be cut into the bar's own line
+
+
+def _open_tqdm_bar(trainer: pl.Trainer) -> Any:
+    """The TQDM bar now on screen, or ``None`` (no TQDM callback, or its bars closed, e.g. in ``on_train_end``)."""
+    callback = trainer.progress_bar_callback
+    if not isinstance(callback, TQDMProgressBar) or not callback.is_enabled:
+        return None
+    # the attributes TQDMProgressBar.print itself looks through; a closed tqdm bar has `disable` set
+    for name in ("_train_progress_bar", "_val_progress_bar", "_test_progress_bar", "_predict_progress_bar"):
+        bar = getattr(callback, name, None)
+        if bar is not None and not bar.disable:
+            return bar
+    return None
 
 
 def _tokens_in(batch: Any) -> int:
@@ -45,6 +75,9 @@ class RunSummary(Callback):
     Args:
         warmup_steps: steps excluded from timing (allocation, first-step planning).
         loss_key: the logged metric shown as the training loss.
+        print_every_n_steps: also print a progress line every this many optimizer steps (and one per validation) on
+            rank 0: step, loss, median time per optimizer step (all its accumulated micro-batches), tokens/s;
+            0: never (the loss is read on the host only then).
 
     Example::
 
@@ -52,9 +85,12 @@ class RunSummary(Callback):
         trainer.fit(model)   # prints the table on rank 0, writes <log_dir>/summary.json
     """
 
-    def __init__(self, warmup_steps: int = 5, loss_key: str = "train_loss") -> None:
+    def __init__(self, warmup_steps: int = 5, loss_key: str = "train_loss", print_every_n_steps: int = 0) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps}: must be an integer >= 0")
+        if print_every_n_steps < 0:
+            raise ValueError(f"print_every_n_steps={print_every_n_steps}: must be an integer >= 0 (0: never)")
+        self.print_every_n_steps = print_every_n_steps
         self.warmup_steps = warmup_steps
         self.loss_key = loss_key
         self.step_seconds: list[float] = []
@@ -62,14 +98,20 @@ class RunSummary(Callback):
         self.losses: list[torch.Tensor] = []
         self.summary: dict[str, Any] = {}
         self._started: Optional[float] = None
+        self._step_at_start = 0
+        self._window = (0.0, 0)  # (seconds, tokens) of the micro-batches since the last optimizer step
+        self._optimizer_steps: list[tuple[float, int]] = []  # (seconds, tokens) of each recent optimizer step
+        self._printed_step = -1
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.step_seconds, self.losses, self.summary = [], [], {}
+        self._window, self._optimizer_steps, self._printed_step = (0.0, 0), [], -1
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._started = time.perf_counter()
+        self._step_at_start = trainer.global_step
 
     @override
     def on_train_batch_end(
@@ -77,12 +119,38 @@ class RunSummary(Callback):
     ) -> None:
         if self._started is None:
             return
-        self.step_seconds.append(time.perf_counter() - self._started)
+        seconds = time.perf_counter() - self._started
+        self.step_seconds.append(seconds)
         self.tokens_per_step = _tokens_in(batch)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self.losses.append(loss.detach())  # a tensor: float() here would wait for the GPU every step
             del self.losses[:-10]
+        self._window = (self._window[0] + seconds, self._window[1] + self.tokens_per_step)
+        if trainer.global_step == self._step_at_start:
+            return  # accumulating: the optimizer has not stepped in this micro-batch
+        self._optimizer_steps.append(self._window)
+        self._window = (0.0, 0)
+        every = self.print_every_n_steps
+        del self._optimizer_steps[:-max(every, 1)]
+        step = trainer.global_step
+        if every and step % every == 0 and step != self._printed_step and self.losses:
+            self._printed_step = step  # a step is printed once, whatever happens between two optimizer steps
+            median_s = statistics.median(s for s, _ in self._optimizer_steps)
+            tokens_per_s = statistics.median(n / s for s, n in self._optimizer_steps) * trainer.world_size
+            total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+            say(trainer, f"step {step}{f'/{total}' if total else ''}  loss {float(self.losses[-1]):.4f}"
+                         f"  {1e3 * median_s:.1f} ms/step  {tokens_per_s:,.0f} tokens/s")
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.print_every_n_steps or trainer.sanity_checking:
+            return
+        shown = {k: float(v) for k, v in trainer.callback_metrics.items()
+                 if k.startswith("val") and isinstance(v, torch.Tensor) and v.numel() == 1}
+        if shown:
+            say(trainer, f"validation at step {trainer.global_step}: "
+                         + "  ".join(f"{k} {v:.4f}" for k, v in sorted(shown.items())))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -93,6 +161,7 @@ class RunSummary(Callback):
         graph = getattr(trainer.strategy, "graph_sync", None)
         graph_rounds = graph.rounds if graph is not None else 0
         graph_bytes = graph.bytes_per_round if graph is not None else 0
+        synced = stats is not None or graph is not None
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
         tail = [float(loss) for loss in self.losses[-10:]]
         self.summary = {
@@ -105,16 +174,16 @@ class RunSummary(Callback):
             "val_ppl": metrics.get("val_ppl"),
             "step_ms_median": median_s * 1e3,
             "tokens_per_s": self.tokens_per_step * trainer.world_size / median_s if timed else None,
-            "sync_mode": ("graph" if graph is not None else "hooks") if stats else None,
-            "sync_rounds": stats.rounds + graph_rounds if stats else None,
-            "sync_collectives": stats.collectives if stats else None,
-            "bytes_sent_per_rank": stats.bytes_sent + graph_rounds * graph_bytes if stats else None,
-            "bytes_per_round": (graph_bytes or stats.last_round_bytes) if stats else None,
+            "sync_mode": ("graph" if graph is not None else "hooks") if synced else None,
+            "sync_rounds": (stats.rounds if stats else 0) + graph_rounds if synced else None,
+            "sync_collectives": stats.collectives if stats else None,  # (graph mode: inside the compiled graph)
+            "bytes_sent_per_rank": (stats.bytes_sent if stats else 0) + graph_rounds * graph_bytes if synced else None,
+            "bytes_per_round": (graph_bytes or (stats.last_round_bytes if stats else 0)) if synced else None,
             "bucket_plan": sync.plan.describe() if sync is not None else None,
         }
         log_dir = trainer.log_dir  # a collective under distributed strategies: every rank must ask
         if trainer.is_global_zero:
-            rank_zero_info(format_summary(self.summary))
+            say(trainer, format_summary(self.summary))
             if log_dir is not None:
                 os.makedirs(log_dir, exist_ok=True)
                 with open(os.path.join(log_dir, SUMMARY_FILE), "w") as f:
@@ -173,7 +242,7 @@ class GraphReport(Callback):
             return
         if self.print_summary and self._printed_recompiles is None:
             self._printed_recompiles = len(report.recompiles)
-            rank_zero_info(f"static_dist compile report (after the first step):\n{report.summary()}")
+            say(trainer, f"static_dist compile report (after the first step):\n{report.summary()}")
         if self.log_metrics and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
             values = {
                 "static_dist/graph_breaks": float(len(report.graph_breaks)),
@@ -186,4 +255,4 @@ class GraphReport(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         report = self._report(trainer)
         if report is not None and self.print_summary and len(report.recompiles) != self._printed_recompiles:
-            rank_zero_info(f"static_dist compile report (end of training):\n{report.summary()}")
+            say(trainer, f"static_dist compile report (end of training):\n{report.summary()}")

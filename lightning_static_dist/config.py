@@ -132,7 +132,9 @@ def section_from_dict(cls: type[_Section], data: Any, key: Optional[str] = None)
     names = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
     for name in data:
         if name not in names:
-            raise ConfigError(f"{key}.{name}: unknown key; allowed: {_field_names(cls)}")
+            close = difflib.get_close_matches(str(name), sorted(names), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"{key}.{name}: unknown key; {hint}allowed: {_field_names(cls)}")
     return cls(**dict(data))
 
 
@@ -637,7 +639,7 @@ class RunConfig:
                 _fail(f"trainer.{name}", trainer[name], f"not allowed here: {why}")
         check_kwargs_against("trainer", Trainer, trainer, exclude=tuple(_RESERVED_TRAINER_KEYS))
         _check_trainer_ranges(trainer)
-        return cls(
+        run = cls(
             seed=seed,
             model=ComponentConfig.from_dict("model", data.get("model"), DEFAULT_MODEL),
             data=ComponentConfig.from_dict("data", data.get("data"), DEFAULT_DATA),
@@ -645,6 +647,11 @@ class RunConfig:
             strategy=section_from_dict(StrategyConfig, data.get("strategy")),
             callbacks=_callbacks_from_dict(data.get("callbacks")),
         )
+        guard = run.callbacks.get("compression_guard")
+        if guard is not None and guard.enabled and run.strategy.compression.name == "none":
+            _fail("callbacks.compression_guard.enabled", True, "the guard steps a compressor down and"
+                  " strategy.compression.name is 'none'; allowed: false, or a compressor")
+        return run
 
 
 def _check_trainer_ranges(trainer: Mapping[str, Any]) -> None:

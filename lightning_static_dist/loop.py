@@ -67,7 +67,7 @@ def host_group(timeout: Optional[timedelta] = None) -> Optional[dist.ProcessGrou
     strategy's collective ``timeout``. Collective: every rank calls it at the same point. ``None`` with a warning
     when no Gloo group can be made here (if that happens on some ranks only, they disagree on the loop: the job
     then stops at the first step's broadcast, as a rank that cannot reach the others would anyway)."""
-    if dist.get_backend() == "gloo":
+    if "gloo" in dist.get_backend():  # "gloo", or "cpu:gloo,cuda:nccl": CPU tensors already go through Gloo
         return dist.group.WORLD
     try:
         return dist.new_group(backend="gloo", timeout=timeout)

@@ -65,6 +65,7 @@ from lightning_static_dist.checkpoint import (
 )
 from lightning_static_dist.compile import (
     CompileReport,
+    allow_compiled_models_in_trainer,
     compile_optimizer_step,
     compile_regions,
     drop_short_last_batch,
@@ -74,6 +75,7 @@ from lightning_static_dist.compile import (
 )
 from lightning_static_dist.compression import CompressingReducer, build_compressor
 from lightning_static_dist.config import CompileConfig, ConfigError, StrategyConfig
+from lightning_static_dist.ddp_arguments import DDPArguments, check_process_group_backend, translate, yield_to
 from lightning_static_dist.embedding import EmbeddingSharder
 from lightning_static_dist.faults import diagnose, is_collective_failure, waiting_in
 from lightning_static_dist import loop as loop_patches
@@ -145,9 +147,20 @@ class StaticDistStrategy(ParallelStrategy):
         compression: ``strategy.compression`` (:class:`~lightning_static_dist.config.CompressionConfig`).
         embedding: ``strategy.embedding`` (:class:`~lightning_static_dist.config.EmbeddingConfig`).
         checkpoint: ``strategy.checkpoint`` (:class:`~lightning_static_dist.config.CheckpointConfig`).
-        timeout_s: timeout of every collective, in seconds.
-        process_group_backend: ``"nccl"``/``"gloo"``; by default NCCL on CUDA and Gloo on CPU.
+        timeout_s: timeout of every collective, in seconds (default 1800; or ``timeout``, DDP's ``timedelta``).
+        process_group_backend: a backend registered with ``torch.distributed`` (``"nccl"``, ``"gloo"``, ``"xccl"``
+            ...) or ``device:backend`` pairs (``"cpu:gloo,cuda:nccl"``), checked here; by default NCCL on CUDA and
+            Gloo on CPU.
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"``, ``"forkserver"``.
+        num_nodes: accepted for code written against older strategies; as with ``DDPStrategy``, Lightning sets the
+            strategy's ``num_nodes`` from ``Trainer(num_nodes=...)``, which is the value that counts.
+        timeout, find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb, broadcast_buffers,
+            ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper, model_averaging_period: Lightning ``DDPStrategy``'s
+            arguments, with DDP's meaning (``lightning_static_dist/ddp_arguments.py``): ``timeout`` and the two
+            bucket settings stand for ``timeout_s``, ``sync.bucket_mb`` and ``sync.broadcast_buffers``; the three
+            DDP switches are accepted with one line saying why they have nothing to do here; a communication hook or
+            model averaging is refused, naming what to use. Other ``DistributedDataParallel`` arguments
+            (``init_sync`` ...) are a ``TypeError`` naming them.
 
     Example::
 
@@ -174,9 +187,20 @@ class StaticDistStrategy(ParallelStrategy):
         compression: _Section = None,
         embedding: _Section = None,
         checkpoint: _Section = None,
-        timeout_s: float = 1800.0,
+        timeout_s: Optional[float] = None,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        num_nodes: int = 1,
+        timeout: Optional[timedelta] = None,
+        find_unused_parameters: Optional[bool] = None,
+        static_graph: Optional[bool] = None,
+        gradient_as_bucket_view: Optional[bool] = None,
+        bucket_cap_mb: Optional[float] = None,
+        broadcast_buffers: Optional[bool] = None,
+        ddp_comm_state: Any = None,
+        ddp_comm_hook: Any = None,
+        ddp_comm_wrapper: Any = None,
+        model_averaging_period: Optional[int] = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -185,19 +209,25 @@ class StaticDistStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        ddp = DDPArguments(timeout, find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb,
+                           broadcast_buffers, ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper, model_averaging_period)
+        sync, timeout_s, notes = translate(ddp, sync, timeout_s)
         self._config = StrategyConfig(
             compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding, checkpoint=checkpoint,
-            timeout_s=timeout_s,
+            timeout_s=1800.0 if timeout_s is None else timeout_s,
         )
         if start_method not in _START_METHODS:
             raise ConfigError(f"start_method={start_method!r}: allowed: {', '.join(map(repr, _START_METHODS))}")
-        if process_group_backend not in (None, "nccl", "gloo", "mpi", "ucc"):
-            raise ConfigError(
-                f"process_group_backend={process_group_backend!r}: allowed: None (auto), 'nccl', 'gloo', 'mpi', 'ucc'"
-            )
+        check_process_group_backend(process_group_backend)
+        if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
+            raise ConfigError(f"num_nodes={num_nodes!r}: must be an integer >= 1")
+        for note in notes:
+            rank_zero_info(note)
         self._start_method = start_method
         self._process_group_backend = process_group_backend
-        self._num_nodes = 1
+        self._num_nodes = num_nodes
+        # Lightning's compile check, widened for this strategy only (once per process; others keep the original)
+        allow_compiled_models_in_trainer()
         self._mesh: Optional[DeviceMesh] = None
         self._compression_resume: Optional[dict[str, Any]] = None
         self._embedding_sharder: Optional[EmbeddingSharder] = None
@@ -232,14 +262,20 @@ class StaticDistStrategy(ParallelStrategy):
 
     @classmethod
     def from_config(cls, config: StrategyConfig, **kwargs: Any) -> StaticDistStrategy:
-        """Build the strategy from a validated ``strategy`` block (``RunConfig.strategy``); ``kwargs`` go to ``__init__``.
+        """Build the strategy from a validated ``strategy`` block (``RunConfig.strategy``).
+
+        ``kwargs`` go to ``__init__`` and win over the block: a section or ``timeout_s`` replaces the block's, a DDP
+        argument (``timeout``, ``bucket_cap_mb``, ``broadcast_buffers``) the key it stands for. Two ``kwargs`` for
+        one key (``timeout`` and ``timeout_s``; ``bucket_cap_mb`` and ``sync={"bucket_mb": ...}``) are a
+        :class:`~lightning_static_dist.config.ConfigError` naming it.
 
         Example::
 
-            strategy = StaticDistStrategy.from_config(load_run_config("configs/charlm_cpu.yaml").strategy)
+            config = load_run_config("configs/charlm_cpu.yaml").strategy
+            strategy = StaticDistStrategy.from_config(config, timeout=timedelta(minutes=5), start_method="spawn")
         """
         sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-        return cls(**sections, **kwargs)
+        return cls(**{**yield_to(sections, kwargs), **kwargs})
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -277,6 +313,10 @@ class StaticDistStrategy(ParallelStrategy):
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
+        # Lightning's connector sets it from Trainer(num_nodes=...); a different constructor value would be lost silently
+        if num_nodes != self._num_nodes and self._num_nodes != 1:
+            rank_zero_warn(f"static_dist: num_nodes={self._num_nodes} given to the strategy is replaced by the Trainer's"
+                           f" num_nodes={num_nodes} (as with DDPStrategy: set it on the Trainer)")
         self._num_nodes = num_nodes
 
     @property
@@ -290,6 +330,10 @@ class StaticDistStrategy(ParallelStrategy):
 
     @property
     def process_group_backend(self) -> Optional[str]:
+        """The backend given, else the default for this rank's device (NCCL on CUDA, Gloo on CPU) once the devices are
+        known (``DDPStrategy``'s reads ``None`` until its process group starts)."""
+        if self._process_group_backend is None and self.parallel_devices:
+            return _get_default_process_group_backend_for_device(self.root_device)
         return self._process_group_backend
 
     @property
@@ -871,7 +915,7 @@ class StaticDistStrategy(ParallelStrategy):
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
-        if torch.distributed.get_backend() == "nccl":
+        if "nccl" in torch.distributed.get_backend() and self.root_device.type == "cuda":
             torch.distributed.barrier(device_ids=[self.root_device.index])
         else:
             torch.distributed.barrier()

@@ -85,7 +85,7 @@ def test_print_config_shows_the_merged_overrides(capsys: pytest.CaptureFixture[s
     assert printed["strategy"]["sync"]["bucket_mb"] == 10.0
     assert printed["model"]["class_path"] == "examples.charlm.CharGPT"
     assert printed["model"]["init_args"]["n_layer"] == 2
-    assert printed["callbacks"]["run_summary"] == {"enabled": True, "options": {"warmup_steps": 5}}
+    assert printed["callbacks"]["run_summary"] == {"enabled": True, "options": {"warmup_steps": 5, "print_every_n_steps": 25}}
 
 
 # ------------------------------------------------------------------------------------ lsd-report

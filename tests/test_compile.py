@@ -425,8 +425,8 @@ TOLERANCE = {"aot_eager": 1e-5, "inductor": 1e-4}
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode,backend", [("hooks", "aot_eager"), ("hooks", "inductor"), ("graph", "aot_eager"),
-                                          ("graph", "inductor")])
+@pytest.mark.parametrize("mode,backend", [pytest.param("hooks", "aot_eager", marks=pytest.mark.slow), ("hooks", "inductor"),
+                                          ("graph", "aot_eager"), pytest.param("graph", "inductor", marks=pytest.mark.slow)])
 def test_the_compiled_step_trains_to_lightning_ddp_weights(tmp_path: Any, mode: str, backend: str) -> None:
     # tied weights, an unused branch, accumulation over 2 micro-batches and blocks looped inside a nested forward;
     # hooks: the default compile (the whole step cut at the buckets); graph: the collectives inside the graph

@@ -7,6 +7,8 @@ types after ``lsd-train CONFIG.yaml``), small YAML files written to ``tmp_path``
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import functools
 import math
 from pathlib import Path
@@ -53,7 +55,10 @@ INVALID_OVERRIDES = [
     pytest.param(["strategy.fsdp.enabled=true"], "strategy.fsdp", "unknown key", id="unknown-strategy-section"),
     pytest.param(["strategy.compile.backnd=eager"], "strategy.compile.backnd", "unknown key", id="unknown-key-compile"),
     pytest.param(["strategy.mesh.dp_replicat=2"], "strategy.mesh.dp_replicat", "unknown key", id="unknown-key-mesh"),
-    pytest.param(["strategy.sync.bucket_mbb=10"], "strategy.sync.bucket_mbb", "unknown key", id="unknown-key-sync"),
+    pytest.param(["strategy.sync.bucket_mbb=10"], "strategy.sync.bucket_mbb", "did you mean 'bucket_mb'?",
+                 id="unknown-key-sync"),
+    pytest.param(["callbacks.compression_guard.enabled=true"], "callbacks.compression_guard.enabled",
+                 "strategy.compression.name is 'none'", id="guard-without-compression"),
     pytest.param(["strategy.compression.rnk=4"], "strategy.compression.rnk", "unknown key", id="unknown-key-compression"),
     pytest.param(["strategy.compression.name=topk", "strategy.compression.density=2"], "strategy.compression.density",
                  "=2.0", id="compression-density-above-one"),
@@ -181,7 +186,17 @@ INVALID_STRATEGY_KWARGS = [
     pytest.param({"timeout_s": "1h"}, "strategy.timeout_s", "'1h'", id="timeout-string"),
     pytest.param({"timeout_s": 0}, "strategy.timeout_s", "=0", id="timeout-zero"),
     pytest.param({"start_method": "thread"}, "start_method", "'thread'", id="start-method-unknown"),
-    pytest.param({"process_group_backend": "mpich"}, "process_group_backend", "'mpich'", id="backend-unknown"),
+    pytest.param({"process_group_backend": ""}, "process_group_backend", "''", id="backend-empty"),
+    pytest.param({"process_group_backend": "glooo"}, "process_group_backend", "'gloo', 'nccl'", id="backend-typo"),
+    pytest.param({"process_group_backend": "cpu:gloo,cuda:ncl"}, "process_group_backend", "'cpu:gloo,cuda:ncl'",
+                 id="backend-typo-in-a-pair"),
+    pytest.param({"num_nodes": 0}, "num_nodes", "=0", id="num-nodes-zero"),
+    pytest.param({"ddp_comm_hook": print}, "ddp_comm_hook", "DDP's reducer does not run", id="ddp-comm-hook"),
+    pytest.param({"model_averaging_period": 4}, "model_averaging_period", "=4", id="ddp-model-averaging"),
+    pytest.param({"timeout": timedelta(seconds=30), "timeout_s": 60}, "timeout", "given twice", id="timeout-twice"),
+    pytest.param({"timeout": 30}, "timeout", "timedelta", id="timeout-not-a-timedelta"),
+    pytest.param({"bucket_cap_mb": 5, "sync": {"bucket_mb": 10}}, "bucket_cap_mb", "given twice",
+                 id="ddp-bucket-cap-twice"),
 ]
 
 
@@ -256,7 +271,7 @@ def test_shipped_configs_load(path: str) -> None:
     assert cfg.strategy.mesh == MeshConfig(dp_replicate=-1, dp_shard=1)
     assert cfg.strategy.timeout_s == 600.0
     assert cfg.callbacks["run_summary"].enabled
-    assert cfg.callbacks["run_summary"].options == {"warmup_steps": 5}
+    assert cfg.callbacks["run_summary"].options == {"warmup_steps": 5, "print_every_n_steps": 25}
     assert "strategy" not in cfg.trainer and "callbacks" not in cfg.trainer
 
 
@@ -440,3 +455,55 @@ def test_random_yaml_files_validate_or_raise_one_line_config_error(tmp_path_fact
         load_run_config(str(path), [])
     except ConfigError as err:
         assert str(err) and "\n" not in str(err), f"{document!r} -> {str(err)!r}"
+
+
+# ------------------------------------------------------------------------------------ DDPStrategy's arguments
+
+
+@pytest.mark.parametrize("backend", ["gloo", "NCCL", "cpu:gloo,cuda:nccl"])
+def test_registered_process_group_backends_are_accepted(backend: str) -> None:
+    assert StaticDistStrategy(process_group_backend=backend)._process_group_backend == backend
+
+
+def test_any_mapping_is_a_sync_section_beside_ddps_bucket_arguments() -> None:
+    from types import MappingProxyType
+
+    strategy = StaticDistStrategy(sync=MappingProxyType({"first_bucket_mb": 2}), bucket_cap_mb=5,
+                                  broadcast_buffers=False)
+    assert (strategy.config.sync.first_bucket_mb, strategy.config.sync.bucket_mb) == (2.0, 5.0)
+    assert strategy.config.sync.broadcast_buffers is False
+
+
+def test_other_ddp_arguments_are_a_type_error_naming_them() -> None:
+    with pytest.raises(TypeError, match="init_sync"):
+        StaticDistStrategy(init_sync=False)
+
+
+def test_from_config_keyword_arguments_win_over_the_run_file() -> None:
+    config = load_run_config(CPU_CONFIG, ["strategy.sync.first_bucket_mb=2"]).strategy  # timeout_s 600, bucket_mb 25
+    strategy = StaticDistStrategy.from_config(config, timeout=timedelta(seconds=30), bucket_cap_mb=5,
+                                              start_method="spawn")
+    assert strategy.config.timeout_s == 30.0
+    assert (strategy.config.sync.bucket_mb, strategy.config.sync.first_bucket_mb) == (5.0, 2.0)  # the rest kept
+    assert strategy.config.compile == config.compile and strategy._start_method == "spawn"
+    assert StaticDistStrategy.from_config(config, timeout_s=60).config.timeout_s == 60.0
+    assert StaticDistStrategy.from_config(config, sync={"bucket_mb": 7}).config.sync.first_bucket_mb == 1.0
+    assert StaticDistStrategy.from_config(config).config == config
+
+
+@pytest.mark.parametrize(("kwargs", "key"), [
+    ({"timeout": timedelta(seconds=30), "timeout_s": 60}, "timeout"),
+    ({"bucket_cap_mb": 5, "sync": {"bucket_mb": 10}}, "bucket_cap_mb"),
+])
+def test_from_config_refuses_one_key_given_twice_in_its_arguments(kwargs: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        StaticDistStrategy.from_config(load_run_config(CPU_CONFIG).strategy, **kwargs)
+    assert_one_line_naming(excinfo.value, key, "given twice")
+
+
+def test_a_num_nodes_given_to_the_strategy_that_the_trainer_replaces_is_warned_about() -> None:
+    # as with DDPStrategy, Trainer(num_nodes=...) is the value that counts: a different one on the strategy is lost
+    import lightning as L
+
+    with pytest.warns(UserWarning, match="num_nodes=2 given to the strategy is replaced by the Trainer's num_nodes=1"):
+        L.Trainer(accelerator="cpu", devices=1, strategy=StaticDistStrategy(num_nodes=2), logger=False)

@@ -51,6 +51,7 @@ def test_a_killed_rank_stops_the_survivor_with_one_line(tmp_path: Any) -> None:
     assert seconds < 60
 
 
+@pytest.mark.slow  # waits out an 8 s collective timeout (the killed-rank cases stay in the default run)
 def test_a_rank_that_stops_participating_times_out_with_one_line(tmp_path: Any) -> None:
     code, err, seconds = lsd_train(tmp_path, "model.fault=hang", "model.fault_rank=1", "model.fault_step=3",
                                    "strategy.timeout_s=8")

@@ -58,7 +58,7 @@ def test_step_metrics_exact() -> None:
     assert m["overlap_ratio"] == pytest.approx(12 / 32)
     assert m["exposed_comm_ms"] == pytest.approx(3.0)
     assert m["trigger_delay_ms"] == pytest.approx(0.5)  # median of 0 and 1 ms
-    assert m["trigger_delay_max_ms"] == pytest.approx(1.0)
+    assert m["trigger_delay_worst_bucket_ms"] == pytest.approx(1.0)
     assert m["bytes_sent"] == 4000
     assert m["comm_start_frac"] == pytest.approx(0.25)  # first issue at 15 ms of backward 10-30 ms
 

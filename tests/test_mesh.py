@@ -113,7 +113,9 @@ def ddp4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("replicate", "shard"), [(2, 2), (1, 4), (4, 1)], ids=["2x2", "1x4", "4x1"])
+# 2 x 2 in the default run; the two degenerate meshes with `-m slow` (CI runs both)
+@pytest.mark.parametrize(("replicate", "shard"), [(2, 2), pytest.param(1, 4, marks=pytest.mark.slow),
+                                                  pytest.param(4, 1, marks=pytest.mark.slow)], ids=["2x2", "1x4", "4x1"])
 def test_meshes_train_to_ddp_weights_with_state_split_by_dp_shard(
     tmp_path: Any, ddp4: dict[str, torch.Tensor], replicate: int, shard: int
 ) -> None:
@@ -163,6 +165,7 @@ def test_sharded_checkpoint_two_ranks_resumes_on_four(tmp_path: Any) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # (its mirror, 2 -> 4 ranks, stays in the default run)
 def test_four_ranks_checkpoint_consolidated_at_end_resumes_on_two(tmp_path: Any) -> None:
     # 4 ranks (2 x 2) save at step 6, the last checkpoint is consolidated in place at the end of fit
     fit(str(tmp_path / "four"), 4, static(2, 2), steps=6, save_at=6)

@@ -39,6 +39,40 @@ def test_import_registers_the_strategy_names() -> None:
     assert lightning_static_dist.StaticDistStrategy is StaticDistStrategy
 
 
+_UNTOUCHED = """
+import lightning.pytorch.trainer.trainer as trainer_module
+original = trainer_module._verify_strategy_supports_compile
+import torch, lightning_static_dist
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy as Other
+assert trainer_module._verify_strategy_supports_compile is original, "the import alone changed Lightning"
+lightning_static_dist.StaticDistStrategy()
+assert trainer_module._verify_strategy_supports_compile is not original  # widened for static_dist
+model = BoringModel()
+model._compiler_ctx = {"compiler": "dynamo"}
+for strategy in (DDPStrategy(), Other()):
+    outcomes = []
+    for verify in (original, trainer_module._verify_strategy_supports_compile):
+        try:
+            verify(model, strategy)
+            outcomes.append("ok")
+        except Exception as err:
+            outcomes.append(f"{type(err).__name__}: {err}")
+    assert outcomes[0] == outcomes[1], outcomes
+    print(type(strategy).__name__, outcomes[0][:60])
+"""
+
+
+def test_importing_the_package_leaves_other_strategies_as_they_were() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _UNTOUCHED], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # ddp accepts a compiled model, a strategy Lightning refuses still refuses: as without the package
+    assert "DDPStrategy ok" in done.stdout and "ModelParallelStrategy RuntimeError" in done.stdout, done.stdout
+
+
 def test_lightning_cli_accepts_the_class_path() -> None:
     from lightning.pytorch.cli import LightningCLI
 
@@ -98,6 +132,7 @@ def fit(
     L.seed_everything(seed)
     model = make_model()
     callbacks = [RankReport(str(tmp_path))] if tmp_path is not None else []
+    callbacks += trainer_kwargs.pop("callbacks", [])
     kwargs = dict(
         accelerator="cpu",
         devices=2,
@@ -162,6 +197,35 @@ def test_lightning_demo_modules_end_with_the_weights_ddp_gives(make_model: Calla
     # and training did something
     untouched, _ = fit(make_model, static_dist(), max_steps=0)
     assert any(not torch.equal(ours[k], untouched[k]) for k in ours)
+
+
+class ProcessGroupTimeout(Callback):
+    """Each rank writes the timeout its default process group was given."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        group = torch.distributed.distributed_c10d._get_default_group()
+        seconds = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        with open(os.path.join(self.directory, f"timeout{trainer.global_rank}.json"), "w") as f:
+            json.dump({"timeout_s": seconds, "bucket_mb": trainer.strategy.config.sync.bucket_mb}, f)
+
+
+def test_ddps_keyword_arguments_carry_over(tmp_path: Any) -> None:
+    # the constructor of a DDPStrategy(...) the user already has: DDP's timeout reaches the process group, its
+    # bucket size the plan; find_unused_parameters is accepted (nothing to do: usage is found at the first step)
+    from datetime import timedelta
+
+    strategy = static_dist(timeout=timedelta(seconds=37), find_unused_parameters=True, process_group_backend="gloo",
+                           bucket_cap_mb=5)
+    assert strategy.config.timeout_s == 37.0 and strategy.config.sync.bucket_mb == 5.0
+    ours, _ = fit(DemoWithData, strategy, callbacks=[ProcessGroupTimeout(str(tmp_path))])
+    theirs, _ = fit(DemoWithData, ddp())
+    assert_same_weights(ours, theirs)
+    for rank in range(2):
+        with open(os.path.join(str(tmp_path), f"timeout{rank}.json")) as f:
+            assert json.load(f) == {"timeout_s": 37.0, "bucket_mb": 5.0}
 
 
 def _bf16_average(state: Any, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:

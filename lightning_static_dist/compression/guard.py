@@ -23,7 +23,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_static_dist.compression.base import Compressor
 from lightning_static_dist.sync.reducer import MeanAllReduce
@@ -75,6 +75,9 @@ class CompressionGuard(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._reducer(trainer) is None:
+            rank_zero_warn("CompressionGuard: the strategy compresses nothing (strategy.compression.name is 'none', or"
+                           " the world has one rank): the guard does nothing in this run")
         # a resumed run continues at the level it had reached (the strategy restored the compressor's state already)
         for _ in range(self._switches_to_replay):
             self._step_down(trainer)

@@ -110,7 +110,7 @@ def step_metrics(timeline: StepTimeline) -> dict[str, float]:
         "compute_ms": 1e3 * comp_s,
         "exposed_comm_ms": 1e3 * (comm_s - both),
         "trigger_delay_ms": 1e3 * _percentile(delays, 0.5) if delays else 0.0,
-        "trigger_delay_max_ms": 1e3 * max(delays) if delays else 0.0,
+        "trigger_delay_worst_bucket_ms": 1e3 * max(delays) if delays else 0.0,
         "bytes_sent": float(sent),
         "comm_start_frac": start_frac,
         "embed_gather_ms": timeline.extra.get("embed_gather_ms", nan),

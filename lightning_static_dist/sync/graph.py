@@ -86,7 +86,8 @@ class GraphGradientSync:
         group = group if group is not None else dist.group.WORLD
         self._group_name: str = group.group_name  # a string: what the functional collectives (and dynamo) take
         self._world = dist.get_world_size(group)
-        self._native_avg = supports_avg(group)
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self._native_avg = supports_avg(group, device)
         self._reduce_dtype = reduce_dtype
         self._swapped: list[tuple[nn.Module, type]] = []
         self._classes: dict[tuple[type, tuple[str, ...]], type] = {}

@@ -85,7 +85,7 @@ class MeanAllReduce:
         world = dist.get_world_size(group)
         if world == 1:
             return _PendingWork(None, flat)
-        if supports_avg(group):
+        if supports_avg(group, flat.device):
             return _PendingWork(dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group, async_op=True), flat)
         flat.div_(world)
         return _PendingWork(dist.all_reduce(flat, group=group, async_op=True), flat)
@@ -94,9 +94,10 @@ class MeanAllReduce:
         return flat.numel() * flat.element_size()
 
 
-def supports_avg(group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether the group's backend averages natively (``ReduceOp.AVG``): NCCL does, Gloo does not."""
-    return dist.get_backend(group) == "nccl"
+def supports_avg(group: Optional[dist.ProcessGroup], device: torch.device) -> bool:
+    """Whether the group averages tensors on ``device`` natively (``ReduceOp.AVG``): NCCL (CUDA tensors) does, Gloo
+    does not ("cpu:gloo,cuda:nccl" sends CPU tensors through Gloo)."""
+    return device.type == "cuda" and "nccl" in dist.get_backend(group)
 
 
 def all_reduce_sum(values: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:

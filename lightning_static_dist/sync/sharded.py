@@ -167,7 +167,7 @@ class ShardedMean:
         # done (a local, timing-dependent decision) cannot deadlock. NCCL warns that collectives on several
         # communicators must be issued in the same order on every rank: there they are all issued at the end of
         # backward, in bucket order (the reduce-scatters still overlap backward).
-        self._poll_replicas = self.replicate_group is not None and dist.get_backend(self.replicate_group) != "nccl"
+        self._poll_replicas = self.replicate_group is not None and "nccl" not in dist.get_backend(self.replicate_group)
         self._in_flight: list[_ShardPending] = []
 
     def launch(self, bucket: GradBucket, flat: Tensor, group: Optional[dist.ProcessGroup]) -> _ShardPending:

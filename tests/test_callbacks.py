@@ -1,0 +1,74 @@
+"""``RunSummary``'s console output as a user sees it: one Trainer in this process, no process group.
+
+Progress lines once per optimizer step, timed per optimizer step; the end-of-run table whether or not a progress bar
+ran (its bar is closed by then); nothing printed when Lightning's messages are silenced.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import lightning as L
+import pytest
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning_static_dist import callbacks
+from lightning_static_dist.callbacks import RunSummary
+
+
+class TickingClock:
+    """``time`` for the callbacks module: each ``perf_counter()`` call is 5 ms after the previous one, so a
+    micro-batch (one call at its start, one at its end) takes exactly 5 ms."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 0.005
+        return self.now
+
+
+def fit(tmp_path: Any, progress_bar: bool, **trainer_kwargs: Any) -> None:
+    L.seed_everything(0)
+    summary = RunSummary(warmup_steps=0, print_every_n_steps=2)
+    # a bar listed first closes in its on_train_end before the summary prints its table in its own
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+        enable_model_summary=False, enable_progress_bar=progress_bar, limit_val_batches=0,
+        default_root_dir=str(tmp_path), callbacks=[TQDMProgressBar(), summary] if progress_bar else [summary],
+        **trainer_kwargs,
+    )
+    trainer.fit(BoringModel())
+
+
+@pytest.mark.parametrize("progress_bar", [False, True], ids=["plain", "tqdm"])
+def test_progress_lines_once_per_optimizer_step_under_accumulation(
+    tmp_path: Any, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch, progress_bar: bool,
+) -> None:
+    monkeypatch.setattr(callbacks, "time", TickingClock())
+    fit(tmp_path, progress_bar, accumulate_grad_batches=2)
+    out = "".join(capfd.readouterr()) + caplog.text  # above a TQDM bar: its stream; else Lightning's INFO log
+    lines = re.findall(r"step \d+/4  .*? tokens/s", out)
+    # 8 micro-batches, 4 optimizer steps of 2 x 5 ms each: a line at steps 2 and 4, each printed once
+    assert [line.split("  ")[0] for line in lines] == ["step 2/4", "step 4/4"], out
+    assert all("10.0 ms/step" in line for line in lines), lines
+    # the table printed in on_train_end, after the progress bar's own on_train_end closed its bar
+    assert "lightning-static-dist run summary" in out, out
+
+
+def test_nothing_is_printed_when_lightnings_messages_are_silenced(
+    tmp_path: Any, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    lightning_log = logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
+    lightning_log.setLevel(logging.WARNING)  # setLevel, not the attribute: it clears the loggers' level caches
+    try:
+        fit(tmp_path, progress_bar=True)  # the progress lines would go through the open bar
+    finally:
+        lightning_log.setLevel(level)
+    out = "".join(capfd.readouterr()) + caplog.text
+    assert "step 2/4" not in out and "run summary" not in out, out
