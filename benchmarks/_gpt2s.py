@@ -12,6 +12,7 @@ Imported by benchmark *workers* only (it imports torch and Lightning at the top)
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from typing import Any, Optional
@@ -171,11 +172,14 @@ class StepTimer(L.Callback):
     host-side work (a framework's loop, a host read inside the step) costs only what it really costs.
     """
 
-    def __init__(self, cuda: bool, window: int = 1, warmup: int = 0) -> None:
+    def __init__(self, cuda: bool, window: int = 1, warmup: int = 0, profile: Optional[tuple[str, int]] = None) -> None:
         self._cuda = cuda
         self._window = window
         self._warmup = warmup
         self._done = 0
+        self._profile = profile
+        """(trace path prefix, n): torch.profiler over the last n warmup steps (untimed), one Chrome trace per rank."""
+        self._profiler: Optional[torch.profiler.profile] = None
         self.starts: list[float] = []
         self.ends: list[float] = []
         self.marks: list[tuple[int, float]] = []
@@ -188,6 +192,10 @@ class StepTimer(L.Callback):
 
     def start(self) -> None:
         """A step begins (a hand-written loop calls this; a Trainer through the hook below)."""
+        if self._profile is not None and self._done == self._warmup - self._profile[1]:
+            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self._cuda else [])
+            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler.start()
         if self._window == 1:
             self._sync()
             self.starts.append(time.perf_counter())
@@ -195,6 +203,12 @@ class StepTimer(L.Callback):
     def end(self, loss: torch.Tensor) -> None:
         self._done += 1
         self.last_loss = loss.detach()
+        if self._profiler is not None and self._done == self._warmup:
+            self._sync()
+            self._profiler.stop()
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", "0"))
+            self._profiler.export_chrome_trace(f"{self._profile[0]}-rank{rank}.json.gz")
+            self._profiler = None
         if self._window == 1:
             self._sync()
             self.ends.append(time.perf_counter())

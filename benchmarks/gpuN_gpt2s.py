@@ -18,6 +18,7 @@ started the way its users start one, run once per round, interleaved (A B C, A B
     static_dist_blocks    compile.regional true: the blocks compiled one by one (the default before 0.3)
     static_dist_whole     compile.regional false: the whole step, uncut (every gradient ready at the end)
     static_dist_bf16      sync.reduce_dtype bf16
+    static_dist_bN        sync.bucket_mb N (25, 50, 100, 200): the bucket sweep (each bucket is a piece of the graph)
     static_dist_cbf16     compression bf16 (the phased compressor path)
     static_dist_powersgd  compression powersgd, rank 4
     static_dist_embed     embedding.shard true (the 50304 x 768 tied table sharded over the ranks)
@@ -86,6 +87,10 @@ CONTENDERS: dict[str, Optional[dict[str, Any]]] = {
     "static_dist_blocks": {"compile": {"regional": True}},
     "static_dist_whole": {"compile": {"regional": False}},
     "static_dist_bf16": {"sync": {"reduce_dtype": "bf16"}},
+    "static_dist_b25": {"sync": {"bucket_mb": 25.0}},
+    "static_dist_b50": {"sync": {"bucket_mb": 50.0}},
+    "static_dist_b100": {"sync": {"bucket_mb": 100.0}},
+    "static_dist_b200": {"sync": {"bucket_mb": 200.0}},
     "static_dist_cbf16": {"compression": {"name": "bf16"}},
     "static_dist_powersgd": {"compression": {"name": "powersgd", "rank": 4}},
     "static_dist_embed": {"embedding": {"shard": True}},
@@ -117,7 +122,8 @@ def worker(name: str, args: argparse.Namespace) -> None:
         torch.cuda.set_device(device)
     torch.set_float32_matmul_precision("high")
     model = new_nanogpt(cfg)
-    timer = StepTimer(cuda, window=args.window, warmup=args.warmup)
+    profile = (os.path.join(args.out_dir, f"profile-{name}-{args.gpus}gpu"), args.profile_steps) if args.profile_steps else None
+    timer = StepTimer(cuda, window=args.window, warmup=args.warmup, profile=profile)
     batches = loader(cfg, total, device, seed=1234 + local_rank)
     if name in PLAIN:
         rank, world, extra = _plain_loop(name, model, batches, timer, device, cuda)
@@ -222,7 +228,7 @@ def run_one(name: str, gpus: int, args: argparse.Namespace, cache_dir: str, prof
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--gpus", str(gpus), "--out", out,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--window", str(args.window),
-               "--tail", str(args.tail)]
+               "--tail", str(args.tail), "--out-dir", args.out_dir, "--profile-steps", str(args.profile_steps)]
         if name in PLAIN:  # a hand-written script is started by torchrun, one process per GPU
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] + cmd[1:]
         cmd += ["--tiny"] if args.tiny else []
@@ -354,6 +360,9 @@ def main() -> None:
     parser.add_argument("--one-gpu", default="", help="comma list also run on 1 GPU (after the N-GPU jobs); empty: none")
     parser.add_argument("--cache-dir", help="inductor/Triton cache shared by the jobs (default: a temporary one)")
     parser.add_argument("--trace", action="store_true", help="profile one static_dist job and check it against HTA")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="diagnosis: torch.profiler over each job's last N warmup steps (untimed), Chrome traces "
+                             "profile-<contender>-<N>gpu-rank<R>.json.gz in --out-dir")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized smoke test: tiny model, Gloo ranks, no MFU")
     parser.add_argument("--worker-timeout", type=float, default=300.0, help="seconds before a job counts as failed")
     parser.add_argument("--budget-s", type=float, default=None,
@@ -369,6 +378,8 @@ def main() -> None:
     args.window = args.window if args.window is not None else (2 if args.tiny else 10)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 12)
     args.tail = args.tail if args.tail is not None else (2 if args.tiny else 6)
+    if not 0 <= args.profile_steps < args.warmup:
+        parser.error(f"--profile-steps {args.profile_steps}: 0 (off) up to --warmup - 1 ({args.warmup - 1})")
     if args.steps % args.window:
         parser.error(f"--steps {args.steps} must be a multiple of --window {args.window}")
     if args.worker:
@@ -410,7 +421,8 @@ def main() -> None:
                      "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None},
         "command": "python benchmarks/gpuN_gpt2s.py " + " ".join(map(shlex.quote, sys.argv[1:])),
         "config": {**({"tiny": True} if args.tiny else {}), "steps": args.steps, "window": args.window,
-                   "warmup": args.warmup, "monitored_tail_steps": args.tail, "static_dist_compile": STATIC_COMPILE,
+                   "warmup": args.warmup, "monitored_tail_steps": args.tail,
+                   **({"profiled_warmup_steps": args.profile_steps} if args.profile_steps else {}), "static_dist_compile": STATIC_COMPILE,
                    "contenders": {c: strategy_sections(c) if CONTENDERS[c] is not None else
                                   ("DDPStrategy()" if c in LIGHTNING_DDP else "plain loop (torchrun)")
                                   for c in dict.fromkeys(at_one + at_n)},

@@ -543,7 +543,7 @@ def is_compiled(module: nn.Module) -> bool:
 
 # ------------------------------------------------------------------------------- the inductor_distributed backend
 
-def graph_mode_patches(first_bucket_mb: float = 1.0, bucket_mb: float = 25.0) -> dict[str, Any]:
+def graph_mode_patches(first_bucket_mb: float = 1.0, bucket_mb: float = 100.0) -> dict[str, Any]:
     """Inductor settings that make it communication-aware, each only where this torch version has it: bucket the
     traced all-reduces (the first bucket ``first_bucket_mb``, later ones ``bucket_mb``: inductor's default is one
     2 GB bucket, issued after the whole backward) and reorder collectives against compute (waits sunk, collectives

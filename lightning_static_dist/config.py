@@ -272,7 +272,7 @@ class SyncConfig:
     """The dtype gradients are averaged in, like FSDP2's ``MixedPrecisionPolicy(reduce_dtype=...)``: ``fp32`` (their
     own dtype, exact) or ``bf16`` (half the bytes: one cast into a persistent bf16 bucket, one all-reduce, one copy
     back; the sum is rounded to bf16). Not a compressor: no error feedback, no phases."""
-    bucket_mb: float = 25.0
+    bucket_mb: float = 100.0
     """Capacity of each bucket after the first, in MiB."""
     first_bucket_mb: float = 1.0
     """Capacity of the first bucket, in MiB: small, so the first collective starts early in backward."""

@@ -317,7 +317,7 @@ def test_omitted_sections_take_their_defaults(tmp_path: Path) -> None:
     assert cfg.data.class_path == DEFAULT_DATA and cfg.data.init_args == {}
     assert cfg.trainer == {} and cfg.callbacks == {}
     assert cfg.strategy == StrategyConfig()
-    assert cfg.strategy.sync == SyncConfig(mode="hooks", bucket_mb=25.0, first_bucket_mb=1.0, broadcast_buffers=True)
+    assert cfg.strategy.sync == SyncConfig(mode="hooks", bucket_mb=100.0, first_bucket_mb=1.0, broadcast_buffers=True)
     assert StaticDistStrategy()._config == StrategyConfig()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -197,21 +198,28 @@ def test_two_gpus_bf16_reduce_dtype_matches_ddps_bf16_hook_over_nccl() -> None:
 
 
 class CudaSyncs(L.Callback):
-    """Counts the CUDA synchronisations the host makes during one steady step (``torch.cuda.set_sync_debug_mode``),
-    by the file of the Python frame that made each; rank 0 prints them and writes them to ``path``."""
+    """Counts the CUDA synchronisations the host makes during one steady step (``torch.cuda.set_sync_debug_mode``).
+    Each is named by its caller: the innermost frame of the stack outside torch (the code that asked torch for a
+    value or a wait); rank 0 prints each with its last frames and writes the callers to ``path``."""
 
     def __init__(self, path: str, step: int = 4) -> None:
         self.path, self.step = path, step
         self._catcher: Any = None
-        self._seen: list[Any] = []
+        self._seen: list[list[str]] = []
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.step and self._catcher is None:
+            import traceback
             import warnings
 
-            self._catcher = warnings.catch_warnings(record=True)
-            self._seen = self._catcher.__enter__()
+            def seen(message: Any, *_: Any, **__: Any) -> None:
+                if "synchroniz" in str(message):
+                    self._seen.append([f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]])
+
+            self._catcher = warnings.catch_warnings()
+            self._catcher.__enter__()
             warnings.simplefilter("always")
+            warnings.showwarning = seen
             torch.cuda.set_sync_debug_mode("warn")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -221,13 +229,19 @@ class CudaSyncs(L.Callback):
         torch.cuda.set_sync_debug_mode(0)
         self._catcher.__exit__(None, None, None)
         self._catcher = None
-        syncs = [f"{w.filename}:{w.lineno}" for w in self._seen if "synchroniz" in str(w.message)]
+        torch_dir = os.path.dirname(torch.__file__)
+        stacks = [stack for stack in self._seen
+                  if not next((f for f in reversed(stack) if not f.startswith(torch_dir)), "").startswith(__file__)]
+        # (left out: the warning torch gives for this callback's own set_sync_debug_mode call)
+        callers = [next((f for f in reversed(stack) if not f.startswith(torch_dir)), "?") for stack in stacks]
         if trainer.is_global_zero:
             import json
 
-            print(f"CUDA syncs in one steady step ({type(trainer.strategy).__name__}): {len(syncs)} {syncs}")
+            print(f"CUDA syncs in one steady step ({type(trainer.strategy).__name__}): {len(callers)}")
+            for stack in stacks:
+                print("  " + "\n    ".join(stack[-8:]))
             with open(self.path, "w") as f:
-                json.dump(syncs, f)
+                json.dump(callers, f)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

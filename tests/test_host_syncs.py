@@ -143,7 +143,7 @@ def _sigterm_on_rank_zero(rank: int, world: int) -> str:
 
     trainer = Trainer()
     check = HostSigtermBroadcast(trainer, host_group())
-    for step in range(5):
+    for step in range(8):
         if rank == 0 and step == 2:
             trainer.received_sigterm = True
         try:
@@ -156,4 +156,5 @@ def _sigterm_on_rank_zero(rank: int, world: int) -> str:
 def test_a_sigterm_on_rank_zero_stops_every_rank_at_the_same_step() -> None:
     from _dist import run_ranks
 
-    assert run_ranks(_sigterm_on_rank_zero, 2) == ["stopped at step 2"] * 2
+    # the flag broadcast at step 2 is read two steps later, on every rank
+    assert run_ranks(_sigterm_on_rank_zero, 2) == ["stopped at step 4"] * 2

@@ -6,8 +6,9 @@ first); once the first backward has been observed, its real order (rank 0's, bro
 alike) is used, so a module registered late but run early — or the reverse — lands in the right bucket. DDP
 rebuilds its buckets after the first iteration for the same reason. The first bucket is kept small
 (``first_bucket_mb``, default 1 MiB) so communication starts as early in backward as possible; later buckets are
-larger (``bucket_mb``, default 25 MiB) so each collective's fixed latency is paid rarely. This is the policy
-DDP's reducer uses; here it is a plain function whose result every rank can print and compare.
+larger (``bucket_mb``: the strategy's default is 100 MiB, DDP's 25) so each collective's fixed latency is paid
+rarely. This is the policy DDP's reducer uses; here it is a plain function whose result every rank can print and
+compare.
 
 When the model is compiled as one graph cut into pieces at the gradient buckets (:mod:`~lightning_static_dist.graph_split`),
 each piece's backward is one autograd node: all of its parameters' gradients become ready together, when that node
