@@ -74,7 +74,16 @@ from lightning_static_dist.compile import (
     is_compiled,
 )
 from lightning_static_dist.compression import CompressingReducer, build_compressor
-from lightning_static_dist.config import CompileConfig, ConfigError, StrategyConfig
+from lightning_static_dist.config import (
+    CheckpointConfig,
+    CompileConfig,
+    CompressionConfig,
+    ConfigError,
+    EmbeddingConfig,
+    MeshConfig,
+    StrategyConfig,
+    SyncConfig,
+)
 from lightning_static_dist.ddp_arguments import DDPArguments, check_process_group_backend, translate, yield_to
 from lightning_static_dist.embedding import EmbeddingSharder
 from lightning_static_dist.faults import diagnose, is_collective_failure, waiting_in
@@ -128,7 +137,6 @@ _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 #: stepping flat chunks of the parameters would change their results (reduce_scatter refuses them).
 _NOT_ELEMENTWISE = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafactor", "SparseAdam")
                          if hasattr(torch.optim, name))
-_Section = Union[dict[str, Any], Any, None]  # a dict or that section's dataclass (typed per keyword below)
 
 
 class StaticDistStrategy(ParallelStrategy):
@@ -181,12 +189,12 @@ class StaticDistStrategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         *,
-        compile: _Section = None,
-        mesh: _Section = None,
-        sync: _Section = None,
-        compression: _Section = None,
-        embedding: _Section = None,
-        checkpoint: _Section = None,
+        compile: Union[CompileConfig, dict[str, Any], None] = None,
+        mesh: Union[MeshConfig, dict[str, Any], None] = None,
+        sync: Union[SyncConfig, dict[str, Any], None] = None,
+        compression: Union[CompressionConfig, dict[str, Any], None] = None,
+        embedding: Union[EmbeddingConfig, dict[str, Any], None] = None,
+        checkpoint: Union[CheckpointConfig, dict[str, Any], None] = None,
         timeout_s: Optional[float] = None,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
