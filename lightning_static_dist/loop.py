@@ -6,9 +6,10 @@ a tensor made on the device, ``broadcast``, ``.item()``). On NCCL that read wait
 queued before it — the whole previous step — so the host loses its lead at every step, and the GPU idles while the
 host runs Lightning's loop and launches the next forward. :class:`HostSigtermBroadcast` takes its place on the
 strategy's trainer: the same flag, broadcast from the same rank at the same point of the step and acted on the same
-way, but as a CPU tensor over a Gloo group, asynchronously, and read two steps later: the host waits neither for a
-GPU nor for the other ranks' hosts. A SIGTERM stops every rank at the same step, two steps later than Lightning's
-``ddp`` would.
+way, but as a CPU tensor over a Gloo group: the host waits for the other ranks' hosts, never for a GPU. (A lagged
+read, ``lag > 0``, would also spare that host barrier, but Lightning checks each rank's own ``received_sigterm`` at
+the end of every batch, so rank 0 would stop ``lag`` steps before the others: ``lag`` stays 0 until the strategy
+also holds back that local check.)
 
 Not changed: Lightning's SIGTERM *handler* (``_SignalConnector._sigterm_notifier_fn``) also broadcasts over the
 default group, from whichever rank the signal reaches, at whatever point of the step it arrives. That broadcast
@@ -39,13 +40,11 @@ _PATCHED = "_broadcast_sigterm_tensor"
 
 
 class HostSigtermBroadcast:
-    """Rank 0's SIGTERM flag, broadcast host to host every step; every rank stops together, ``lag`` steps after the
-    step whose broadcast first carried it.
+    """Rank 0's SIGTERM flag, broadcast host to host every step; every rank stops together (``lag=0``, the default).
 
     Each step starts an asynchronous broadcast of rank 0's flag and reads the one started ``lag`` steps earlier,
-    which the other ranks have long since joined: the host never waits for the other ranks' hosts either (a
-    broadcast read in the same step is a host barrier, and a host that waits there stops feeding its GPU). Every
-    rank reads the same broadcasts at the same steps, so all of them stop at the same step, as with Lightning's.
+    which the other ranks have long since joined (a broadcast read in the same step is a host barrier). Not safe with
+    Lightning's loop for ``lag > 0``: each rank also checks its own flag at the end of every batch (see the module).
 
     Example::
 
@@ -54,7 +53,7 @@ class HostSigtermBroadcast:
         check.drain()    # at the end of the loop: waits for the broadcasts still in flight
     """
 
-    def __init__(self, trainer: Any, group: Optional[dist.ProcessGroup], lag: int = 2) -> None:
+    def __init__(self, trainer: Any, group: Optional[dist.ProcessGroup], lag: int = 0) -> None:
         self._trainer = trainer
         self._group = group
         self._src = dist.get_global_rank(group, 0) if group is not None else 0
@@ -72,8 +71,8 @@ class HostSigtermBroadcast:
         if oldest.item() == 1:  # a CPU tensor Gloo wrote: no device involved
             from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-            self.drain()
             with contextlib.suppress(Exception):
+                self.drain()
                 dist.barrier(group=self._group)  # as Lightning does: no rank left waiting in a collective
             raise SIGTERMException()
 
