@@ -22,6 +22,19 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning_static_dist.launcher import StaticDistSpawnLauncher
 
 
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                    "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+def fresh_job_env() -> dict[str, str]:
+    """os.environ without the launch variables, for a job started as a user starts it from a shell.
+
+    With LOCAL_RANK set, Lightning waits for ranks that someone else starts (torchrun's contract) instead of
+    starting them: a test run under a launcher, or a leak from an in-process test, would hang the job.
+    """
+    return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from _dist import fresh_job_env
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,11 +29,7 @@ def lsd_train(tmp: Any, *overrides: str, timeout: float = 120) -> tuple[int, str
     """Run the real console script; return (exit code, stderr, seconds)."""
     cmd = [os.path.join(os.path.dirname(sys.executable), "lsd-train"), os.path.join(ROOT, "configs", "charlm_cpu.yaml"),
            *TINY, f"trainer.default_root_dir={tmp}", *overrides]
-    # a fresh job, as a user starts it: earlier in-process tests leave LOCAL_RANK, MASTER_PORT ... in os.environ,
-    # and with LOCAL_RANK set Lightning would wait for ranks started by someone else (torchrun's contract)
-    launch_env = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
-                  "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
-    env = {k: v for k, v in os.environ.items() if k not in launch_env}
+    env = fresh_job_env()
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     return proc.returncode, proc.stderr, time.monotonic() - started

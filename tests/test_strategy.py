@@ -20,7 +20,7 @@ import lightning as L
 import lightning_static_dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from _dist import reference_ddp
+from _dist import fresh_job_env, reference_ddp
 from lightning_static_dist import StaticDistStrategy
 
 pytestmark = pytest.mark.multiprocess
@@ -124,7 +124,7 @@ def test_the_readme_lightning_cli_file_trains(tmp_path: Any) -> None:
         [sys.executable, "main.py", "fit", "--config", "conf/config.yaml", "--trainer.max_steps=3",
          "--trainer.strategy.compile.backend=aot_eager", "--trainer.logger=false",
          "--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=2"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, env=fresh_job_env())
     assert done.returncode == 0, done.stderr[-3000:]
     assert "TRAINED 2 3 100.0 fp32 True aot_eager 600.0 ['GraphReport', 'OverlapMonitor', 'RunSummary']" in done.stdout, done.stdout[-2000:]
 

@@ -1,0 +1,20 @@
+"""Each test starts from the environment pytest started with.
+
+Lightning writes launch variables (LOCAL_RANK, MASTER_PORT, WORLD_SIZE, PL_GLOBAL_SEED ...) into ``os.environ``
+while it sets up a job; left there, they change how the next test's Trainer, or a job it starts, launches.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _environment_as_pytest_found_it() -> Iterator[None]:
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
