@@ -18,6 +18,7 @@ import difflib
 import importlib
 import inspect
 import math
+import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -491,8 +492,33 @@ class StrategyConfig:
 # The run file.
 # --------------------------------------------------------------------------------------------------------------
 
-DEFAULT_MODEL = "examples.charlm.CharGPT"
-DEFAULT_DATA = "examples.charlm.CharDataModule"
+DEFAULT_MODEL = "lightning_static_dist.examples.charlm.CharGPT"
+DEFAULT_DATA = "lightning_static_dist.examples.charlm.CharDataModule"
+
+
+def shipped_configs_dir() -> str:
+    """Where the run files shipped with the package lie: inside an installed wheel, or a source checkout's configs/."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    installed = os.path.join(package, "configs")
+    return installed if os.path.isdir(installed) else os.path.join(os.path.dirname(package), "configs")
+
+
+def shipped_config_names() -> list[str]:
+    folder = shipped_configs_dir()
+    return sorted(f[: -len(".yaml")] for f in os.listdir(folder) if f.endswith(".yaml")) if os.path.isdir(folder) else []
+
+
+def resolve_config_path(name: str) -> str:
+    """A run file's path: ``name`` itself when it is a file, else the shipped config called ``name``
+    (``charlm_cpu`` or ``charlm_cpu.yaml``)."""
+    if os.path.isfile(name) or os.sep in name or "/" in name:
+        return name
+    shipped = os.path.join(shipped_configs_dir(), name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
+    if os.path.isfile(shipped):
+        return shipped
+    names = shipped_config_names()
+    raise ConfigError(f"config {name!r}: no such file, and no shipped config of that name;"
+                      f" shipped: {', '.join(names) or 'none'}")
 
 
 def import_object(key: str, class_path: str) -> Any:
@@ -547,7 +573,7 @@ class ComponentConfig:
     Example (YAML)::
 
         model:
-          class_path: examples.charlm.CharGPT
+          class_path: lightning_static_dist.examples.charlm.CharGPT
           n_layer: 4
     """
 
@@ -607,7 +633,7 @@ class RunConfig:
 
     Example::
 
-        cfg = load_run_config("configs/charlm_cpu.yaml", ["trainer.max_steps=50"])
+        cfg = load_run_config("charlm_cpu", ["trainer.max_steps=50"])  # a shipped config, or a file's path
     """
 
     seed: int = 1234
@@ -695,7 +721,8 @@ def _callbacks_from_dict(data: Any) -> dict[str, CallbackConfig]:
 
 
 def load_run_config(path: Optional[str], overrides: Sequence[str] = ()) -> RunConfig:
-    """Load a YAML run file, merge ``dotted.key=value`` overrides and validate the result.
+    """Load a YAML run file (a path, or the name of a shipped config: :func:`resolve_config_path`), merge
+    ``dotted.key=value`` overrides and validate the result.
 
     Raises:
         ConfigError: one line naming the key, the bad value and what is allowed.
@@ -703,6 +730,8 @@ def load_run_config(path: Optional[str], overrides: Sequence[str] = ()) -> RunCo
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    if path is not None:
+        path = resolve_config_path(path)
     try:
         base = OmegaConf.load(path) if path is not None else OmegaConf.create({})
     except FileNotFoundError:

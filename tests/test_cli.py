@@ -1,8 +1,9 @@
 """The console scripts as a user runs them: ``lsd-train`` (``python -m lightning_static_dist``) and ``lsd-report``.
 
 Bad configs must fail in seconds with exit code 2 and one ``lsd-train: error:`` line, before any process group
-exists. One end-to-end test trains a tiny model on 2 CPU ranks through the default ``popen`` launcher (Lightning
-re-runs the same command line for rank 1) and reads the run back with ``lsd-report``.
+exists. One end-to-end test installs the package as a user does (a wheel, not the checkout), trains a tiny model
+on 2 CPU ranks from a directory outside the checkout with a shipped config named by name, through the default
+``popen`` launcher (Lightning re-runs the same command line for rank 1), and reads the run back with ``lsd-report``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
+from _dist import fresh_job_env
 
 from lightning_static_dist.cli import report, train_main
+from lightning_static_dist.config import ConfigError, load_run_config, shipped_config_names
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_CONFIG = "configs/charlm_cpu.yaml"
@@ -25,9 +28,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def lsd_train(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    """``lsd-train ARGS`` from the repository root, where the configs' ``examples.charlm`` class paths resolve."""
+    """``lsd-train ARGS`` from the repository root."""
     return subprocess.run([sys.executable, "-m", "lightning_static_dist", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=fresh_job_env())
 
 
 def lsd_report(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -83,7 +86,7 @@ def test_print_config_shows_the_merged_overrides(capsys: pytest.CaptureFixture[s
     assert printed["trainer"]["max_steps"] == 7
     assert printed["trainer"]["devices"] == 2
     assert printed["strategy"]["sync"]["bucket_mb"] == 10.0
-    assert printed["model"]["class_path"] == "examples.charlm.CharGPT"
+    assert printed["model"]["class_path"] == "lightning_static_dist.examples.charlm.CharGPT"
     assert printed["model"]["init_args"]["n_layer"] == 2
     assert printed["callbacks"]["run_summary"] == {"enabled": True, "options": {"warmup_steps": 5, "print_every_n_steps": 25}}
 
@@ -193,15 +196,52 @@ def test_report_on_an_empty_dir_exits_2_with_a_clear_message(tmp_path: Path) -> 
 # ------------------------------------------------------------------------------------ end to end, 2 CPU ranks
 
 
+def test_a_shipped_config_is_found_by_name_and_a_wrong_name_lists_them() -> None:
+    assert shipped_config_names() == ["charlm_cpu", "charlm_gpu"]
+    by_name, by_path = load_run_config("charlm_cpu"), load_run_config(str(REPO / CPU_CONFIG))
+    assert by_name == by_path and by_name.model.class_path == "lightning_static_dist.examples.charlm.CharGPT"
+    with pytest.raises(ConfigError, match=r"^config 'charlm_cpux': no such file, and no shipped config of that name;"
+                                          r" shipped: charlm_cpu, charlm_gpu$"):
+        load_run_config("charlm_cpux")
+    with pytest.raises(ConfigError, match=r"^config file 'nowhere/charlm_cpu.yaml': no such file$"):
+        load_run_config("nowhere/charlm_cpu.yaml")
+
+
+@pytest.fixture(scope="module")
+def wheel_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package as ``pip install .`` (not editable) puts it: a wheel built from the checkout, installed into a
+    folder of its own (the dependencies are this venv's)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("wheel")
+    source = root / "source"  # what the build reads, copied: the build writes build/ and *.egg-info beside it
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "lightning_static_dist", "examples", "configs"):
+        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
+        copy(REPO / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(root / "dist"), str(source)],
+                   check=True, timeout=300, cwd=root)
+    (wheel,) = (root / "dist").glob("*.whl")
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(root / "site"), str(wheel)], check=True, timeout=300)
+    return root / "site"
+
+
 @pytest.mark.multiprocess
-def test_train_two_cpu_ranks_then_report(tmp_path: Path) -> None:
+def test_train_two_cpu_ranks_then_report(tmp_path: Path, wheel_install: Path) -> None:
+    # from a directory outside the checkout, with the wheel's copy of the package (its example model, its configs)
+    env = {**fresh_job_env(), "PYTHONPATH": str(wheel_install)}
+    where = subprocess.run([sys.executable, "-c", "import lightning_static_dist as m; print(m.__file__)"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert where.stdout.startswith(str(wheel_install)), where.stdout + where.stderr
     overrides = [
         "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32",
         "data.block_size=32", "data.batch_size=8", "data.max_bytes=200000",
         "trainer.max_steps=12", "trainer.val_check_interval=6", "trainer.limit_val_batches=2",
         f"trainer.default_root_dir={tmp_path}", "callbacks.run_summary.warmup_steps=2",
     ]
-    result = lsd_train(CPU_CONFIG, *overrides, timeout=240)
+    result = subprocess.run([str(wheel_install / "bin" / "lsd-train"), "charlm_cpu", *overrides], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=240)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in output  # rank 1 really ran

@@ -266,8 +266,8 @@ def test_class_path_to_a_non_callable_is_a_config_error() -> None:
 def test_shipped_configs_load(path: str) -> None:
     cfg = load_run_config(path)
     assert isinstance(cfg, RunConfig)
-    assert cfg.model.class_path == "examples.charlm.CharGPT"
-    assert cfg.data.class_path == "examples.charlm.CharDataModule"
+    assert cfg.model.class_path == "lightning_static_dist.examples.charlm.CharGPT"
+    assert cfg.data.class_path == "lightning_static_dist.examples.charlm.CharDataModule"
     assert cfg.strategy.mesh == MeshConfig(dp_replicate=-1, dp_shard=1)
     assert cfg.strategy.timeout_s == 600.0
     assert cfg.callbacks["run_summary"].enabled
