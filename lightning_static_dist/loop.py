@@ -5,23 +5,36 @@ flag over the training process group and reading it on the host (``_TrainingEpoc
 a tensor made on the device, ``broadcast``, ``.item()``). On NCCL that read waits for the GPU to finish everything
 queued before it — the whole previous step — so the host loses its lead at every step, and the GPU idles while the
 host runs Lightning's loop and launches the next forward. :class:`HostSigtermBroadcast` takes its place on the
-strategy's trainer: the same flag, broadcast from the same rank at the same point of the step and acted on the same
-way, but as a CPU tensor over a Gloo group — the host waits for the other ranks' hosts (they are in lockstep anyway),
-never for a GPU.
+strategy's trainer: the same flag, broadcast from the same rank and acted on the same way, but as a CPU tensor over
+a Gloo group, and read ``lag`` steps later (2 by default): each step starts an asynchronous broadcast and reads the
+one started ``lag`` steps earlier, which the other ranks have long since joined. No rank waits for a GPU, nor for
+the other ranks' hosts (a broadcast read in the step that starts it is a host barrier). Every rank reads the same
+round at the same step, so every rank stops at the same step: ``lag`` steps after rank 0 received SIGTERM.
 
-Not changed: Lightning's SIGTERM *handler* (``_SignalConnector._sigterm_notifier_fn``) also broadcasts over the
-default group, from whichever rank the signal reaches, at whatever point of the step it arrives. That broadcast
-used to meet the other ranks' loop broadcast when it arrived between steps; it now meets their next collective on
-the default group. (Arriving mid-step, it already met a gradient collective under Lightning's ``ddp``.) Not tested
-on NCCL.
+Lightning also checks each rank's *own* flag (``trainer.received_sigterm``) at the end of every batch, of every
+validation batch and of every epoch. Left alone, those checks would stop a rank that received the signal before the
+others read the broadcast, and the others would wait in their next collective. So, while installed, the trainer's
+signal connector answers ``received_sigterm`` with the flag the ranks agreed on (set when the broadcast carrying it
+is read, just before every rank raises ``SIGTERMException``); the signal handler's write is kept as this rank's own
+flag, which is what rank 0 broadcasts. Uninstalled, the connector reports this rank's own flag again.
 
-Private Lightning API: ``_TrainingEpochLoop._broadcast_sigterm_tensor``, replaced on this trainer's loop instance
-only, where it exists. Retire this module when Lightning's loop stops reading the flag through the device.
+Lightning's SIGTERM *handler* (``_SignalConnector._sigterm_notifier_fn``) also broadcasts over the default group,
+from whichever rank the signal reaches, at whatever point of the step it arrives: that broadcast pairs with whatever
+collective the other ranks issue next on that group. The connector's subclass keeps the handler's log line, its
+forwarding of the signal to the ranks its launcher started, and its flag, and leaves that broadcast out.
+
+Private Lightning API: ``_TrainingEpochLoop._broadcast_sigterm_tensor`` (replaced on this trainer's loop instance
+only, where it exists) and ``Trainer._signal_connector`` (its class swapped, on this trainer only, for a subclass
+whose ``received_sigterm`` is a property and whose ``_sigterm_notifier_fn`` does not broadcast; the handler is
+registered after the strategy's setup, so it is the subclass's). Retire this module when Lightning's loop stops reading the flag through
+the device.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import logging
 from datetime import timedelta
 from typing import Any, Optional
@@ -34,32 +47,101 @@ from lightning_static_dist.faults import waiting_in
 log = logging.getLogger(__name__)
 
 _PATCHED = "_broadcast_sigterm_tensor"
+#: steps between starting a flag's broadcast and reading it
+LAG = 2
+
+
+@functools.cache
+def _agreeing(connector_class: type) -> type:
+    """A subclass of Lightning's signal connector whose ``received_sigterm`` is the flag every rank agreed on."""
+
+    class AgreedSigterm(connector_class):  # type: ignore[valid-type, misc]
+        agrees_on_sigterm = True
+
+        @property
+        def received_sigterm(self) -> bool:
+            return self.__dict__.get("_agreed_sigterm", False)
+
+        @received_sigterm.setter
+        def received_sigterm(self, value: bool) -> None:  # the signal handler's write (False: Lightning's reset)
+            self.__dict__["own_sigterm"] = value
+            if not value:
+                self.__dict__["_agreed_sigterm"] = False
+
+        def _sigterm_notifier_fn(self, signum: Any, frame: Any) -> None:
+            # Lightning's handler without its broadcast over the default group: from a signal handler, at any point
+            # of the step, it would pair with whatever collective the other ranks issue next on that group (a
+            # gradient bucket, or one of these flag broadcasts); the per-step broadcast is how the ranks agree
+            log.info(f"[rank: {self.trainer.local_rank}] Received SIGTERM: {signum}")
+            if not self.__dict__.get("own_sigterm", False):
+                launcher = self.trainer.strategy.launcher
+                if launcher is not None:
+                    launcher.kill(signum)  # the ranks this process started get the signal too, as in Lightning
+            self.received_sigterm = True
+
+    AgreedSigterm.__name__ = AgreedSigterm.__qualname__ = f"AgreedSigterm{connector_class.__name__}"
+    return AgreedSigterm
 
 
 class HostSigtermBroadcast:
-    """Rank 0's SIGTERM flag, broadcast host to host every step; every rank stops together when it is set.
+    """Rank 0's SIGTERM flag, broadcast host to host every step and read ``lag`` steps later; every rank stops at the
+    same step.
 
     Example::
 
         check = HostSigtermBroadcast(trainer, group=dist.new_group(backend="gloo"))
-        check()          # raises Lightning's SIGTERMException on every rank once rank 0 received SIGTERM
+        check()          # raises Lightning's SIGTERMException on every rank, lag steps after rank 0 received SIGTERM
+        check.close()    # at the end of fit: waits for the broadcasts in flight, gives back the connector's flag
     """
 
-    def __init__(self, trainer: Any, group: Optional[dist.ProcessGroup]) -> None:
-        self._trainer = trainer
+    def __init__(self, trainer: Any, group: Optional[dist.ProcessGroup], lag: int = LAG) -> None:
         self._group = group
         self._src = dist.get_global_rank(group, 0) if group is not None else 0
+        self._lag = lag
+        self._in_flight: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
+        self._connector = trainer._signal_connector
+        self._connector_class = type(self._connector)
+        while getattr(self._connector_class, "agrees_on_sigterm", False):  # left installed by a fit that crashed
+            self._connector_class = self._connector_class.__mro__[1]
+        own = self._connector.__dict__.pop("received_sigterm", False)
+        self._connector.__class__ = _agreeing(self._connector_class)
+        self._connector.received_sigterm = own
 
     def __call__(self) -> None:
-        flag = torch.tensor([1 if getattr(self._trainer, "received_sigterm", False) else 0], dtype=torch.int32)
+        own = self._connector.__dict__.get("own_sigterm", False)
+        flag = torch.tensor([1 if own else 0], dtype=torch.int32)  # only rank 0's travels
+        self._in_flight.append((dist.broadcast(flag, src=self._src, group=self._group, async_op=True), flag))
+        if len(self._in_flight) <= self._lag:
+            return
+        work, oldest = self._in_flight.popleft()
         with waiting_in("the broadcast of rank 0's SIGTERM flag"):
-            dist.broadcast(flag, src=self._src, group=self._group)
-        if flag.item() == 1:  # a CPU tensor Gloo wrote: no device involved
+            work.wait()
+        if oldest.item() == 1:  # a CPU tensor Gloo wrote: no device involved
             from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+            self._connector.__dict__["_agreed_sigterm"] = True
             with contextlib.suppress(Exception):
+                self._drain()
                 dist.barrier(group=self._group)  # as Lightning does: no rank left waiting in a collective
             raise SIGTERMException()
+
+    def _drain(self) -> None:
+        while self._in_flight:
+            work, _ = self._in_flight.popleft()
+            with waiting_in("the broadcast of rank 0's SIGTERM flag"):
+                work.wait()
+
+    def close(self, drain: bool = True) -> None:
+        """Wait for the broadcasts in flight (every rank started the same ones; their flags are not acted on) and
+        put the connector back (``received_sigterm``: this rank's own flag again). ``drain=False`` after a failure:
+        a rank that stopped would never join them."""
+        if drain:
+            self._drain()
+        self._in_flight.clear()
+        own = self._connector.__dict__.pop("own_sigterm", False)
+        self._connector.__dict__.pop("_agreed_sigterm", None)
+        self._connector.__class__ = self._connector_class
+        self._connector.received_sigterm = own
 
 
 def host_group(timeout: Optional[timedelta] = None) -> Optional[dist.ProcessGroup]:
@@ -87,7 +169,8 @@ def install(trainer: Any, group: Optional[dist.ProcessGroup]) -> bool:
     return True
 
 
-def uninstall(trainer: Any) -> None:
+def uninstall(trainer: Any, drain: bool = True) -> None:
+    """Put Lightning's method and flag back (:meth:`HostSigtermBroadcast.close`)."""
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     if loop is not None and isinstance(loop.__dict__.get(_PATCHED), HostSigtermBroadcast):
-        delattr(loop, _PATCHED)
+        loop.__dict__.pop(_PATCHED).close(drain=drain)

@@ -979,7 +979,7 @@ class StaticDistStrategy(ParallelStrategy):
                 self._embedding_sharder.unshard()  # a usable model after fit (collective: every rank tears down)
             self._embedding_sharder = None
         if self._loop_patched is not None:
-            loop_patches.uninstall(self._loop_patched)
+            loop_patches.uninstall(self._loop_patched, drain=not self._failed)
             self._loop_patched = None
         self._failed = False
         self._buffers_to_broadcast = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -23,8 +24,9 @@ class _KillWhilePickled:
 
 class FaultyCharGPT(CharGPT):
     """``fault``: ``kill`` (SIGKILL itself), ``hang`` (stop participating, alive), ``nan`` (a NaN loss),
-    ``kill_in_save`` (SIGKILL while writing the checkpoint). ``save_every``: ``trainer.save_checkpoint`` to
-    ``<default_root_dir>/ckpt/last.ckpt`` every N steps."""
+    ``kill_in_save`` (SIGKILL while writing the checkpoint), ``sigterm`` (SIGTERM itself, as a scheduler would).
+    ``save_every``: ``trainer.save_checkpoint`` to ``<default_root_dir>/ckpt/last.ckpt`` every N steps. With a
+    fault, each rank prints each step it starts."""
 
     def __init__(self, fault: str = "none", fault_rank: int = 1, fault_step: int = 3, save_every: int = 0,
                  **kwargs: Any) -> None:
@@ -43,8 +45,12 @@ class FaultyCharGPT(CharGPT):
             checkpoint["poison"] = _KillWhilePickled()
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.fault != "none":
+            print(f"rank {self.global_rank} starts step {self.global_step}", file=sys.stderr, flush=True)
         if self._faulty_here("kill"):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self._faulty_here("sigterm"):
+            os.kill(os.getpid(), signal.SIGTERM)
         if self._faulty_here("hang"):
             time.sleep(3600)
         loss = super().training_step(batch, batch_idx)

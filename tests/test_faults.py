@@ -67,6 +67,22 @@ def test_killing_rank_zero_stops_rank_one_with_one_line(tmp_path: Any) -> None:
     assert seconds < 60
 
 
+@pytest.mark.parametrize("signalled", [0, 1])
+def test_a_sigterm_stops_every_rank_at_the_same_step_or_none(tmp_path: Any, signalled: int) -> None:
+    # rank 0's flag decides (Lightning's contract), read LAG steps after the broadcast that carries it: rank 0
+    # signalled at step 3 (its handler forwards the signal to rank 1, as Lightning's does) -> both start step 3 + LAG
+    # last and leave through Lightning's SIGTERMException (a SystemExit without a code: exit 0, as under ddp). Rank 1
+    # alone signalled: nobody stops (it used to stop alone at the end of its batch, leaving rank 0 in a collective)
+    from lightning_static_dist.loop import LAG
+
+    code, err, seconds = lsd_train(tmp_path, "model.fault=sigterm", f"model.fault_rank={signalled}", "model.fault_step=3")
+    last = {rank: max(int(line.rsplit(" ", 1)[1]) for line in err.splitlines() if line.startswith(f"rank {rank} starts step "))
+            for rank in (0, 1)}
+    assert code == 0, err[-2000:]
+    assert last == ({0: 3 + LAG, 1: 3 + LAG} if signalled == 0 else {0: 11, 1: 11}), last
+    assert seconds < 60
+
+
 @pytest.mark.parametrize("policy", ["skip", "error"])
 def test_a_nan_gradient_on_one_rank_is_skipped_or_named_on_every_rank(tmp_path: Any, policy: str) -> None:
     code, err, _ = lsd_train(tmp_path, "model.fault=nan", "model.fault_rank=1", "model.fault_step=3", "model.save_every=12",

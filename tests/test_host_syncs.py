@@ -133,27 +133,56 @@ def test_a_parameter_no_rank_uses_costs_one_blocking_usage_check_per_step(tmp_pa
                           "ours:GradientSynchronizer._reduce_usage_of_unplanned": 1}, counts
 
 
-def _sigterm_on_rank_zero(rank: int, world: int) -> str:
+def _sigterm_on_one_rank(rank: int, world: int, signalled: int) -> tuple[str, list[bool], bool]:
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lightning_static_dist.loop import HostSigtermBroadcast, host_group
+    from lightning_static_dist.loop import LAG, HostSigtermBroadcast, host_group
 
-    class Trainer:  # what the check reads of a trainer
-        received_sigterm = False
+    class Trainer:  # what the check and Lightning's own per-batch check read of a trainer
+        def __init__(self) -> None:
+            self._signal_connector = _SignalConnector(self)  # type: ignore[arg-type]
+
+        @property
+        def received_sigterm(self) -> bool:
+            return self._signal_connector.received_sigterm
 
     trainer = Trainer()
     check = HostSigtermBroadcast(trainer, host_group())
+    local_checks = []  # what Lightning's end-of-batch check of this rank's own flag saw at each step
+    stopped = "never stopped"
     for step in range(8):
-        if rank == 0 and step == 2:
-            trainer.received_sigterm = True
         try:
             check()
         except SIGTERMException:
-            return f"stopped at step {step}"
-    return "never stopped"
+            stopped = f"stopped at step {step} (lag {LAG})"
+            break
+        if rank == signalled and step == 2:
+            trainer._signal_connector.received_sigterm = True  # what Lightning's handler does
+        local_checks.append(trainer.received_sigterm)
+    check.close()
+    return stopped, local_checks, trainer.received_sigterm
 
 
 def test_a_sigterm_on_rank_zero_stops_every_rank_at_the_same_step() -> None:
+    # read LAG steps after the broadcast that carries it, started at the step after the signal; until then no rank's
+    # own check sees a flag (it would stop that rank alone); after the fit, the rank's own flag reads again
     from _dist import run_ranks
 
-    assert run_ranks(_sigterm_on_rank_zero, 2) == ["stopped at step 2"] * 2
+    from lightning_static_dist.loop import LAG
+
+    (r0, r1) = run_ranks(_sigterm_on_one_rank, 2, args=(0,))
+    assert r0[0] == r1[0] == f"stopped at step {3 + LAG} (lag {LAG})"
+    assert r0[1] == r1[1] == [False] * (3 + LAG)
+    assert (r0[2], r1[2]) == (True, False)
+
+
+def test_a_sigterm_on_another_rank_alone_stops_nobody() -> None:
+    # Lightning's contract: rank 0's flag decides; a rank that acted on its own flag alone would leave the others
+    # waiting in its next collective
+    from _dist import run_ranks
+
+    (r0, r1) = run_ranks(_sigterm_on_one_rank, 2, args=(1,))
+    assert r0[0] == r1[0] == "never stopped"
+    assert r0[1] == r1[1] == [False] * 8
+    assert (r0[2], r1[2]) == (False, True)
