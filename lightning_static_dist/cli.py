@@ -132,7 +132,8 @@ def read_metrics(path: str) -> dict[str, list[tuple[int, float]]]:
 
 
 def report(run_dir: str, plot: bool = True) -> str:
-    """The summary table of the newest run under ``run_dir``; writes ``<log_dir>/curves.png`` when ``plot``."""
+    """The summary table of the newest run under ``run_dir``; writes ``<log_dir>/curves.png`` when ``plot`` and then
+    names the constant series the picture lists instead of drawing (``lightning_static_dist/report_plot.py``)."""
     runs = find_run_dirs(run_dir)
     if not runs:
         raise FileNotFoundError(f"lsd-report: no metrics.csv under {run_dir!r}: is it a finished run's directory?")
@@ -155,29 +156,13 @@ def report(run_dir: str, plot: bool = True) -> str:
         with open(summary_path) as f:
             lines.append(format_summary(json.load(f)))
     if plot:
-        lines.append(f"plot: {plot_curves(series, os.path.join(log_dir, 'curves.png'))}")
+        from lightning_static_dist.report_plot import plot_curves
+
+        curves = plot_curves(series, os.path.join(log_dir, "curves.png"))
+        lines.append(f"plot: {curves.path}")
+        if curves.caption:
+            lines.append(curves.caption)
     return "\n".join(lines)
-
-
-def plot_curves(series: dict[str, list[tuple[int, float]]], path: str) -> str:
-    """One panel per logged metric against the step; returns the PNG's path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = sorted(series)
-    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * max(len(keys), 1)), squeeze=False)
-    for ax, key in zip(axes[:, 0], keys):
-        steps, values = zip(*series[key])
-        ax.plot(steps, values, marker="." if len(values) < 50 else None)
-        ax.set_ylabel(key, fontsize=8)
-        ax.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def report_main(argv: Optional[Sequence[str]] = None) -> None:
