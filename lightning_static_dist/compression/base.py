@@ -120,8 +120,10 @@ def averaged(grads: Sequence[Tensor], world: int, dtype: torch.dtype = torch.flo
 
 
 def all_reduce(tensor: Tensor) -> Collective:
-    """A sum all-reduce of ``tensor`` in place, to be issued on a group."""
-    return lambda group: dist.all_reduce(tensor, group=group, async_op=True)
+    """A sum all-reduce of ``tensor`` in place, to be issued on a group (``.kind``: what the cost model prices)."""
+    issue = lambda group: dist.all_reduce(tensor, group=group, async_op=True)  # noqa: E731
+    issue.kind = "all_reduce"  # type: ignore[attr-defined]
+    return issue
 
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single; older torch has only the former
@@ -130,7 +132,9 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 def all_gather(output: Tensor, tensor: Tensor) -> Collective:
     """Every rank's ``tensor`` concatenated into ``output`` (``world`` times its size), to be issued on a group."""
-    return lambda group: _all_gather_single(output, tensor, group=group, async_op=True)
+    issue = lambda group: _all_gather_single(output, tensor, group=group, async_op=True)  # noqa: E731
+    issue.kind = "all_gather"  # type: ignore[attr-defined]
+    return issue
 
 
 class PerParameterState:
