@@ -111,12 +111,41 @@ def scatter_into(flat: Tensor, grads: Sequence[Tensor]) -> None:
         offset += n
 
 
+def contiguous_span(grads: Sequence[Tensor]) -> Optional[Tensor]:
+    """One 1-D view covering ``grads`` when they lie one after the other in one storage (consecutive slots of a
+    bucket's flat buffer), all of one dtype; ``None`` otherwise."""
+    if not grads or any(g.dtype != grads[0].dtype or not g.is_contiguous() for g in grads):
+        return None
+    start = grads[0].storage_offset()
+    offset = start
+    for g in grads:
+        if g.untyped_storage().data_ptr() != grads[0].untyped_storage().data_ptr() or g.storage_offset() != offset:
+            return None
+        offset += g.numel()
+    return grads[0].as_strided((offset - start,), (1,), start)
+
+
 def averaged(grads: Sequence[Tensor], world: int, dtype: torch.dtype = torch.float32) -> Generator[Phase, None, None]:
     """One phase: ``grads`` divided by the world size (before the cast: a large world's sum stays in fp16's range),
-    sent as ``dtype``, summed, written back."""
-    flat = flat_float(grads).div_(world).to(dtype)
+    sent as ``dtype``, summed, written back.
+
+    Slots that lie one after the other in the bucket's buffer (a compressor that takes the whole bucket, or the
+    exact remainder at its end) are averaged where they are: one division in place (or into the ``dtype`` payload,
+    one kernel), and one copy back after a cast; no concatenation, no per-tensor scatter."""
+    span = contiguous_span(grads)
+    if span is None:
+        flat = flat_float(grads).div_(world).to(dtype)
+    elif span.dtype == dtype:
+        flat = span.div_(world)
+    else:
+        flat = torch.empty(span.numel(), dtype=dtype, device=span.device)
+        torch.div(span, world, out=flat)
     yield all_reduce(flat), flat.numel() * flat.element_size()
-    scatter_into(flat, grads)
+    if flat is not span:
+        if span is None:
+            scatter_into(flat, grads)
+        else:
+            span.copy_(flat)
 
 
 def all_reduce(tensor: Tensor) -> Collective:

@@ -12,7 +12,13 @@ bucket is restored from a snapshot taken before the step: residuals and warm-sta
 
 Ordering (see :mod:`.base`): phase 0 of every bucket goes on the data-parallel group in launch order; phase k >= 1
 on the reducer's k-th extra group, and a bucket issues its phase k only after every earlier bucket of the round
-issued its own. Timing differs between ranks; the order of each group's collectives does not.
+issued its own. Timing differs between ranks; the order of each group's collectives does not. Later phases go out
+when a bucket launches (each earlier bucket whose current phase has completed issues its next) and when the round
+is waited for: completion is checked at bucket boundaries, never from every gradient hook.
+
+Per bucket, besides the compressor's own work: the exact remainder (1-D gradients, usage flags) is averaged where it
+lies in the bucket's buffer when its slots are consecutive (no concatenation), and one pass checks the whole bucket
+for non-finite values (the verdict is read on the host once per round).
 """
 
 from __future__ import annotations
@@ -63,10 +69,12 @@ class PhasedReduction:
 
     def __init__(self, reducer: CompressingReducer, flat: Tensor, generators: Sequence[Generator[Phase, None, None]],
                  nbytes: int, compressed: Sequence[Tensor], snapshot: Any,
-                 reference: Optional[Sequence[Tensor]] = None) -> None:
+                 reference: Optional[Sequence[Tensor]] = None, gradients: Optional[Tensor] = None) -> None:
         self._reducer = reducer
         self._reference = reference
         self._flat = flat
+        self._gradients = flat if gradients is None else gradients
+        """The bucket's gradient slots (its flat buffer without the usage flags): checked finite in one pass."""
         self._compressed = compressed
         self._snapshot = snapshot
         self._checked = False
@@ -105,7 +113,7 @@ class PhasedReduction:
                     progress = True
         if block and not self._checked and all(stream.done for stream in self._streams):
             self._checked = True
-            finite = torch.stack([torch.isfinite(t).all() for t in self._compressed]).all()
+            finite = torch.isfinite(self._gradients).all()  # one pass over the bucket, not one per gradient
             if self._reference is None:
                 # read on the host once per round, at its end (round_finished): a read per bucket here would stall
                 # the host on the GPU bucket after bucket while it still has decompression and the step to queue
@@ -117,10 +125,6 @@ class PhasedReduction:
                 for exact, compressed in zip(self._reference, self._compressed):
                     self._reducer.error_sq[0] += float((compressed.float() - exact.float()).square().sum())
                     self._reducer.error_sq[1] += float(exact.float().square().sum())
-
-    def poll(self) -> None:
-        """Advance every reduction of this reducer still in flight (the synchroniser calls it once per hook)."""
-        self._reducer.poll()
 
     def wait(self) -> Tensor:
         # the synchroniser waits in bucket order, so every earlier bucket is done and nothing limits this one
@@ -205,9 +209,11 @@ class CompressingReducer:
             generators.insert(0, averaged(reference, world))
             nbytes += sum(r.numel() for r in reference) * 4
         reduction = PhasedReduction(self, flat, generators, nbytes, compressed, self.compressor.snapshot(keys),
-                                    reference)
+                                    reference, gradients=flat[: bucket.numel])
         self._chain.append(reduction)
-        self.poll()  # issues its phase 0 now, behind earlier buckets' (launch order)
+        # issues its phase 0 now, behind earlier buckets' (launch order), and the later phases of earlier buckets
+        # whose previous phase is done: completion is checked here, at bucket boundaries, not from every gradient hook
+        self.poll()
         return reduction
 
     def poll(self, until: Optional[PhasedReduction] = None) -> None:
