@@ -27,6 +27,7 @@ from lightning_static_dist.callbacks import GraphReport, RunSummary
 from lightning_static_dist.compile import CompileReport, inductor_distributed, register_inductor_distributed
 from lightning_static_dist.compression.guard import CompressionGuard
 from lightning_static_dist.overlap.monitor import OverlapMonitor
+from lightning_static_dist.fabric import StaticDistFabricStrategy
 from lightning_static_dist.strategy import StaticDistStrategy
 from lightning_static_dist.sync import GradientSynchronizer
 
@@ -45,6 +46,7 @@ __all__ = [
     "OverlapMonitor",
     "RunConfig",
     "RunSummary",
+    "StaticDistFabricStrategy",
     "StaticDistStrategy",
     "StrategyConfig",
     "inductor_distributed",

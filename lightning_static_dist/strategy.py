@@ -73,7 +73,7 @@ from lightning_static_dist.compile import (
     graph_mode_patches,
     is_compiled,
 )
-from lightning_static_dist.compression import CompressingReducer, build_compressor
+from lightning_static_dist.compression import CompressingReducer
 from lightning_static_dist.config import (
     CheckpointConfig,
     CompileConfig,
@@ -84,8 +84,16 @@ from lightning_static_dist.config import (
     StrategyConfig,
     SyncConfig,
 )
-from lightning_static_dist.ddp_arguments import DDPArguments, check_process_group_backend, translate, yield_to
+from lightning_static_dist.ddp_arguments import DDPArguments, strategy_config, yield_to
 from lightning_static_dist.embedding import EmbeddingSharder
+from lightning_static_dist.engine import (
+    COMPRESSION_KEY as _COMPRESSION_KEY,
+    build_synchronizer,
+    compressing_reducer_of,
+    gather_compression_state,
+    register_names,
+    restore_compression_state,
+)
 from lightning_static_dist.faults import diagnose, is_collective_failure, waiting_in
 from lightning_static_dist import loop as loop_patches
 from lightning_static_dist.launcher import StaticDistLauncher, StaticDistSpawnLauncher
@@ -127,11 +135,7 @@ def _destroy_process_groups_at_exit() -> None:
 
     atexit.register(destroy)
 
-#: Where a checkpoint keeps every rank's compression state (a list indexed by rank).
-_COMPRESSION_KEY = "static_dist_compression"
 _PIECES_KEY = "static_dist_optimizer_pieces"  # optimizer_state() in sharded-checkpoint mode: this rank's ranges
-
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 #: torch.optim optimizers whose update of an element depends on more than that element's own gradient and state:
 #: stepping flat chunks of the parameters would change their results (reduce_scatter refuses them).
@@ -219,14 +223,9 @@ class StaticDistStrategy(ParallelStrategy):
         )
         ddp = DDPArguments(timeout, find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb,
                            broadcast_buffers, ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper, model_averaging_period)
-        sync, timeout_s, notes = translate(ddp, sync, timeout_s)
-        self._config = StrategyConfig(
-            compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding, checkpoint=checkpoint,
-            timeout_s=1800.0 if timeout_s is None else timeout_s,
-        )
-        if start_method not in _START_METHODS:
-            raise ConfigError(f"start_method={start_method!r}: allowed: {', '.join(map(repr, _START_METHODS))}")
-        check_process_group_backend(process_group_backend)
+        sections = dict(compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding,
+                        checkpoint=checkpoint)
+        self._config, notes = strategy_config(ddp, sections, timeout_s, start_method, process_group_backend)
         if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
             raise ConfigError(f"num_nodes={num_nodes!r}: must be an integer >= 1")
         for note in notes:
@@ -528,20 +527,12 @@ class StaticDistStrategy(ParallelStrategy):
             self._graph_sync = GraphGradientSync(self.model, group=self._dp_group, reduce_dtype=reduce_dtype)
             self._graph_sync.attach()
             return
-        self._synchronizer = GradientSynchronizer(
+        self._synchronizer = build_synchronizer(
             # a shard's gradient arrives averaged by its own reduce-scatter
             [(name, p) for name, p in self.model.named_parameters() if id(p) not in sharded],
-            group=self._dp_group,
-            first_bucket_mb=sync.first_bucket_mb,
-            bucket_mb=sync.bucket_mb,
-            check_each_collective=sync.check == "collective",
-            reduce_dtype=reduce_dtype,
+            sync, self._config.compression, group=self._dp_group,
         )
-        compressor = build_compressor(self._config.compression)
-        if compressor is not None:
-            shapes = [p.shape for p in self._synchronizer.parameters]
-            self._synchronizer.reducer = CompressingReducer(compressor, shapes, self._config.compression.start_step,
-                                                            names=self._synchronizer.parameter_names)
+        if self.compressing_reducer is not None:
             self._restore_compression_state()
         self._synchronizer.attach()
         self._synchronizer.recorder = self.recorder
@@ -696,8 +687,7 @@ class StaticDistStrategy(ParallelStrategy):
     @property
     def compressing_reducer(self) -> Optional[CompressingReducer]:
         """The synchroniser's compressing reducer (``None`` without compression or at world size 1)."""
-        reducer = self._synchronizer.reducer if self._synchronizer is not None else None
-        return reducer if isinstance(reducer, CompressingReducer) else None
+        return compressing_reducer_of(self._synchronizer)
 
     @override
     def save_checkpoint(
@@ -712,13 +702,9 @@ class StaticDistStrategy(ParallelStrategy):
         # resumed rank gets its own error-feedback residual back, not rank 0's
         reducer = self.compressing_reducer
         if reducer is not None:
-            # to rank 0 only (it writes): every residual is the size of a gradient
-            group = self._dp_group
-            dst = torch.distributed.get_global_rank(group, 0) if group is not None else 0
-            states: Optional[list[Any]] = [None] * self.world_size if self.global_rank == dst else None
-            torch.distributed.gather_object(reducer.state_dict(), states, dst=dst, group=group)
-            if states is not None:
-                checkpoint[_COMPRESSION_KEY] = {"world_size": self.world_size, "ranks": states}
+            saved = gather_compression_state(reducer, self._dp_group, self.world_size)  # to rank 0 only (it writes)
+            if saved is not None:
+                checkpoint[_COMPRESSION_KEY] = saved
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _save_sharded(self, checkpoint: dict[str, Any], path: str) -> None:
@@ -750,14 +736,7 @@ class StaticDistStrategy(ParallelStrategy):
         reducer = self.compressing_reducer
         if saved is None or reducer is None:
             return
-        if saved["world_size"] != self.world_size:
-            rank_zero_warn(
-                f"static_dist: the checkpoint's compression state is from {saved['world_size']} ranks and this run has"
-                f" {self.world_size}: error-feedback residuals and warm-start matrices start from zero"
-            )
-            reducer.rounds = saved["ranks"][0].get("rounds", 0)
-            return
-        reducer.load_state_dict(saved["ranks"][self.global_rank], self.root_device)
+        restore_compression_state(reducer, saved, self.global_rank, self.world_size, self.root_device)
 
     @override
     def model_to_device(self) -> None:
@@ -1003,17 +982,4 @@ class StaticDistStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        entries = (
-            ("static_dist", "popen"),
-            ("static_dist_spawn", "spawn"),
-            ("static_dist_notebook", "fork"),
-        )
-        for name, start_method in entries:
-            if name in strategy_registry:
-                continue
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"Static data-parallel strategy (explicit bucketed collectives), start method '{start_method}'",
-                start_method=start_method,
-            )
+        register_names(strategy_registry, cls, "Static data-parallel strategy (explicit bucketed collectives)")

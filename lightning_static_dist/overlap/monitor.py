@@ -259,19 +259,33 @@ class OverlapMonitor(Callback):
         _add_to_tensorboard(trainer, path, step)
 
 
-def _log_over_ranks(trainer: pl.Trainer, aggregate: RankAggregate, names: tuple[str, ...], per_rank: Mapping[str, float],
-                    prefix: str, step: int, no_max: tuple[str, ...] = ()) -> dict[str, float]:
-    """Aggregate this rank's figures over ranks (mean, and ``_max``), log them as ``static_dist/<prefix><name>`` to
-    every logger, and return the row (NaN kept: the history shows what could not be measured)."""
+def aggregate_over_ranks(aggregate: RankAggregate, names: tuple[str, ...], per_rank: Mapping[str, float], prefix: str,
+                         world_size: int, no_max: tuple[str, ...] = ()) -> dict[str, float]:
+    """This rank's figures aggregated over ranks: ``static_dist/<prefix><name>`` the mean, ``..._max`` the maximum
+    (not for ``no_max``, nor on one rank). Collective at world size > 1: every rank calls it. NaN where no rank
+    measured anything.
+
+    Example::
+
+        row = aggregate_over_ranks(RankAggregate(len(METRICS)), METRICS, step_metrics(timeline), "", world_size=2)
+    """
     values = [per_rank[k] for k in names]
-    if trainer.world_size > 1:
+    if world_size > 1:
         values = aggregate(torch.tensor(values, dtype=torch.float64)).tolist()
         aggregate.reset()
     else:  # one rank: the mean and the max are the value itself, and nothing needs synchronising
         values = values + values
     row = {f"static_dist/{prefix}{k}": values[i] for i, k in enumerate(names)}
-    if trainer.world_size > 1:
+    if world_size > 1:
         row.update({f"static_dist/{prefix}{k}_max": values[len(names) + i] for i, k in enumerate(names) if k not in no_max})
+    return row
+
+
+def _log_over_ranks(trainer: pl.Trainer, aggregate: RankAggregate, names: tuple[str, ...], per_rank: Mapping[str, float],
+                    prefix: str, step: int, no_max: tuple[str, ...] = ()) -> dict[str, float]:
+    """Aggregate this rank's figures over ranks (mean, and ``_max``), log them as ``static_dist/<prefix><name>`` to
+    every logger, and return the row (NaN kept: the history shows what could not be measured)."""
+    row = aggregate_over_ranks(aggregate, names, per_rank, prefix, trainer.world_size, no_max)
     # straight to the loggers (rank zero only, values already aggregated): LightningModule.log costs ~0.3 ms a call,
     # 15 calls a step were most of this monitor's cost (monitor-cost benchmark); NaN: nothing to measure
     finite = {k: v for k, v in row.items() if v == v}

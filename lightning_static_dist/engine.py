@@ -1,0 +1,101 @@
+"""What both front ends run underneath: the gradient synchroniser built from the ``strategy`` config, each rank's
+compression state carried through checkpoints, and the strategy names they register.
+
+The Trainer strategy (:mod:`~lightning_static_dist.strategy`) and the Fabric strategy
+(:mod:`~lightning_static_dist.fabric`) own their lifecycles; both build the same synchroniser here and save and
+restore the same checkpoint entry, so that a model trained through either gets the same averages, the same
+compressed payloads and the same resumed residuals.
+
+Example::
+
+    sync = build_synchronizer(model.named_parameters(), config.sync, config.compression, group=None)
+    restore_compression_state(compressing_reducer_of(sync), saved, rank, world_size, device)
+    sync.attach()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn import Parameter
+
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+from lightning_static_dist.compression import CompressingReducer, build_compressor
+from lightning_static_dist.config import CompressionConfig, SyncConfig
+from lightning_static_dist.sync import GradientSynchronizer
+
+#: Where a checkpoint keeps every rank's compression state (``{"world_size": N, "ranks": [state of rank 0, ...]}``).
+COMPRESSION_KEY = "static_dist_compression"
+
+
+def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], sync: SyncConfig,
+                       compression: CompressionConfig, group: Optional[dist.ProcessGroup]) -> GradientSynchronizer:
+    """The hook-driven synchroniser ``strategy.sync`` describes (``mode: hooks``, ``reduce: all_reduce``), with the
+    compressing reducer when ``strategy.compression`` names a compressor. Not attached yet: restore a checkpoint's
+    compression state first (:func:`restore_compression_state`), then call ``attach()``."""
+    synchronizer = GradientSynchronizer(
+        named_parameters,
+        group=group,
+        first_bucket_mb=sync.first_bucket_mb,
+        bucket_mb=sync.bucket_mb,
+        check_each_collective=sync.check == "collective",
+        reduce_dtype=torch.bfloat16 if sync.reduce_dtype == "bf16" else None,
+    )
+    compressor = build_compressor(compression)
+    if compressor is not None:
+        shapes = [p.shape for p in synchronizer.parameters]
+        synchronizer.reducer = CompressingReducer(compressor, shapes, compression.start_step,
+                                                  names=synchronizer.parameter_names)
+    return synchronizer
+
+
+def compressing_reducer_of(synchronizer: Optional[GradientSynchronizer]) -> Optional[CompressingReducer]:
+    """The synchroniser's compressing reducer (``None`` without compression, or without a synchroniser)."""
+    reducer = synchronizer.reducer if synchronizer is not None else None
+    return reducer if isinstance(reducer, CompressingReducer) else None
+
+
+def gather_compression_state(reducer: CompressingReducer, group: Optional[dist.ProcessGroup],
+                             world_size: int) -> Optional[dict[str, Any]]:
+    """Every rank's compression state on the group's first rank, which writes the checkpoint (``None`` on the
+    others). Collective: every rank calls it. Each rank keeps its own error-feedback residual, so that a resumed
+    rank gets its own back, not rank 0's; gathered to one rank only, since every residual is the size of a gradient.
+    """
+    dst = dist.get_global_rank(group, 0) if group is not None else 0
+    states: Optional[list[Any]] = [None] * world_size if dist.get_rank() == dst else None
+    dist.gather_object(reducer.state_dict(), states, dst=dst, group=group)
+    return {"world_size": world_size, "ranks": states} if states is not None else None
+
+
+def restore_compression_state(reducer: CompressingReducer, saved: dict[str, Any], rank: int, world_size: int,
+                              device: torch.device) -> None:
+    """Give this rank its own saved compression state; from another world size only the round count (with a
+    warning: residuals and warm-start matrices start from zero)."""
+    if saved["world_size"] != world_size:
+        rank_zero_warn(
+            f"static_dist: the checkpoint's compression state is from {saved['world_size']} ranks and this run has"
+            f" {world_size}: error-feedback residuals and warm-start matrices start from zero"
+        )
+        reducer.rounds = saved["ranks"][0].get("rounds", 0)
+        return
+    reducer.load_state_dict(saved["ranks"][rank], device)
+
+
+#: The names ``import lightning_static_dist`` registers, in Lightning's and in Fabric's registry, with the start
+#: method each stands for.
+STRATEGY_NAMES = (("static_dist", "popen"), ("static_dist_spawn", "spawn"), ("static_dist_notebook", "fork"))
+
+
+def register_names(registry: _StrategyRegistry, cls: type, description: str) -> None:
+    """Register ``cls`` under :data:`STRATEGY_NAMES` in a Lightning or Fabric strategy registry; a name already
+    there is left as it is (registering adds names, it never replaces one)."""
+    for name, start_method in STRATEGY_NAMES:
+        if name in registry:
+            continue
+        registry.register(name, cls, description=f"{description}, start method '{start_method}'",
+                          start_method=start_method)

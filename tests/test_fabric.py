@@ -1,0 +1,367 @@
+"""StaticDistFabricStrategy inside real Fabric runs on 2 CPU ranks (Gloo), side by side with Fabric's own ``ddp``.
+
+Each run is ``fabric.launch(fn)`` with the spawn start method, so that rank 0's result (its trained state dict and a
+few facts) comes back to the test process; one case runs a script as a user does, with ``strategy="static_dist"``
+(Fabric re-runs the script for rank 1) and logs the metrics through ``fabric.log_dict``.
+"""
+
+from __future__ import annotations
+
+import csv
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning as L
+from _dist import fresh_job_env
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning_static_dist import StaticDistFabricStrategy
+from lightning_static_dist.config import ConfigError
+from lightning_static_dist.fabric import _SpawnLauncher
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 4
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def make_model() -> nn.Module:
+    """Linear layers around a BatchNorm: parameters, buffers broadcast from rank 0, and several gradient buckets."""
+    return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def make_loader() -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    # shuffled: Fabric and the Trainer then both put in a DistributedSampler(shuffle=True, seed=PL_GLOBAL_SEED)
+    return DataLoader(TensorDataset(torch.randn(96, 8, generator=g), torch.randn(96, 4, generator=g)), batch_size=4,
+                      shuffle=True)
+
+
+def train(fabric: L.Fabric, steps: int = STEPS, accumulate: int = 1, checkpoint: Optional[str] = None) -> dict[str, Any]:
+    """The user's loop: ``steps`` optimizer steps of ``accumulate`` micro-batches each. With ``checkpoint``: save
+    after half the steps, finish, load the checkpoint and run the second half again from it."""
+    fabric.seed_everything(7)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = fabric.setup(model, optimizer)
+    batches = list(fabric.setup_dataloaders(make_loader()))
+
+    def run(first: int, last: int) -> None:
+        for step in range(first, last):
+            for micro in range(accumulate):
+                x, y = batches[step * accumulate + micro]
+                with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+                    fabric.backward(F.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    facts: dict[str, Any] = {}
+    if checkpoint is None:
+        run(0, steps)
+    else:
+        half = steps // 2
+        run(0, half)
+        fabric.save(checkpoint, {"model": model, "optimizer": optimizer, "step": half})
+        run(half, steps)
+        facts["straight"] = _state(model)
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        remainder = fabric.load(checkpoint, state)
+        facts["resumed_at"], facts["remainder"] = state["step"], sorted(remainder)
+        run(half, steps)
+    # every rank holds the same weights
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = fabric.all_gather(flat)
+    facts["ranks_agree"] = bool(torch.equal(gathered[0], gathered[1]))
+    facts["state"] = _state(model)
+    sync = getattr(fabric.strategy, "synchronizer", None)
+    if sync is not None:
+        facts["stats"] = dict(vars(sync.stats))
+        facts["buckets"] = len(sync.plan.buckets)
+    report = getattr(fabric.strategy, "compile_report", None)
+    if report is not None:
+        facts["pieces"] = report.splitter.pieces if report.splitter is not None else 0
+        facts["recompiles"] = len(report.recompiles)
+    if isinstance(fabric.strategy, StaticDistFabricStrategy):
+        facts["metrics"] = fabric.strategy.metrics()  # every rank: the figures are aggregated over them
+    return facts
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class _ReferenceDDP(DDPStrategy):
+    """Fabric's own ``DDPStrategy`` — the reference — started with spawn, its ranks leaving like ours (os._exit once
+    their result is handed over: a finished Gloo rank sometimes aborts in the interpreter's teardown)."""
+
+    def __init__(self) -> None:
+        super().__init__(start_method="spawn")
+
+    def _configure_launcher(self) -> None:
+        self._launcher = _SpawnLauncher(self, start_method="spawn")
+
+
+def _train_pickled(fabric: L.Fabric, **kwargs: Any) -> bytes:
+    # plain pickle (by value): tensors put on the launcher's queue travel as file descriptors that die with the rank
+    return pickle.dumps(train(fabric, **kwargs))
+
+
+def launch(strategy: Any, **kwargs: Any) -> dict[str, Any]:
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    return pickle.loads(fabric.launch(_train_pickled, **kwargs))
+
+
+def static_dist(**kwargs: Any) -> StaticDistFabricStrategy:
+    return StaticDistFabricStrategy(start_method="spawn", **kwargs)
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=tol, rtol=tol, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.fixture(scope="module")
+def ddp_weights() -> dict[str, torch.Tensor]:
+    """Fabric ``ddp``'s weights after the plain run (shared by the cases that must end with them)."""
+    return launch(_ReferenceDDP())["state"]
+
+
+# ------------------------------------------------------------------------------------------- no processes
+
+
+_REGISTRY_UNTOUCHED = """
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+before = {name: (entry["strategy"], dict(entry["init_params"]), entry["description"])
+          for name, entry in STRATEGY_REGISTRY.items()}
+import lightning as L
+try:
+    L.Fabric(accelerator="cpu", devices=2, strategy="static_dist")
+except ValueError as err:
+    print("REJECTED BEFORE:", str(err)[:90])
+import lightning_static_dist
+after = {name: (entry["strategy"], dict(entry["init_params"]), entry["description"])
+         for name, entry in STRATEGY_REGISTRY.items()}
+assert {name: after[name] for name in before} == before, "an existing entry changed"
+print("ADDED:", sorted(set(after) - set(before)))
+for name in ("ddp", "ddp_spawn", "ddp_fork", "dp", "fsdp"):
+    assert STRATEGY_REGISTRY.get(name).__class__ is before[name][0], name
+fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp")
+print("DDP:", type(fabric.strategy).__name__, type(fabric.strategy._backward_sync_control).__name__)
+"""
+
+
+def test_import_adds_the_fabric_names_and_changes_nothing_else() -> None:
+    done = subprocess.run([sys.executable, "-c", _REGISTRY_UNTOUCHED], capture_output=True, text=True, timeout=120,
+                          env=fresh_job_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "REJECTED BEFORE: You selected an invalid strategy name: `strategy='static_dist'`" in done.stdout
+    assert "ADDED: ['static_dist', 'static_dist_notebook', 'static_dist_spawn']" in done.stdout, done.stdout
+    assert "DDP: DDPStrategy _DDPBackwardSyncControl" in done.stdout, done.stdout
+
+
+def test_fabric_accepts_the_registered_names() -> None:
+    for name, method in (("static_dist", "popen"), ("static_dist_spawn", "spawn"), ("static_dist_notebook", "fork")):
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=name)
+        assert isinstance(fabric.strategy, StaticDistFabricStrategy)
+        assert fabric.strategy.num_processes == 2 and fabric.strategy._start_method == method
+        assert fabric.strategy.config.sync.bucket_mb == 100.0  # the Trainer strategy's defaults
+    assert "static_dist" in STRATEGY_REGISTRY
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sync": {"bucket_mbb": 5}},
+         "strategy.sync.bucket_mbb: unknown key; did you mean 'bucket_mb'? allowed: mode, reduce, reduce_dtype,"),
+        ({"sync": {"bucket_mb": 0}}, "strategy.sync.bucket_mb=0.0: must be a number of MiB in (0, 4096]"),
+        ({"compression": {"name": "powersgd", "rank": 0}}, "strategy.compression.rank=0: must be an integer >= 1"),
+        ({"compile": {"backend": "no_such_backend"}}, "strategy.compile.backend='no_such_backend': not a registered"),
+        ({"sync": {"mode": "graph"}, "compile": {"enabled": True}},
+         "strategy.sync.mode='graph': not supported by the Fabric strategy (use the Trainer's StaticDistStrategy);"
+         " allowed under Fabric: 'hooks'"),
+        ({"mesh": {"dp_shard": 2}},
+         "strategy.sync.reduce='auto': not supported by the Fabric strategy (use the Trainer's StaticDistStrategy);"
+         " allowed under Fabric: 'all_reduce', or 'auto' with strategy.mesh.dp_shard=1"),
+        ({"sync": {"nonfinite": "skip"}}, "strategy.sync.nonfinite='skip': not supported by the Fabric strategy"),
+        ({"embedding": {"shard": "auto"}}, "strategy.embedding.shard='auto': not supported by the Fabric strategy"),
+        ({"bucket_cap_mb": 5, "sync": {"bucket_mb": 10}},
+         "bucket_cap_mb=5: given twice (also as strategy.sync.bucket_mb); allowed: one of them"),
+        ({"start_method": "thread"}, "start_method='thread': allowed: 'popen', 'spawn', 'fork', 'forkserver'"),
+        ({"monitor_every_n_steps": -1}, "monitor_every_n_steps=-1: must be an integer >= 0 (0: never)"),
+    ],
+    ids=["typo", "range", "compression", "backend", "graph", "reduce_scatter", "nonfinite", "embedding", "twice",
+         "start_method", "monitor"],
+)
+def test_invalid_config_is_one_line_naming_the_key(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        L.Fabric(accelerator="cpu", devices=2, strategy=StaticDistFabricStrategy(**kwargs))
+    assert str(caught.value).startswith(message), str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_ddp_arguments_and_the_run_file_block_carry_over() -> None:
+    from datetime import timedelta
+
+    from lightning_static_dist.config import StrategyConfig
+
+    strategy = StaticDistFabricStrategy(timeout=timedelta(seconds=37), bucket_cap_mb=5, find_unused_parameters=True)
+    assert strategy.config.timeout_s == 37.0 and strategy.config.sync.bucket_mb == 5.0
+    block = StrategyConfig.from_dict({"sync": {"bucket_mb": 10}, "compression": {"name": "bf16"}})
+    strategy = StaticDistFabricStrategy.from_config(block, bucket_cap_mb=2, start_method="spawn")
+    assert strategy.config.sync.bucket_mb == 2.0 and strategy.config.compression.name == "bf16"
+
+
+# ------------------------------------------------------------------------------------------ 2 Gloo ranks
+
+
+def test_trains_to_the_weights_fabric_ddp_gives(ddp_weights: dict[str, torch.Tensor]) -> None:
+    # small buckets: several collectives per backward, launched from the hooks while backward still runs
+    ours = launch(static_dist(sync={"first_bucket_mb": 0.001, "bucket_mb": 0.002}))
+    assert_same_weights(ours["state"], ddp_weights)  # BatchNorm's running statistics included (rank 0's)
+    assert ours["ranks_agree"]
+    assert ours["buckets"] >= 3
+    assert ours["stats"]["rounds"] == STEPS and ours["stats"]["skipped_rounds"] == 0
+    # the last step's overlap figures, averaged over the ranks, for fabric.log_dict
+    metrics = ours["metrics"]
+    assert metrics["static_dist/bytes_sent"] == ours["stats"]["last_round_bytes"]  # (the same on both ranks)
+    assert metrics["static_dist/compression_ratio"] == 1.0 and 0 <= metrics["static_dist/overlap_ratio"] <= 1
+    assert "static_dist/recompiles" not in metrics  # nothing compiled
+    untouched = make_model().state_dict()
+    assert any(not torch.equal(ours["state"][k], untouched[k]) for k in untouched)  # training did something
+
+
+def test_no_backward_sync_accumulates_locally_like_ddp() -> None:
+    ours = launch(static_dist(), accumulate=3)
+    theirs = launch(_ReferenceDDP(), accumulate=3)
+    assert_same_weights(ours["state"], theirs["state"])
+    assert ours["ranks_agree"]
+    # one synchronisation per optimizer step; the two micro-batches before each stayed local
+    assert ours["stats"]["rounds"] == STEPS and ours["stats"]["skipped_rounds"] == 2 * STEPS
+
+
+def test_compiled_model_trains_like_ddp_with_the_graph_cut_at_the_buckets(ddp_weights: dict[str, torch.Tensor]) -> None:
+    ours = launch(static_dist(compile={"enabled": True, "backend": "aot_eager"},
+                              sync={"first_bucket_mb": 0.001, "bucket_mb": 0.002}))
+    assert_same_weights(ours["state"], ddp_weights, tol=1e-5)
+    assert ours["pieces"] > 1  # one autograd node per piece: gradients become ready piece by piece
+    assert ours["recompiles"] == 0
+    assert ours["metrics"]["static_dist/recompiles"] == 0 and ours["metrics"]["static_dist/compile_s"] > 0
+
+
+class _PowerSGDModule(L.LightningModule):
+    """The same model, data and optimizer, for the Trainer strategy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return make_loader()
+
+
+POWERSGD = {"name": "powersgd", "rank": 1, "min_numel": 64}
+
+
+def test_compression_matches_the_trainer_strategy(ddp_weights: dict[str, torch.Tensor]) -> None:
+    from lightning_static_dist import StaticDistStrategy
+
+    ours = launch(static_dist(compression=POWERSGD))
+    L.seed_everything(7)
+    module = _PowerSGDModule()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=StaticDistStrategy(start_method="spawn",
+                        compression=POWERSGD), max_steps=STEPS, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module)
+    named_as_in_the_module = {f"net.{k}": v for k, v in ours["state"].items()}
+    assert_same_weights(named_as_in_the_module, dict(module.state_dict()))  # the same engine underneath
+    assert ours["ranks_agree"]
+    # rank-1 PowerSGD sent fewer bytes than the dense gradients and moved the weights off the exact path, not far
+    assert ours["stats"]["last_round_bytes"] < ours["stats"]["last_round_dense_bytes"] / 2
+    assert ours["metrics"]["static_dist/compression_ratio"] > 2
+    diff = max(float((ours["state"][k] - ddp_weights[k]).abs().max()) for k in ddp_weights if "running" not in k)
+    assert 0 < diff < 0.2
+
+
+def test_save_and_load_round_trip_resumes_exactly_with_compression_state(tmp_path: Path) -> None:
+    # TopK keeps each rank's error-feedback residual: continuing from the checkpoint equals continuing straight on
+    # only when every rank gets its own residual back (and the model and the optimizer's momentum)
+    path = str(tmp_path / "run.ckpt")
+    ours = launch(static_dist(compression={"name": "topk", "density": 0.25, "min_numel": 1}), checkpoint=path)
+    assert_same_weights(ours["state"], ours["straight"], tol=0)
+    assert ours["resumed_at"] == STEPS // 2 and ours["remainder"] == []  # (the strategy's entry is not the user's)
+    saved = torch.load(path, weights_only=True)
+    assert sorted(saved) == ["model", "optimizer", "static_dist_compression", "step"]
+    assert saved["static_dist_compression"]["world_size"] == 2
+    residuals = [rank["state"]["residuals"]["0.weight"] for rank in saved["static_dist_compression"]["ranks"]]
+    assert residuals[0].abs().sum() > 0 and not torch.equal(residuals[0], residuals[1])  # each rank's own
+
+
+_SCRIPT = """
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+import lightning as L
+import lightning_static_dist
+from lightning.fabric.loggers import CSVLogger
+
+
+def main(fabric):
+    fabric.seed_everything(7)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    for step in range(4):
+        x, y = torch.randn(8, 8, device=fabric.device), torch.randn(8, 4, device=fabric.device)
+        fabric.backward(F.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        fabric.log_dict(fabric.strategy.metrics(), step=step)
+    fabric.logger.finalize("success")
+    rounds = fabric.strategy.synchronizer.stats.rounds
+    sys.stdout.write(f"TRAINED {fabric.global_rank} {type(fabric.strategy).__name__} {rounds}\\n")  # one write: the ranks share the pipe
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="static_dist", loggers=CSVLogger(sys.argv[1]))
+    fabric.launch(main)
+"""
+
+
+def test_a_script_with_strategy_static_dist_logs_the_metrics(tmp_path: Path) -> None:
+    # as a user runs it: `python train.py`, Fabric re-runs the script for rank 1 (the popen start method)
+    (tmp_path / "train.py").write_text(textwrap.dedent(_SCRIPT))
+    done = subprocess.run([sys.executable, "train.py", str(tmp_path / "logs")], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env=fresh_job_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TRAINED 0 StaticDistFabricStrategy 4" in done.stdout and "TRAINED 1 StaticDistFabricStrategy 4" in done.stdout
+    (metrics,) = (tmp_path / "logs").rglob("metrics.csv")
+    rows = list(csv.DictReader(metrics.open()))
+    assert [row["step"] for row in rows] == ["0", "1", "2", "3"]
+    for name in ("overlap_ratio", "hidden_comm_fraction", "comm_ms", "compute_ms", "exposed_comm_ms", "bytes_sent",
+                 "compression_ratio", "overlap_ratio_max"):
+        assert all(row[f"static_dist/{name}"] != "" for row in rows), name
+    assert all(float(row["static_dist/bytes_sent"]) > 0 for row in rows)
+    assert all(float(row["static_dist/compression_ratio"]) == 1.0 for row in rows)
+    assert all(0.0 <= float(row["static_dist/overlap_ratio"]) <= 1.0 for row in rows)
