@@ -243,6 +243,11 @@ class ShardedOptimizerState:
 def consolidate(path: str, out: str) -> None:
     """Write the plain Lightning checkpoint file ``out`` from the sharded directory ``path`` (one process, no group).
 
+    Why not ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``: it writes a directory's entries as they
+    are, here ``optim/<i>/<key>/<lo>-<hi>`` element ranges; a Lightning checkpoint needs them joined into each
+    parameter's optimizer state and placed under the optimizer's own indices, with ``lightning_meta.pt`` merged in.
+    The ranges are read the same way (``load_sharded(no_dist=True)``: DCP's own reader, no process group).
+
     Example::
 
         consolidate("runs/x/checkpoints/epoch=0-step=100.ckpt", "model.ckpt")   # or: lsd-consolidate DIR OUT
