@@ -91,8 +91,12 @@ CONTENDERS: dict[str, Optional[dict[str, Any]]] = {
     "static_dist_b50": {"sync": {"bucket_mb": 50.0}},
     "static_dist_b100": {"sync": {"bucket_mb": 100.0}},
     "static_dist_b200": {"sync": {"bucket_mb": 200.0}},
+    # CUDA graphs per piece (inductor's reduce-overhead): the pieces' host cost is what paced the cut graph
+    "static_dist_cudagraphs": {"compile": {"mode": "reduce-overhead"}},
     "static_dist_cbf16": {"compression": {"name": "bf16"}},
     "static_dist_powersgd": {"compression": {"name": "powersgd", "rank": 4}},
+    "static_dist_powersgd_r1": {"compression": {"name": "powersgd", "rank": 1}},
+    "static_dist_topk": {"compression": {"name": "topk", "density": 0.01}},
     "static_dist_embed": {"embedding": {"shard": True}},
     "static_dist_rs": {"mesh": {"dp_replicate": 1, "dp_shard": -1}, "sync": {"reduce": "reduce_scatter"}},
 }
