@@ -1,12 +1,12 @@
 """The GPT-2 small workload that ``gpu1-gpt2s`` and ``gpuN-gpt2s`` share: models, synthetic batches, step timer.
 
-Two shapes of the same network: ``GPT`` (``examples.charlm.CharGPT``, the loss computed in ``training_step``; the
+Two shapes of the same network: ``GPT`` (``lightning_static_dist.examples.charlm.CharGPT``, the loss computed in ``training_step``; the
 1-GPU scenario's model) and ``NanoGPT`` (nanoGPT's own shape: the blocks looped in ``forward``, the loss computed in
 ``forward``, ``training_step`` only calls the model; the multi-GPU scenario's, shaped like users' code rather than
 like what suits a compiler).
 
 Imported by benchmark *workers* only (it imports torch and Lightning at the top); the repository root must be on
-``sys.path`` for ``examples.charlm``.
+``sys.path``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from examples.charlm import Block, CharGPT
+from lightning_static_dist.examples.charlm import Block, CharGPT
 
 FULL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, batch=16)
 TINY = dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, batch=4)

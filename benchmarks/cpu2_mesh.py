@@ -1,6 +1,6 @@
 """Benchmark ``cpu2-mesh``: all_reduce vs reduce_scatter on 2 CPU ranks, the main job's char-level GPT.
 
-Workload: ``examples.charlm.CharGPT`` as in ``configs/charlm_cpu.yaml`` (4 layers, d=128, block 128, vocab 256,
+Workload: ``lightning_static_dist.examples.charlm.CharGPT`` as in ``configs/charlm_cpu.yaml`` (4 layers, d=128, block 128, vocab 256,
 842K parameters), 16 x 128 tokens per rank, AdamW (two param groups), gradient clipping 1.0, fp32, Gloo. Contenders
 alternate (A B A B): ``static_dist`` with ``sync.reduce: all_reduce`` (1-D, 2 x 1 mesh) and with ``reduce_scatter``
 on a 1 x 2 mesh (each rank steps half of every bucket; the halves are all-gathered after the step, waited in the
@@ -35,7 +35,7 @@ def worker(contender: str, steps: int, out: str) -> None:
     import lightning as L
     import torch
 
-    from examples.charlm import CharDataModule, CharGPT
+    from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
     from lightning_static_dist import RunSummary, StaticDistStrategy
 
     L.seed_everything(1234)

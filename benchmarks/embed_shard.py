@@ -1,6 +1,6 @@
 """Benchmark ``embed-shard``: a char-level GPT with a large vocabulary on 2 CPU ranks, embedding sharded vs replicated.
 
-Workload: ``examples.charlm.CharGPT`` with ``--vocab`` rows (default 32768; the byte-level data uses the first 256,
+Workload: ``lightning_static_dist.examples.charlm.CharGPT`` with ``--vocab`` rows (default 32768; the byte-level data uses the first 256,
 the table is what is measured), 4 layers, d=128, tied head, 16 x 128 tokens per rank, AdamW; ``static_dist`` with
 ``strategy.embedding.shard`` false, true (gather issued at batch start), and true with ``prefetch:
 after_optimizer`` (issued right after the previous optimizer step); the OverlapMonitor on every step.
@@ -31,7 +31,7 @@ def worker(contender: str, steps: int, vocab: int, out: str) -> None:
     import lightning as L
     import torch
 
-    from examples.charlm import CharDataModule, CharGPT
+    from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
     from lightning_static_dist import OverlapMonitor, RunSummary, StaticDistStrategy
     from lightning_static_dist.overlap.intervals import median_of
 

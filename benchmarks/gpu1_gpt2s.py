@@ -1,6 +1,6 @@
 """Benchmark ``gpu1-gpt2s``: GPT-2 small on one GPU, plain PyTorch vs Lightning vs ``static_dist`` (world size 1).
 
-Workload: ``examples.charlm.CharGPT`` at GPT-2 small size (vocab 50304, block 1024, 12 layers, 12 heads, d=768,
+Workload: ``lightning_static_dist.examples.charlm.CharGPT`` at GPT-2 small size (vocab 50304, block 1024, 12 layers, 12 heads, d=768,
 bias, dropout 0), batch 16 x 1024 tokens, bf16 autocast, fused AdamW (lr 6e-4, wd 0.1, the model's two param
 groups), a fixed pool of random tokens generated on the GPU from a seeded generator (the loss stays near
 ln(50304) ~ 10.8: the figures are about speed, not learning). Contenders, each in a fresh process per round and

@@ -58,7 +58,7 @@ def synthetic(trace_dir: str) -> None:
 def trainer(trace_dir: str, steps: int) -> None:
     import lightning as L
 
-    from examples.charlm import CharDataModule, CharGPT
+    from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
     from lightning_static_dist import OverlapMonitor, StaticDistStrategy
 
     L.seed_everything(1234)

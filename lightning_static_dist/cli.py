@@ -62,13 +62,16 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         prog="lsd-train",
         description="Train a LightningModule with the static_dist strategy from a YAML run file.",
-        epilog="Example: lsd-train configs/charlm_cpu.yaml trainer.max_steps=100 strategy.sync.bucket_mb=10",
+        epilog="Example: lsd-train charlm_cpu trainer.max_steps=100 strategy.sync.bucket_mb=10 (a shipped config by"
+               " name, or a run file's path)",
     )
-    parser.add_argument("config", help="YAML run file (top level: seed, model, data, trainer, strategy, callbacks)")
+    parser.add_argument("config", help="YAML run file (top level: seed, model, data, trainer, strategy, callbacks),"
+                        " or the name of a shipped one (charlm_cpu, charlm_gpu)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, merged over the file")
     parser.add_argument("--print-config", action="store_true", help="print the validated config and exit")
     args = parser.parse_args(argv)
-    # class paths in the run file (examples.charlm.CharGPT) resolve from the working directory, as with `python -m`
+    # a user's class paths in the run file (my_pkg.models.MyModel) resolve from the working directory, as with
+    # `python -m`
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:

@@ -278,7 +278,7 @@ class StaticDistStrategy(ParallelStrategy):
 
         Example::
 
-            config = load_run_config("configs/charlm_cpu.yaml").strategy
+            config = load_run_config("charlm_cpu").strategy
             strategy = StaticDistStrategy.from_config(config, timeout=timedelta(minutes=5), start_method="spawn")
         """
         sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}

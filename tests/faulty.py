@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from examples.charlm import CharGPT
+from lightning_static_dist.examples.charlm import CharGPT
 
 
 class _KillWhilePickled:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from examples.charlm import CharDataModule, CharGPT
+from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
 
 TINY = dict(block_size=16, n_layer=2, n_head=2, n_embd=32)
 

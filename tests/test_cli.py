@@ -207,6 +207,15 @@ def test_a_shipped_config_is_found_by_name_and_a_wrong_name_lists_them() -> None
         load_run_config("nowhere/charlm_cpu.yaml")
 
 
+def test_the_wheel_lists_every_package() -> None:
+    # pyproject.toml lists the packages (configs/ is mapped into the package): a new subpackage must be listed too
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "lightning_static_dist").rglob("__init__.py")}
+    assert found - listed == set(), f"not in pyproject.toml's packages: {sorted(found - listed)}"
+
+
 @pytest.fixture(scope="module")
 def wheel_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The package as ``pip install .`` (not editable) puts it: a wheel built from the checkout, installed into a
@@ -216,7 +225,7 @@ def wheel_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("wheel")
     source = root / "source"  # what the build reads, copied: the build writes build/ and *.egg-info beside it
     source.mkdir()
-    for name in ("pyproject.toml", "README.md", "lightning_static_dist", "examples", "configs"):
+    for name in ("pyproject.toml", "README.md", "lightning_static_dist", "configs"):
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
         copy(REPO / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
@@ -240,6 +249,11 @@ def test_train_two_cpu_ranks_then_report(tmp_path: Path, wheel_install: Path) ->
         "trainer.max_steps=12", "trainer.val_check_interval=6", "trainer.limit_val_batches=2",
         f"trainer.default_root_dir={tmp_path}", "callbacks.run_summary.warmup_steps=2",
     ]
+    # from the checkout's root, whose own lightning_static_dist/ comes first on sys.path (lsd-train puts the working
+    # directory there, for a user's class paths): the run file's model still imports
+    inside = subprocess.run([str(wheel_install / "bin" / "lsd-train"), CPU_CONFIG, "--print-config"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert inside.returncode == 0, inside.stderr[-2000:]
     result = subprocess.run([str(wheel_install / "bin" / "lsd-train"), "charlm_cpu", *overrides], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=240)
     output = result.stdout + result.stderr

@@ -17,7 +17,7 @@ from torch import nn
 
 import lightning as L
 from _dist import reference_ddp, run_ranks
-from examples.charlm import Block, CharDataModule, CharGPT
+from lightning_static_dist.examples.charlm import Block, CharDataModule, CharGPT
 from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.compile import CompileFailure, compile_regions, find_regions
 from lightning_static_dist.config import CompileConfig, ConfigError

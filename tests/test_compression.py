@@ -109,7 +109,7 @@ def test_each_compressor_reconstructs_within_its_bound_and_counts_its_bytes() ->
 
 
 def _tiny_gpt() -> Any:
-    from examples.charlm import CharGPT
+    from lightning_static_dist.examples.charlm import CharGPT
 
     torch.manual_seed(0)
     return CharGPT(n_layer=2, n_embd=64, n_head=2, block_size=32, warmup_steps=0)
@@ -214,7 +214,7 @@ class _Probe(L.Callback):
 
 def _fit(tmp: str, compression: dict, steps: int, compile_cfg: Any = None, ckpt_path: Any = None,
          guard: Any = None) -> None:
-    from examples.charlm import CharDataModule
+    from lightning_static_dist.examples.charlm import CharDataModule
     from lightning_static_dist import StaticDistStrategy
 
     L.seed_everything(0)

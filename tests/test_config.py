@@ -107,7 +107,7 @@ INVALID_OVERRIDES = [
     pytest.param(["model.n_layers=2"], "model.n_layers", "did you mean 'n_layer'", id="model-unknown-init-arg"),
     pytest.param(["model.n_layer=four"], "model.n_layer", "'four'", id="model-init-arg-wrong-type"),
     pytest.param(["model.class_path=no_such_pkg.Model"], "model.class_path", "'no_such_pkg.Model'", id="model-class-not-importable"),
-    pytest.param(["model.class_path=examples.charlm.NoSuchModel"], "model.class_path", "NoSuchModel", id="model-class-missing-attr"),
+    pytest.param(["model.class_path=lightning_static_dist.examples.charlm.NoSuchModel"], "model.class_path", "NoSuchModel", id="model-class-missing-attr"),
     pytest.param(["model.class_path=CharGPT"], "model.class_path", "'CharGPT'", id="model-class-not-dotted"),
     pytest.param(["data.shuffle=false"], "data.shuffle", "unknown key", id="data-unknown-key"),
     pytest.param(["data.path=5"], "data.path", "=5", id="data-path-wrong-type"),
@@ -404,7 +404,7 @@ def _render(value: Any) -> str:
 
 
 # class_path values come from a fixed list: random text would be handed to importlib.import_module
-_CLASS_PATHS = st.sampled_from(["examples.charlm.CharGPT", "examples.charlm.CharDataModule", "examples.charlm.Nope",
+_CLASS_PATHS = st.sampled_from(["lightning_static_dist.examples.charlm.CharGPT", "lightning_static_dist.examples.charlm.CharDataModule", "lightning_static_dist.examples.charlm.Nope",
                                 "no_such_pkg.Model", "CharGPT", ".x", "collections.OrderedDict"])
 _OVERRIDE = st.one_of(
     st.builds(lambda k, v: f"{k}={_render(v)}", st.sampled_from(_KEYS), _VALUES),

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import lightning as L
-from examples.charlm import CharDataModule, CharGPT
+from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.config import EmbeddingConfig

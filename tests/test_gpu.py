@@ -138,7 +138,7 @@ def test_synchronizer_buckets_cuda_gradients_in_place() -> None:
 def test_regional_inductor_compile_on_gpu_matches_eager() -> None:
     import copy
 
-    from examples.charlm import CharGPT
+    from lightning_static_dist.examples.charlm import CharGPT
     from lightning_static_dist.compile import compile_regions
     from lightning_static_dist.config import CompileConfig
 

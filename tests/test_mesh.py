@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lightning as L
-from examples.charlm import CharDataModule, CharGPT
+from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
 from lightning.pytorch.callbacks import ModelCheckpoint
 from _dist import reference_ddp
 from lightning_static_dist import OverlapMonitor, StaticDistStrategy
