@@ -5,18 +5,22 @@ flag over the training process group and reading it on the host (``_TrainingEpoc
 a tensor made on the device, ``broadcast``, ``.item()``). On NCCL that read waits for the GPU to finish everything
 queued before it — the whole previous step — so the host loses its lead at every step, and the GPU idles while the
 host runs Lightning's loop and launches the next forward. :class:`HostSigtermBroadcast` takes its place on the
-strategy's trainer: the same flag, broadcast from the same rank and acted on the same way, but as a CPU tensor over
-a Gloo group, and read ``lag`` steps later (2 by default): each step starts an asynchronous broadcast and reads the
-one started ``lag`` steps earlier, which the other ranks have long since joined. No rank waits for a GPU, nor for
-the other ranks' hosts (a broadcast read in the step that starts it is a host barrier). Every rank reads the same
-round at the same step, so every rank stops at the same step: ``lag`` steps after rank 0 received SIGTERM.
+strategy's trainer: the ranks' flags combined as a CPU tensor over a Gloo group — the maximum of every rank's own
+flag, so a signal that reaches any rank stops them all (Lightning broadcasts rank 0's) — and read ``lag`` steps
+later (2 by default): each step starts an asynchronous all-reduce and reads the one started ``lag`` steps earlier,
+which the other ranks have long since joined. No rank waits for a GPU, nor for the other ranks' hosts (a collective
+read in the step that starts it is a host barrier). Every rank reads the same round at the same step, so every rank
+stops at the same step: before the ``lag + 1``-th training step after the signal. A signal in the last ``lag`` steps
+of ``fit`` is not acted on: training ends as planned (``trainer.received_sigterm`` then reads the rank's own flag).
 
 Lightning also checks each rank's *own* flag (``trainer.received_sigterm``) at the end of every batch, of every
 validation batch and of every epoch. Left alone, those checks would stop a rank that received the signal before the
-others read the broadcast, and the others would wait in their next collective. So, while installed, the trainer's
-signal connector answers ``received_sigterm`` with the flag the ranks agreed on (set when the broadcast carrying it
-is read, just before every rank raises ``SIGTERMException``); the signal handler's write is kept as this rank's own
-flag, which is what rank 0 broadcasts. Uninstalled, the connector reports this rank's own flag again.
+others read the combined flag, and the others would wait in their next collective. So, while installed and while
+the trainer is training, the trainer's signal connector answers ``received_sigterm`` with the flag the ranks agreed
+on (set when the round carrying it is read, just before every rank raises ``SIGTERMException``; a callback reading
+it during training sees it then). Outside the training stage — validation inside ``fit`` included, where no flag
+round runs — it answers with the rank's own flag, as Lightning does, so a long validation still stops at its next
+batch. The signal handler's write is kept as the rank's own flag. Uninstalled, the connector reports it again.
 
 Lightning's SIGTERM *handler* (``_SignalConnector._sigterm_notifier_fn``) also broadcasts over the default group,
 from whichever rank the signal reaches, at whatever point of the step it arrives: that broadcast pairs with whatever
@@ -47,7 +51,7 @@ from lightning_static_dist.faults import waiting_in
 log = logging.getLogger(__name__)
 
 _PATCHED = "_broadcast_sigterm_tensor"
-#: steps between starting a flag's broadcast and reading it
+#: steps between starting a round of the flags' all-reduce and reading it
 LAG = 2
 
 
@@ -60,7 +64,10 @@ def _agreeing(connector_class: type) -> type:
 
         @property
         def received_sigterm(self) -> bool:
-            return self.__dict__.get("_agreed_sigterm", False)
+            agreed = self.__dict__.get("_agreed_sigterm", False)
+            if getattr(self.trainer, "training", False):
+                return agreed
+            return agreed or self.__dict__.get("own_sigterm", False)
 
         @received_sigterm.setter
         def received_sigterm(self, value: bool) -> None:  # the signal handler's write (False: Lightning's reset)
@@ -71,7 +78,7 @@ def _agreeing(connector_class: type) -> type:
         def _sigterm_notifier_fn(self, signum: Any, frame: Any) -> None:
             # Lightning's handler without its broadcast over the default group: from a signal handler, at any point
             # of the step, it would pair with whatever collective the other ranks issue next on that group (a
-            # gradient bucket, or one of these flag broadcasts); the per-step broadcast is how the ranks agree
+            # gradient bucket, or one of the flag rounds); the per-step round is how the ranks agree
             log.info(f"[rank: {self.trainer.local_rank}] Received SIGTERM: {signum}")
             if not self.__dict__.get("own_sigterm", False):
                 launcher = self.trainer.strategy.launcher
@@ -84,19 +91,18 @@ def _agreeing(connector_class: type) -> type:
 
 
 class HostSigtermBroadcast:
-    """Rank 0's SIGTERM flag, broadcast host to host every step and read ``lag`` steps later; every rank stops at the
-    same step.
+    """The ranks' SIGTERM flags, combined host to host every step (their maximum) and read ``lag`` steps later; every
+    rank stops at the same step.
 
     Example::
 
         check = HostSigtermBroadcast(trainer, group=dist.new_group(backend="gloo"))
-        check()          # raises Lightning's SIGTERMException on every rank, lag steps after rank 0 received SIGTERM
-        check.close()    # at the end of fit: waits for the broadcasts in flight, gives back the connector's flag
+        check()          # raises Lightning's SIGTERMException on every rank, lag steps after any rank received SIGTERM
+        check.close()    # at the end of fit: waits for the rounds in flight, gives back the connector's flag
     """
 
     def __init__(self, trainer: Any, group: Optional[dist.ProcessGroup], lag: int = LAG) -> None:
         self._group = group
-        self._src = dist.get_global_rank(group, 0) if group is not None else 0
         self._lag = lag
         self._in_flight: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
         self._connector = trainer._signal_connector
@@ -109,12 +115,12 @@ class HostSigtermBroadcast:
 
     def __call__(self) -> None:
         own = self._connector.__dict__.get("own_sigterm", False)
-        flag = torch.tensor([1 if own else 0], dtype=torch.int32)  # only rank 0's travels
-        self._in_flight.append((dist.broadcast(flag, src=self._src, group=self._group, async_op=True), flag))
+        flag = torch.tensor([1 if own else 0], dtype=torch.int32)
+        self._in_flight.append((dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag))
         if len(self._in_flight) <= self._lag:
             return
         work, oldest = self._in_flight.popleft()
-        with waiting_in("the broadcast of rank 0's SIGTERM flag"):
+        with waiting_in("the all-reduce of the ranks' SIGTERM flags"):
             work.wait()
         if oldest.item() == 1:  # a CPU tensor Gloo wrote: no device involved
             from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -128,11 +134,11 @@ class HostSigtermBroadcast:
     def _drain(self) -> None:
         while self._in_flight:
             work, _ = self._in_flight.popleft()
-            with waiting_in("the broadcast of rank 0's SIGTERM flag"):
+            with waiting_in("the all-reduce of the ranks' SIGTERM flags"):
                 work.wait()
 
     def close(self, drain: bool = True) -> None:
-        """Wait for the broadcasts in flight (every rank started the same ones; their flags are not acted on) and
+        """Wait for the rounds in flight (every rank started the same ones; their flags are not acted on) and
         put the connector back (``received_sigterm``: this rank's own flag again). ``drain=False`` after a failure:
         a rank that stopped would never join them."""
         if drain:
