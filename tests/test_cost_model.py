@@ -51,11 +51,12 @@ def test_the_fit_recovers_latency_and_bandwidth_across_ring_lengths() -> None:
 
 def test_a_bucket_puts_on_the_wire_what_its_compressor_sends() -> None:
     shapes = [torch.Size([256, 512]), torch.Size([512])]  # a matrix the compressors take, a bias they leave exact
-    exact_bias = ("all_reduce", 512 * 4)
-    assert bucket_wire(None, shapes).phases == (("all_reduce", (256 * 512 + 512) * 4),)
-    assert bucket_wire(None, shapes, exact_bytes_per_element=2).phases == (("all_reduce", (256 * 512 + 512) * 2),)
-    bf16 = build_compressor(CompressionConfig(name="bf16"))
-    assert bucket_wire(bf16, shapes).phases == (("all_reduce", (256 * 512 + 512) * 2),)  # it takes the bias too
+    flags = 2  # one usage flag per gradient, always exact
+    exact_bias = ("all_reduce", (512 + flags) * 4)
+    assert bucket_wire(None, shapes).phases == (("all_reduce", (256 * 512 + 512 + flags) * 4),)
+    assert bucket_wire(None, shapes, exact_bytes_per_element=2).phases == (("all_reduce", (256 * 512 + 512 + flags) * 2),)
+    bf16 = build_compressor(CompressionConfig(name="bf16"))  # it takes the bias too; the flags still travel in fp32
+    assert bucket_wire(bf16, shapes).phases == (("all_reduce", (256 * 512 + 512) * 2), ("all_reduce", flags * 4))
     # PowerSGD rank 2: P (256 x 2) then Q (512 x 2), fp32, two all-reduces
     psgd = build_compressor(CompressionConfig(name="powersgd", rank=2))
     assert bucket_wire(psgd, shapes).phases == (("all_reduce", 256 * 2 * 4), ("all_reduce", 512 * 2 * 4), exact_bias)
@@ -66,10 +67,10 @@ def test_a_bucket_puts_on_the_wire_what_its_compressor_sends() -> None:
     # QSGD: one int8 per value (padded to chunks of 512) and one fp32 norm per chunk, one all-gather
     qsgd = build_compressor(CompressionConfig(name="qsgd", levels=127))
     assert bucket_wire(qsgd, shapes).phases == (("all_gather", 256 * 512 + 256 * 4), exact_bias)
-    # what was on the wire agrees with what the compressor itself says it sends
+    # what was on the wire agrees with the reducer's own count (the compressor's payload + the exact remainder)
     for c in (bf16, psgd, topk, qsgd):
         taken = [s for s in shapes if c.takes(s)]
-        exact = sum(s.numel() for s in shapes if not c.takes(s)) * 4
+        exact = (sum(s.numel() for s in shapes if not c.takes(s)) + flags) * 4
         assert bucket_wire(c, shapes).nbytes == c.payload_bytes(taken) + exact
 
 
@@ -98,3 +99,6 @@ def test_the_critical_bandwidth_is_where_the_compressor_stops_paying() -> None:
     assert critical_bandwidth(lambda bw: 1.5 + 10e9 / bw, exact, min_gain=0.1) == pytest.approx(80e9 / 0.6, rel=1e-6)
     assert critical_bandwidth(lambda bw: 1e6, exact) == 0.0  # never pays (1e6 s: more than exact at 1 MB/s)
     assert critical_bandwidth(lambda bw: 0.5, exact) == math.inf  # always pays
+    # pays at both ends but not in between: it pays at every bandwidth below 1 GB/s only, not "always"
+    dip = lambda bw: 0.5 if bw < 1e9 or bw > 1e12 else 1e6  # noqa: E731
+    assert critical_bandwidth(dip, exact) == pytest.approx(1e9, rel=1e-6)

@@ -14,7 +14,10 @@ Ordering (see :mod:`.base`): phase 0 of every bucket goes on the data-parallel g
 on the reducer's k-th extra group, and a bucket issues its phase k only after every earlier bucket of the round
 issued its own. Timing differs between ranks; the order of each group's collectives does not. Later phases go out
 when a bucket launches (each earlier bucket whose current phase has completed issues its next) and when the round
-is waited for: completion is checked at bucket boundaries, never from every gradient hook.
+is waited for: completion is checked at bucket boundaries, never from every gradient hook. On NCCL the phases after
+the first go out only when the round is waited for, bucket by bucket: issued at launch, their interleaving *across*
+groups would depend on each rank's timing, and NCCL documents that as able to deadlock (the sharded synchroniser
+issues its replica all-reduces the same way). A second phase then overlaps the end of backward less there.
 
 Per bucket, besides the compressor's own work: the exact remainder (1-D gradients, usage flags) is averaged where it
 lies in the bucket's buffer when its slots are consecutive (no concatenation), and one pass checks the whole bucket
@@ -162,6 +165,8 @@ class CompressingReducer:
         self._device: Optional[torch.device] = None
         self._phase_groups: list[Optional[dist.ProcessGroup]] = []
         self._chain: list[PhasedReduction] = []
+        self._later_phases_at_wait = False
+        """NCCL: phases after the first are issued only while the round is waited for (module docstring)."""
         self.verdicts: list[tuple[Tensor, Any]] = []
         """(is the bucket's average finite — on the device —, its compressor-state snapshot) per bucket this round."""
 
@@ -173,6 +178,7 @@ class CompressingReducer:
         if self._group is not group:
             self._phase_groups = []
         self._group = group
+        self._later_phases_at_wait = "nccl" in dist.get_backend(group)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         while len(self._phase_groups) < phases:
             self._phase_groups.append(group if not self._phase_groups else dist.new_group(ranks))
@@ -218,7 +224,7 @@ class CompressingReducer:
 
     def poll(self, until: Optional[PhasedReduction] = None) -> None:
         """Issue every phase that may go now; with ``until``, drive the chain up to that reduction to the end."""
-        limit = math.inf
+        limit = 0 if until is None and self._later_phases_at_wait else math.inf
         for reduction in self._chain:
             block = until is not None
             reduction.advance(limit, block)

@@ -7,8 +7,11 @@ Ring collectives over ``p`` ranks, with ``α`` the latency of one ring step and 
     reduce_scatter  (n bytes)            (p-1)·α +  (p-1)/p · n/β
     all_gather      (n bytes per rank)   (p-1)·α +  (p-1)   · n/β
 
-Not modelled: NCCL's tree and NVLS algorithms (faster for small messages and large ``p``), link contention between
-concurrent collectives, and the slowdown of compute kernels that share the GPU with communication kernels.
+Not modelled: NCCL's tree and NVLS algorithms (faster for small messages and large ``p``: the ring's 2(p-1)·α
+overstates what many small collectives cost at scale), link contention between concurrent collectives, the slowdown
+of compute kernels that share the GPU with communication kernels, and the reducer's own schedule (a bucket's later
+phases may overlap the next bucket's first; a compressor's work between phases and after the last is counted in
+its encode time, before its first phase).
 
 A step is predicted from a compute timeline — when each bucket's gradients are ready, when backward ends, how long
 the step computes — and what each bucket puts on the wire (:func:`bucket_wire`, which runs the compressor's own
@@ -117,22 +120,24 @@ def bucket_wire(compressor: Optional[Any], shapes: Sequence[torch.Size], world: 
                 exact_bytes_per_element: int = 4) -> Wire:
     """The collectives a bucket of gradients with ``shapes`` issues, as the reducer would: what the compressor takes
     goes through its own phases (run here, on zero-filled CPU tensors, to read each phase's kind and bytes; the
-    generator is closed after its ``phases_per_bucket``-th phase, whose output was never filled),
-    the rest in one exact all-reduce (``exact_bytes_per_element``: 4 for fp32, 2 with ``sync.reduce_dtype: bf16``).
-    ``compressor=None``: the whole bucket exact."""
+    generator is closed after its ``phases_per_bucket``-th phase, whose output was never filled), the rest and the
+    bucket's usage flags (one value per gradient) in one exact all-reduce (``exact_bytes_per_element``: 4 for fp32,
+    2 with ``sync.reduce_dtype: bf16``; the compressed path's is fp32). ``compressor=None``: the whole bucket exact,
+    in one all-reduce."""
     taken = [s for s in shapes if compressor is not None and compressor.takes(s)]
     rest = [s for s in shapes if s not in taken or compressor is None]
+    exact_elements = sum(math.prod(s) for s in rest) + len(shapes)  # the usage flags always travel exact
+    if not taken:
+        return Wire((("all_reduce", exact_bytes_per_element * exact_elements),), encode_s)
     phases: list[tuple[str, int]] = []
-    if taken:
-        grads = [torch.zeros(s) for s in taken]
-        generator = compressor.phases(list(range(len(taken))), grads, world)
-        for collective, nbytes in generator:  # the code between phases runs on zeros: nothing was averaged
-            phases.append((getattr(collective, "kind", "all_reduce"), int(nbytes)))
-            if len(phases) == getattr(compressor, "phases_per_bucket", math.inf):
-                generator.close()  # what follows the last phase reads its (unissued) output
-                break
-    if rest:
-        phases.append(("all_reduce", exact_bytes_per_element * sum(math.prod(s) for s in rest)))
+    grads = [torch.zeros(s) for s in taken]
+    generator = compressor.phases(list(range(len(taken))), grads, world)
+    for collective, nbytes in generator:  # the code between phases runs on zeros: nothing was averaged
+        phases.append((getattr(collective, "kind", "all_reduce"), int(nbytes)))
+        if len(phases) == getattr(compressor, "phases_per_bucket", math.inf):
+            generator.close()  # what follows the last phase reads its (unissued) output
+            break
+    phases.append(("all_reduce", 4 * exact_elements))
     return Wire(tuple(phases), encode_s)
 
 
@@ -167,8 +172,8 @@ def predict_step(ready_s: Sequence[float], wires: Sequence[Wire], backward_end_s
 def critical_bandwidth(step_s: Callable[[float], float], reference_s: Callable[[float], float], min_gain: float = 0.01,
                        low_Bps: float = 1e6, high_Bps: float = 1e13) -> float:
     """The link bandwidth below which ``step_s`` (a contender's predicted step time at a bandwidth) beats
-    ``reference_s`` by at least ``min_gain`` of the reference's step: 0.0 when it never does in [low, high], ``inf``
-    when it always does. Bisection in log space (the gain falls as the bandwidth grows: less is left to hide).
+    ``reference_s`` by at least ``min_gain`` of the reference's step, at every bandwidth from ``low`` up (0.0: not
+    even at ``low``; ``inf``: up to ``high``), found on a log-spaced grid and refined by bisection.
 
     Example::
 
@@ -177,12 +182,16 @@ def critical_bandwidth(step_s: Callable[[float], float], reference_s: Callable[[
         180
     """
     gain = lambda bw: reference_s(bw) * (1 - min_gain) - step_s(bw)  # noqa: E731
-    if gain(low_Bps) <= 0:
-        return 0.0
-    if gain(high_Bps) > 0:
+    # a coarse scan first, from the slow end: the first grid bandwidth where it stops paying brackets the crossing,
+    # whatever the gain does above it (a curve that pays at both ends but not in between is not "always")
+    grid = [math.exp(math.log(low_Bps) + i * (math.log(high_Bps) - math.log(low_Bps)) / 64) for i in range(65)]
+    stops = next((i for i, bw in enumerate(grid) if gain(bw) <= 0), None)
+    if stops is None:
         return math.inf
-    lo, hi = math.log(low_Bps), math.log(high_Bps)
-    for _ in range(100):
+    if stops == 0:
+        return 0.0
+    lo, hi = math.log(grid[stops - 1]), math.log(grid[stops])
+    for _ in range(60):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if gain(math.exp(mid)) > 0 else (lo, mid)
     return math.exp((lo + hi) / 2)
