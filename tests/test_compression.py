@@ -374,3 +374,31 @@ def test_powersgd_second_phase_starts_while_backward_is_still_running() -> None:
     for fractions in run_ranks(_phase_timing, 2):
         # the first bucket's Q all-reduce goes out from a later gradient hook, well before backward ends
         assert statistics.median(fractions) < 0.6, fractions
+
+
+def test_consecutive_slots_are_averaged_where_they_lie() -> None:
+    # the exact remainder of a bucket, or a low-precision payload covering it: one view, no concatenation
+    from lightning_static_dist.compression.base import averaged, contiguous_span
+
+    flat = torch.arange(12.0)
+    slots = [flat[0:6].view(2, 3), flat[6:8], flat[8:12]]
+    span = contiguous_span(slots)
+    assert span is not None and span.data_ptr() == flat.data_ptr() and span.numel() == 12
+    assert contiguous_span([flat[0:3], flat[4:6]]) is None  # a gap
+    assert contiguous_span([flat[4:6], flat[0:4]]) is None  # out of order
+    assert contiguous_span([flat[0:3], torch.zeros(3)]) is None  # another storage
+    assert contiguous_span([flat[0:3], flat.double()[3:6]]) is None  # another dtype
+    assert contiguous_span([flat[0:8].view(2, 4)[:, :2]]) is None  # not contiguous
+    # one phase, world 4: fp32 in place (the collective's tensor is the bucket itself), bf16 through one payload
+    phases = averaged(slots, 4)
+    (collective, nbytes) = next(phases)
+    assert nbytes == 48 and torch.equal(flat, torch.arange(12.0) / 4)
+    with pytest.raises(StopIteration):
+        next(phases)  # (no collective issued here: the payload is written back as it is, i.e. the mean of 1 rank)
+    flat = torch.arange(12.0)
+    phases = averaged([flat[0:6], flat[6:12]], 4, torch.bfloat16)
+    (collective, nbytes) = next(phases)
+    assert nbytes == 24 and torch.equal(flat, torch.arange(12.0))  # the bucket untouched until the write-back
+    with pytest.raises(StopIteration):
+        next(phases)
+    assert torch.equal(flat, (torch.arange(12.0) / 4).bfloat16().float())

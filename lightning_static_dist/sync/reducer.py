@@ -50,7 +50,8 @@ class BucketReducer(Protocol):
     # Optional, looked up with getattr by the synchroniser: ``round_finished()`` after a round's write-back,
     # ``abandon_round()`` when a round is given up; a returned reduction may carry ``nbytes`` (its own payload
     # count, overriding payload_bytes) and ``poll()`` (called once per gradient-ready hook, with the latest
-    # reduction's; it starts the later phases of every reduction of the reducer still in flight).
+    # reduction's: work that must start from the hooks, e.g. the sharded synchroniser's replica all-reduces on Gloo;
+    # keep it cheap, it runs once per parameter).
 
 
 class _PendingWork:

@@ -238,7 +238,8 @@ class GradientSynchronizer:
         self._round_bytes = 0
         self._round_dense_bytes = 0
         self._poll: Optional[Callable[[], None]] = None
-        """Starts the next phases of multi-phase reductions in flight (a compressing reducer's), from the hooks."""
+        """A reduction's ``poll``, called from the gradient hooks: the sharded synchroniser's starts its replica
+        all-reduces on Gloo (the compressing reducer checks its phases at bucket launches instead)."""
         self._observed_order = []
 
     def _on_grad_ready(self, index: int, param: Parameter) -> None:
