@@ -101,6 +101,7 @@ def test_the_critical_point_is_the_last_setting_before_the_first_that_falls_behi
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # a real 2-rank sweep (the bookkeeping it feeds is tested above on curves with known answers)
 def test_a_tiny_sweep_writes_every_row_of_its_table(tmp_path: Any) -> None:
     out = tmp_path / "sweep.json"
     tiny = ["model.n_layer=1", "model.n_embd=64", "model.block_size=32", "data.block_size=32", "data.batch_size=8",

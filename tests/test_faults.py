@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -25,10 +26,12 @@ TINY = [
 ]
 
 
-def lsd_train(tmp: Any, *overrides: str, timeout: float = 120) -> tuple[int, str, float]:
-    """Run the real console script; return (exit code, stderr, seconds)."""
-    cmd = [os.path.join(os.path.dirname(sys.executable), "lsd-train"), os.path.join(ROOT, "configs", "charlm_cpu.yaml"),
-           *TINY, f"trainer.default_root_dir={tmp}", *overrides]
+def lsd_train(tmp: Any, *overrides: str, timeout: float = 120, config: str = "charlm_cpu",
+              launch: Sequence[str] = ()) -> tuple[int, str, float]:
+    """Run the real console script (or ``launch`` + ``python -m lightning_static_dist``, e.g. torrun's command) on a
+    shipped run file; return (exit code, stderr, seconds)."""
+    script = [*launch, "-m", "lightning_static_dist"] if launch else [os.path.join(os.path.dirname(sys.executable), "lsd-train")]
+    cmd = [*script, os.path.join(ROOT, "configs", f"{config}.yaml"), *TINY, f"trainer.default_root_dir={tmp}", *overrides]
     env = fresh_job_env()
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
@@ -67,11 +70,11 @@ def test_killing_rank_zero_stops_rank_one_with_one_line(tmp_path: Any) -> None:
     assert seconds < 60
 
 
-@pytest.mark.parametrize("signalled", [0, 1])
+@pytest.mark.parametrize("signalled", [0, pytest.param(1, marks=pytest.mark.slow)])  # (both: tests/test_host_syncs.py)
 def test_a_sigterm_on_any_rank_stops_every_rank_at_the_same_step(tmp_path: Any, signalled: int) -> None:
     # the ranks' flags combined (their maximum), read LAG steps after the round that carries them: one rank
     # signalled at step 3 (rank 0's handler also forwards the signal to rank 1, as Lightning's does) -> both start
-    # step 3 + LAG last and leave through Lightning's SIGTERMException (a SystemExit without a code: exit 0, as
+    # the same step last, at most 3 + LAG, and leave through Lightning's SIGTERMException (a SystemExit without a code: exit 0, as
     # under ddp). Before, a rank signalled alone stopped alone at the end of its batch, leaving the other in a collective
     from lightning_static_dist.loop import LAG
 
@@ -79,7 +82,9 @@ def test_a_sigterm_on_any_rank_stops_every_rank_at_the_same_step(tmp_path: Any, 
     last = {rank: max(int(line.rsplit(" ", 1)[1]) for line in err.splitlines() if line.startswith(f"rank {rank} starts step "))
             for rank in (0, 1)}
     assert code == 0, err[-2000:]
-    assert last == {0: 3 + LAG, 1: 3 + LAG}, last
+    # the same step on both; the latest the round started at step 4 allows, or one earlier when the forwarded signal
+    # reached a rank still before its step-3 round (the maximum then already carries it)
+    assert last[0] == last[1] and 3 + LAG - 1 <= last[0] <= 3 + LAG, last
     assert seconds < 60
 
 

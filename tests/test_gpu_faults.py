@@ -1,0 +1,72 @@
+"""The reliability table on GPUs (issue 18): faults injected into a real 2-GPU ``lsd-train`` job over NCCL.
+
+The same faults as ``tests/test_faults.py`` (the model ``tests/faulty.py`` injects them at step 3), on the GPU run
+file with compile off (the faults, not the compiler, are under test), started by Lightning's launcher and by
+``torchrun``. Each test prints the job's wall time (for the README's table beside Lightning ``ddp``'s); the bounds
+here only catch a hang. Skipped without 2 GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+from test_faults import failure_lines, lsd_train
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+]
+
+GPU = ["trainer.devices=2", "trainer.precision=32-true", "strategy.compile.enabled=false", "trainer.enable_progress_bar=false"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
+
+
+def _run(tmp: Any, *overrides: str, launch: tuple[str, ...] = (), timeout: float = 240) -> tuple[int, str, float]:
+    code, err, seconds = lsd_train(tmp, *GPU, *overrides, config="charlm_gpu", launch=launch, timeout=timeout)
+    print(f"{'torchrun' if launch else 'lightning launcher'} {overrides}: exit {code}, {seconds:.1f} s")
+    return code, err, seconds
+
+
+@pytest.mark.parametrize("launch", [(), tuple(TORCHRUN)], ids=["lightning", "torchrun"])
+def test_a_clean_two_gpu_job_finishes(tmp_path: Any, launch: tuple[str, ...]) -> None:
+    code, err, _ = _run(tmp_path, launch=launch)
+    assert code == 0, err[-3000:]
+
+
+def test_a_killed_rank_ends_the_job_with_one_line_over_nccl(tmp_path: Any) -> None:
+    code, err, seconds = _run(tmp_path, "model.fault=kill", "model.fault_rank=1", "model.fault_step=3")
+    assert code == 1, err[-3000:]
+    (line,) = failure_lines(err)
+    assert line.startswith("static_dist: rank 0: rank 1 stopped participating during ") and "at step 3" in line, line
+    assert seconds < 120
+
+
+def test_a_stuck_rank_times_out_with_one_line_over_nccl(tmp_path: Any) -> None:
+    code, err, seconds = _run(tmp_path, "model.fault=hang", "model.fault_rank=1", "model.fault_step=3",
+                              "strategy.timeout_s=20")
+    assert code != 0, err[-3000:]
+    (line,) = failure_lines(err)
+    assert line.startswith("static_dist: rank 0: rank 1 stopped participating during ") and "at step 3" in line, line
+    assert 20 <= seconds < 180
+
+
+def test_a_nan_gradient_is_skipped_on_every_rank_over_nccl(tmp_path: Any) -> None:
+    code, err, _ = _run(tmp_path, "model.fault=nan", "model.fault_rank=1", "model.fault_step=3", "model.save_every=12",
+                        "strategy.sync.nonfinite=skip")
+    assert code == 0, err[-3000:]
+    assert "non-finite gradient at step 3 (first: 'wte.weight'); optimizer step skipped on every rank" in err
+    state = torch.load(os.path.join(tmp_path, "ckpt", "last.ckpt"), weights_only=True)
+    assert state["global_step"] == 12 and all(torch.isfinite(v).all() for v in state["state_dict"].values())
+
+
+def test_a_killed_rank_under_torchrun_ends_the_job(tmp_path: Any) -> None:
+    # torchrun's agent tears the survivor down once a worker dies: the job must end, non-zero, without a hang
+    code, err, seconds = _run(tmp_path, "model.fault=kill", "model.fault_rank=1", "model.fault_step=3",
+                              launch=tuple(TORCHRUN))
+    assert code != 0, err[-3000:]
+    assert seconds < 120
