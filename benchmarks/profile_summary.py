@@ -27,7 +27,8 @@ import json
 from collections import defaultdict
 from typing import Any
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ", "cudaMemcpy\0")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy\0")
+"""Blocking runtime calls (matched on the whole name: ``cudaMemcpy``, not ``cudaMemcpyAsync``)."""
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -57,20 +58,20 @@ def _intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) 
 
 
 def _enclosing(cpu_ops: list[dict], starts: list[float], event: dict, depth: int = 3) -> list[str]:
-    """Names of the CPU ops (same thread) enclosing ``event``, outermost first, at most ``depth``."""
-    names = []
+    """Names of the ``depth`` innermost CPU ops (same thread) enclosing ``event``, listed outermost first."""
+    names = []  # innermost first: among the enclosing ops, the one that started last is the deepest
     i = bisect.bisect_right(starts, event["ts"])
     for op in reversed(cpu_ops[max(0, i - 400):i]):
         if op["tid"] == event["tid"] and op["ts"] <= event["ts"] and op["ts"] + op["dur"] >= event["ts"] + event["dur"]:
             names.append(op["name"])
-    return list(reversed(names))[:depth]
+    return list(reversed(names[:depth]))
 
 
 def summarise(path: str, steps: int, top: int = 8) -> dict[str, Any]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    kernels = [e for e in events if e.get("cat") == "kernel"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])  # streams interleave
     if not kernels:
         return {"trace": path, "error": "no GPU kernels in the trace"}
     comm = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()])
@@ -92,9 +93,11 @@ def summarise(path: str, steps: int, top: int = 8) -> dict[str, Any]:
             s["under"][" > ".join(_enclosing(cpu_ops, starts, e)) or "(no CPU op)"] += 1
 
     gaps = []
+    kernel_starts = [k["ts"] for k in kernels]
     for (_, end), (nxt, _) in zip(busy, busy[1:]):
         if nxt - end > 20:
-            first = next((k for k in kernels if k["ts"] >= nxt), None)
+            at = bisect.bisect_left(kernel_starts, nxt)
+            first = kernels[at] if at < len(kernels) else None
             launch = launches.get(first["args"].get("correlation")) if first else None
             gaps.append({"ms": round((nxt - end) / 1e3, 3), "next_kernel": first["name"][:60] if first else None,
                          "launched_under": _enclosing(cpu_ops, starts, launch, depth=4) if launch else None})

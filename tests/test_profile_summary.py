@@ -60,3 +60,14 @@ def test_the_summary_names_the_host_waits_and_what_ended_each_idle_gap(trace: st
 
 def test_per_step_figures_divide_by_the_profiled_steps(trace: str) -> None:
     assert summarise(trace, steps=2)["idle_ms"] == pytest.approx(0.22)
+
+
+def test_a_launch_is_named_by_its_innermost_enclosing_ops_outermost_first() -> None:
+    from profile_summary import _enclosing
+
+    nest = [{"name": f"op{d}", "tid": 1, "ts": float(d), "dur": 100.0 - 2 * d} for d in range(5)]  # op0 holds op1 ...
+    other = {"name": "other-thread", "tid": 2, "ts": 0.5, "dur": 99.0}
+    ops = sorted(nest + [other], key=lambda e: e["ts"])
+    launch = {"tid": 1, "ts": 10.0, "dur": 1.0}
+    assert _enclosing(ops, [e["ts"] for e in ops], launch, depth=3) == ["op2", "op3", "op4"]
+    assert _enclosing(ops, [e["ts"] for e in ops], launch, depth=9) == ["op0", "op1", "op2", "op3", "op4"]
