@@ -52,7 +52,7 @@ import time
 
 from _common import ROOT, run_job, worker_env
 
-sys.path.insert(0, ROOT)  # examples.charlm, for the workload
+sys.path.insert(0, ROOT)  # the checkout's package, for the workload
 from _gpt2s import FULL, PEAK_FLOPS, TINY, StepTimer, flops_per_token, loader, new_model, train_plainly  # noqa: E402
 
 CONTENDERS = ("plain_eager", "plain_compile", "lightning_eager", "lightning_compile", "static_dist", "static_dist_regional",

@@ -71,7 +71,7 @@ from typing import Any, Optional
 
 from _common import ROOT, SAFE_ENV, run_job, worker_env
 
-sys.path.insert(0, ROOT)  # examples.charlm, for the workload
+sys.path.insert(0, ROOT)  # the checkout's package, for the workload
 
 PLAIN = ("ceiling", "plain_ddp_compile")
 """Hand-written PyTorch loops, started with torchrun."""

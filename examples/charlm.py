@@ -4,7 +4,7 @@ The model and its data module live in the package (``lightning_static_dist.examp
 carries them and the shipped run files (``lsd-train charlm_cpu``) name them; this is what a user's training script
 looks like around them: one import, one strategy argument, the usual Trainer.
 
-    python examples/charlm.py                      # 2 CPU ranks over Gloo, 300 steps: about a minute on 2 cores
+    python examples/charlm.py                      # 2 CPU ranks over Gloo, 300 steps (CPU only: see configs/ for GPUs)
     python examples/charlm.py --steps 50 --compile --compression powersgd
 """
 
@@ -14,9 +14,8 @@ import argparse
 
 import lightning as L
 
-import lightning_static_dist  # noqa: F401  (registers strategy="static_dist")
-from lightning_static_dist import OverlapMonitor, StaticDistStrategy
-from lightning_static_dist.examples.charlm import Block, CharDataModule, CharGPT  # noqa: F401  (Block: benchmarks)
+from lightning_static_dist import OverlapMonitor, StaticDistStrategy  # (strategy="static_dist" works as well)
+from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
 
 
 def main() -> None:

@@ -1,8 +1,10 @@
 """When a peer dies or stops participating: one line naming the missing rank and the collective, not a hang.
 
 Every collective the strategy waits on is marked with :func:`waiting_in` ("all-reduce of bucket 2 at step 17").
-A peer killed mid-step closes its sockets, and Gloo/NCCL fail the survivors' pending collective at once; a peer
-that is alive but stuck lets them wait until the process group's timeout (``strategy.timeout_s``). Either way the
+A peer killed mid-step closes its sockets, and Gloo fails the survivors' pending collective at once (NCCL may
+not: over NVLink or shared memory its kernels can wait on a dead peer until the watchdog's timeout, and a host
+blocked in a device read behind them runs no Python code: not yet verified on GPUs); a peer that is alive but stuck
+lets them wait until the process group's timeout (``strategy.timeout_s``). Either way the
 strategy's ``on_exception`` turns the backend's error into :func:`diagnose`'s single line: which collective was in
 flight, and which ranks did not answer a roll call through the rendezvous store (a rank that is gone, or stuck,
 cannot answer; if the store itself is gone, rank 0 — its host — is). ``lsd-train`` prints that line and exits 1.

@@ -15,12 +15,14 @@ of ``fit`` is not acted on: training ends as planned (``trainer.received_sigterm
 
 Lightning also checks each rank's *own* flag (``trainer.received_sigterm``) at the end of every batch, of every
 validation batch and of every epoch. Left alone, those checks would stop a rank that received the signal before the
-others read the combined flag, and the others would wait in their next collective. So, while installed and while
-the trainer is training, the trainer's signal connector answers ``received_sigterm`` with the flag the ranks agreed
-on (set when the round carrying it is read, just before every rank raises ``SIGTERMException``; a callback reading
-it during training sees it then). Outside the training stage — validation inside ``fit`` included, where no flag
-round runs — it answers with the rank's own flag, as Lightning does, so a long validation still stops at its next
-batch. The signal handler's write is kept as the rank's own flag. Uninstalled, the connector reports it again.
+others read the combined flag, and the others would wait in their next collective. So, while installed, the
+trainer's signal connector answers ``received_sigterm`` with the flag the ranks agreed on (set when the round
+carrying it is read, just before every rank raises ``SIGTERMException``; a callback reading it sees it then). No
+round runs during validation: at the end of each validation inside ``fit`` (the sanity check too) the strategy runs
+one blocking round (:meth:`HostSigtermBroadcast.agree`), and a signal that arrived during it stops every rank right
+after that validation (Lightning's own per-rank check would stop one rank mid-validation and leave the others in
+their next collective). The signal handler's write is kept as the rank's own flag. Uninstalled, the connector
+reports it again.
 
 Lightning's SIGTERM *handler* (``_SignalConnector._sigterm_notifier_fn``) also broadcasts over the default group,
 from whichever rank the signal reaches, at whatever point of the step it arrives: that broadcast pairs with whatever
@@ -64,10 +66,7 @@ def _agreeing(connector_class: type) -> type:
 
         @property
         def received_sigterm(self) -> bool:
-            agreed = self.__dict__.get("_agreed_sigterm", False)
-            if getattr(self.trainer, "training", False):
-                return agreed
-            return agreed or self.__dict__.get("own_sigterm", False)
+            return self.__dict__.get("_agreed_sigterm", False)
 
         @received_sigterm.setter
         def received_sigterm(self, value: bool) -> None:  # the signal handler's write (False: Lightning's reset)
@@ -131,6 +130,15 @@ class HostSigtermBroadcast:
                 dist.barrier(group=self._group)  # as Lightning does: no rank left waiting in a collective
             raise SIGTERMException()
 
+    def agree(self) -> None:
+        """One blocking round now (collective: every rank calls it at the same point, e.g. at the end of a
+        validation); a flag set on any rank becomes the agreed flag, which Lightning's next check acts on."""
+        flag = torch.tensor([1 if self._connector.__dict__.get("own_sigterm", False) else 0], dtype=torch.int32)
+        with waiting_in("the all-reduce of the ranks' SIGTERM flags"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if flag.item() == 1:
+            self._connector.__dict__["_agreed_sigterm"] = True
+
     def _drain(self) -> None:
         while self._in_flight:
             work, _ = self._in_flight.popleft()
@@ -173,6 +181,14 @@ def install(trainer: Any, group: Optional[dist.ProcessGroup]) -> bool:
         return False
     setattr(loop, _PATCHED, HostSigtermBroadcast(trainer, group))
     return True
+
+
+def agree(trainer: Any) -> None:
+    """:meth:`HostSigtermBroadcast.agree` where installed (at the end of a validation inside ``fit``)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    check = loop.__dict__.get(_PATCHED) if loop is not None else None
+    if isinstance(check, HostSigtermBroadcast):
+        check.agree()
 
 
 def uninstall(trainer: Any, drain: bool = True) -> None:

@@ -622,6 +622,12 @@ class StaticDistStrategy(ParallelStrategy):
             rank_zero_info(f"static_dist: sharded {' = '.join(w.names)} ({w.rows} rows): {w.shard_rows} rows per rank")
 
     @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        if self._loop_patched is not None:  # validation inside fit: the ranks agree on SIGTERM here (loop.py)
+            loop_patches.agree(self._loop_patched)
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._embedding_sharder is not None and self._config.embedding.prefetch == "batch_start":
             self._embedding_sharder.prefetch()

@@ -23,15 +23,17 @@ class _KillWhilePickled:
 
 
 class FaultyCharGPT(CharGPT):
-    """``fault``: ``kill`` (SIGKILL itself), ``hang`` (stop participating, alive), ``nan`` (a NaN loss),
-    ``kill_in_save`` (SIGKILL while writing the checkpoint), ``sigterm`` (SIGTERM itself, as a scheduler would).
+    """``fault``: ``kill`` (SIGKILL itself), ``hang`` (stop participating, alive, for ``hang_s`` seconds), ``nan``
+    (a NaN loss), ``kill_in_save`` (SIGKILL while writing the checkpoint), ``sigterm`` (SIGTERM itself, as a
+    scheduler would), ``sigterm_in_val`` (the same, in the first validation batch after step ``fault_step``).
     ``save_every``: ``trainer.save_checkpoint`` to ``<default_root_dir>/ckpt/last.ckpt`` every N steps. With a
     fault, each rank prints each step it starts."""
 
     def __init__(self, fault: str = "none", fault_rank: int = 1, fault_step: int = 3, save_every: int = 0,
-                 **kwargs: Any) -> None:
+                 hang_s: float = 3600.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.fault, self.fault_rank, self.fault_step, self.save_every = fault, fault_rank, fault_step, save_every
+        self.hang_s = hang_s
 
     def _faulty_here(self, fault: str) -> bool:
         return self.fault == fault and self.global_rank == self.fault_rank and self.global_step == self.fault_step
@@ -44,6 +46,11 @@ class FaultyCharGPT(CharGPT):
         if self._faulty_here("kill_in_save"):
             checkpoint["poison"] = _KillWhilePickled()
 
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        if batch_idx == 0 and self._faulty_here("sigterm_in_val"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().validation_step(batch, batch_idx)
+
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if self.fault != "none":
             print(f"rank {self.global_rank} starts step {self.global_step}", file=sys.stderr, flush=True)
@@ -52,7 +59,7 @@ class FaultyCharGPT(CharGPT):
         if self._faulty_here("sigterm"):
             os.kill(os.getpid(), signal.SIGTERM)
         if self._faulty_here("hang"):
-            time.sleep(3600)
+            time.sleep(self.hang_s)
         loss = super().training_step(batch, batch_idx)
         if self._faulty_here("nan"):
             loss = loss * float("nan")

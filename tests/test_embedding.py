@@ -98,6 +98,7 @@ def test_each_rank_holds_half_of_the_embedding_weight_grad_and_optimizer_state(t
         assert record["gather_ms"] > 0
 
 
+@pytest.mark.slow  # (sharded vs unsharded, tied and untied, stays in the default run)
 def test_sharded_training_with_accumulation_and_compile_equals_unsharded(tmp_path: Any) -> None:
     assert_same(fit(str(tmp_path), True, accumulate=2, steps=5), fit(str(tmp_path), False, accumulate=2, steps=5))
     plain = fit(str(tmp_path), False)

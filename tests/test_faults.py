@@ -4,7 +4,9 @@ the wall time and asserts the exit code, the one-line message and what is left o
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,14 +30,20 @@ TINY = [
 
 def lsd_train(tmp: Any, *overrides: str, timeout: float = 120, config: str = "charlm_cpu",
               launch: Sequence[str] = ()) -> tuple[int, str, float]:
-    """Run the real console script (or ``launch`` + ``python -m lightning_static_dist``, e.g. torrun's command) on a
-    shipped run file; return (exit code, stderr, seconds)."""
+    """Run the real console script (or ``launch`` + ``python -m lightning_static_dist``, e.g. torchrun's command) on
+    a shipped run file; return (exit code, stderr, seconds). The job runs in a session of its own, killed whole when
+    it ends or times out: a rank left behind (a stuck one holds the pipe) cannot outlive the test."""
     script = [*launch, "-m", "lightning_static_dist"] if launch else [os.path.join(os.path.dirname(sys.executable), "lsd-train")]
     cmd = [*script, os.path.join(ROOT, "configs", f"{config}.yaml"), *TINY, f"trainer.default_root_dir={tmp}", *overrides]
-    env = fresh_job_env()
     started = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-    return proc.returncode, proc.stderr, time.monotonic() - started
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=fresh_job_env(), start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        return proc.returncode, err, time.monotonic() - started
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def failure_lines(stderr: str) -> list[str]:
@@ -85,6 +93,18 @@ def test_a_sigterm_on_any_rank_stops_every_rank_at_the_same_step(tmp_path: Any, 
     # the same step on both; the latest the round started at step 4 allows, or one earlier when the forwarded signal
     # reached a rank still before its step-3 round (the maximum then already carries it)
     assert last[0] == last[1] and 3 + LAG - 1 <= last[0] <= 3 + LAG, last
+    assert seconds < 60
+
+
+def test_a_sigterm_during_validation_stops_every_rank_after_it(tmp_path: Any) -> None:
+    # no flag round runs in validation: the ranks agree at its end (the strategy's on_validation_end), and every rank
+    # stops before the next training step; Lightning's own check would have stopped rank 1 mid-validation alone
+    code, err, seconds = lsd_train(tmp_path, "model.fault=sigterm_in_val", "model.fault_rank=1", "model.fault_step=4",
+                                   "trainer.val_check_interval=4", "trainer.limit_val_batches=3")
+    last = {rank: max(int(line.rsplit(" ", 1)[1]) for line in err.splitlines() if line.startswith(f"rank {rank} starts step "))
+            for rank in (0, 1)}
+    assert code == 0, err[-2000:]
+    assert last == {0: 3, 1: 3}, last
     assert seconds < 60
 
 

@@ -197,18 +197,12 @@ def test_two_gpus_bf16_reduce_dtype_matches_ddps_bf16_hook_over_nccl() -> None:
         torch.testing.assert_close(ours[key], theirs[key], atol=1e-5, rtol=1e-5)
 
 
-def _line_of(function: Any, text: str) -> str:
-    """``"<this file>:<line> "`` of the first line of ``function`` that contains ``text``."""
-    import inspect
-
-    lines, first = inspect.getsourcelines(function)
-    return next(f"{__file__}:{first + i} " for i, line in enumerate(lines) if text in line)
-
-
 class CudaSyncs(L.Callback):
     """Counts the CUDA synchronisations the host makes during one steady step (``torch.cuda.set_sync_debug_mode``).
-    Each is named by its caller: the innermost frame of the stack outside torch (the code that asked torch for a
-    value or a wait); rank 0 prints each with its last frames and writes the callers to ``path``."""
+    Each is named by its caller: the innermost frame of the stack outside torch and the standard library (the
+    warning reaches us through ``warnings.py``; the caller is the code that asked torch for a value or a wait);
+    rank 0 prints each with its last frames and writes the callers to ``path``. The catcher is installed after the
+    mode is switched on and removed before it is switched off: those two calls are not counted."""
 
     def __init__(self, path: str, step: int = 4) -> None:
         self.path, self.step = path, step
@@ -224,32 +218,29 @@ class CudaSyncs(L.Callback):
                 if "synchroniz" in str(message):
                     self._seen.append([f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]])
 
+            torch.cuda.set_sync_debug_mode("warn")
             self._catcher = warnings.catch_warnings()
             self._catcher.__enter__()
             warnings.simplefilter("always")
             warnings.showwarning = seen
-            torch.cuda.set_sync_debug_mode("warn")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._catcher is None:
             return
-        torch.cuda.set_sync_debug_mode(0)
         self._catcher.__exit__(None, None, None)
         self._catcher = None
-        torch_dir = os.path.dirname(torch.__file__)
-        # left out: the warning torch gives for this callback's own set_sync_debug_mode(0) call, and only that one
-        # (a synchronisation some other code of this file caused still counts)
-        own = _line_of(CudaSyncs.on_train_batch_end, "set_sync_debug_mode(0)")
-        stacks = [stack for stack in self._seen
-                  if not next((f for f in reversed(stack) if not f.startswith(torch_dir)), "").startswith(own)]
-        callers = [next((f for f in reversed(stack) if not f.startswith(torch_dir)), "?") for stack in stacks]
+        torch.cuda.set_sync_debug_mode(0)
+        import sysconfig
+
+        outside = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"])
+        callers = [next((f for f in reversed(stack) if not f.startswith(outside)), "?") for stack in self._seen]
         if trainer.is_global_zero:
             import json
 
             print(f"CUDA syncs in one steady step ({type(trainer.strategy).__name__}): {len(callers)}")
-            for stack in stacks:
-                print("  " + "\n    ".join(stack[-8:]))
+            for caller, stack in zip(callers, self._seen):
+                print(f"  {caller}\n    " + "\n    ".join(stack[-8:]))
             with open(self.path, "w") as f:
                 json.dump(callers, f)
 

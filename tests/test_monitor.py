@@ -91,6 +91,7 @@ def test_every_metric_is_logged_with_finite_values_and_a_timeline_is_drawn(tmp_p
     assert "static_dist/overlap_ratio" in text and "static_dist/exposed_comm_ms" in text
 
 
+@pytest.mark.slow  # three 20-step fits (every metric is checked in the default run by the test above)
 def test_the_monitor_tells_an_uncut_whole_step_from_the_default_cut_one(tmp_path: Any) -> None:
     start, hidden = {}, {}
     for name, compile_cfg in [

@@ -9,9 +9,10 @@ Ring collectives over ``p`` ranks, with ``α`` the latency of one ring step and 
 
 Not modelled: NCCL's tree and NVLS algorithms (faster for small messages and large ``p``: the ring's 2(p-1)·α
 overstates what many small collectives cost at scale), link contention between concurrent collectives, the slowdown
-of compute kernels that share the GPU with communication kernels, and the reducer's own schedule (a bucket's later
-phases may overlap the next bucket's first; a compressor's work between phases and after the last is counted in
-its encode time, before its first phase).
+of compute kernels that share the GPU with communication kernels, and the reducer's own schedule: on NCCL a
+compressor's later phases (PowerSGD's second all-reduce) go out only after backward, here as soon as the first is
+done, and its work between phases counts as encode time before the first — both make multi-phase compressors look
+better than they are on GPUs.
 
 A step is predicted from a compute timeline — when each bucket's gradients are ready, when backward ends, how long
 the step computes — and what each bucket puts on the wire (:func:`bucket_wire`, which runs the compressor's own
