@@ -37,7 +37,8 @@ recorder's sight). ``exposed_comm_share`` = exposed_comm_ms / median step.
 Summary (static_dist = the defaults, at N GPUs): ``vs_ceiling``, ``vs_plain_ddp_compile``,
 ``vs_lightning_ddp_compile`` (tokens/s ratios) and ``peak_gib_vs_lightning_ddp_compile``; the same ratios for every
 contender under ``ratios``. Targets (BENCHMARKS.md, at 2 GPUs): vs_ceiling >= 0.95, vs_plain_ddp_compile >= 1.03,
-vs_lightning_ddp_compile >= 1.10, peak <= 1.0x.
+vs_lightning_ddp_compile >= 1.10, peak <= 1.0x. ``compressed_compute_ratio``: each compressed contender's
+``static_dist/compute_ms`` over the defaults' at the same GPU count (issue 15: <= 1.03).
 
 ``--trace``: after the first round, one more static_dist job with the OverlapMonitor's profiler mode; its per-rank
 ``static_dist/trace_hidden_comm_fraction`` beside Holistic Trace Analysis's on the same traces (when ``hta`` is
@@ -298,7 +299,10 @@ def build_rows(runs: dict[str, list[dict]], tiny: bool) -> list[dict]:
 REFERENCES = {"vs_ceiling": "ceiling", "vs_plain_ddp_compile": "plain_ddp_compile",
               "vs_lightning_ddp_compile": "ddp_compile"}
 TARGETS = {"vs_ceiling": ">= 0.95", "vs_plain_ddp_compile": ">= 1.03", "vs_lightning_ddp_compile": ">= 1.10",
-           "peak_gib_vs_lightning_ddp_compile": "<= 1.0", "exposed_comm_share": "<= 0.03"}
+           "peak_gib_vs_lightning_ddp_compile": "<= 1.0", "exposed_comm_share": "<= 0.03",
+           "compressed_compute_ratio": "<= 1.03"}
+#: contenders with a compressor: their static_dist/compute_ms against the uncompressed defaults' (issue 15)
+COMPRESSED = tuple(name for name, sections in CONTENDERS.items() if sections and "compression" in sections)
 
 
 def build_summary(rows: list[dict]) -> dict:
@@ -320,7 +324,14 @@ def build_summary(rows: list[dict]) -> dict:
     summary["peak_gib_vs_lightning_ddp_compile"] = (
         round(ours["peak_mem_gib"] / lightning["peak_mem_gib"], 4)
         if ours and lightning and ours.get("peak_mem_gib") and lightning.get("peak_mem_gib") else None)
-    summary.update(ratios=ratios, exposed_comm_share=exposed, targets=TARGETS)
+    compute = {}
+    for (name, gpus), row in sorted(by.items()):
+        base = by.get(("static_dist", gpus))
+        mine_ms = (row.get("overlap") or {}).get("compute_ms")
+        base_ms = (base.get("overlap") or {}).get("compute_ms") if base else None
+        if name in COMPRESSED and mine_ms and base_ms:
+            compute[f"{name}@{gpus}"] = round(mine_ms / base_ms, 4)
+    summary.update(ratios=ratios, exposed_comm_share=exposed, compressed_compute_ratio=compute, targets=TARGETS)
     return summary
 
 
