@@ -27,10 +27,40 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_static_dist.compression import CompressingReducer, build_compressor
 from lightning_static_dist.config import CompressionConfig, SyncConfig
+from lightning_static_dist.faults import waiting_in
+from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_parameters
 from lightning_static_dist.sync import GradientSynchronizer
+from lightning_static_dist.sync.broadcast import broadcast_tensors
+from lightning_static_dist.sync.plan import MiB
 
 #: Where a checkpoint keeps every rank's compression state (``{"world_size": N, "ranks": [state of rank 0, ...]}``).
 COMPRESSION_KEY = "static_dist_compression"
+
+
+def start_from_rank_zero(module: torch.nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+    """Check that every rank holds the same parameters (a rank with another model would pair its broadcasts and
+    buckets with the wrong tensors: it stops here), then give every rank rank 0's weights and buffers, whatever its
+    own initialisation drew. Collective."""
+    check_same_on_all_ranks("the model's parameters", describe_parameters(module), group)
+    broadcast_tensors(list(module.parameters()) + list(module.buffers()), group=group)
+
+
+def broadcast_buffers(buffers: list[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+    """Rank 0's module buffers (BatchNorm statistics ...) to every rank before a training forward
+    (``strategy.sync.broadcast_buffers``). Collective."""
+    with waiting_in("the broadcast of module buffers"):
+        broadcast_tensors(buffers, group=group)
+
+
+def bucket_split(sync: SyncConfig) -> tuple[int, int]:
+    """Where the compiled step is cut: the bucket capacities in bytes (first bucket, every later one)."""
+    return int(sync.first_bucket_mb * MiB), int(sync.bucket_mb * MiB)
+
+
+def check_same_graphs(report: Any, group: Optional[dist.ProcessGroup]) -> None:
+    """Every rank compiled the same graphs (a ``CompileReport``'s structure lines); a difference stops every rank
+    with the first one. Collective: after round 1, before the first bucket collective of the plan."""
+    check_same_on_all_ranks("what they compiled (graph structures)", report.structure_lines(), group)
 
 
 def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], sync: SyncConfig,

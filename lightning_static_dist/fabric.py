@@ -58,14 +58,16 @@ from lightning_static_dist.config import (
 from lightning_static_dist.ddp_arguments import DDPArguments, strategy_config, yield_to
 from lightning_static_dist.engine import (
     COMPRESSION_KEY,
+    broadcast_buffers,
+    bucket_split,
     build_synchronizer,
+    check_same_graphs,
     compressing_reducer_of,
     gather_compression_state,
     register_names,
     restore_compression_state,
+    start_from_rank_zero,
 )
-from lightning_static_dist.faults import waiting_in
-from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_parameters
 from lightning_static_dist.launcher import exit_without_native_teardown
 from lightning_static_dist.mesh import build_dp_mesh, resolve_mesh_shape
 from lightning_static_dist.overlap.intervals import step_metrics
@@ -73,8 +75,6 @@ from lightning_static_dist.overlap.monitor import METRICS, RankAggregate, aggreg
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.overlap.timeline import StepTimeline
 from lightning_static_dist.sync import GradientSynchronizer
-from lightning_static_dist.sync.broadcast import broadcast_tensors
-from lightning_static_dist.sync.plan import MiB
 
 log = logging.getLogger(__name__)
 
@@ -286,9 +286,7 @@ class StaticDistFabricStrategy(DDPStrategy):
     def setup_module(self, module: Module) -> Module:
         """Start every rank from rank 0's weights; the first module with trainable parameters gets the synchroniser
         (at world size > 1), compilation (``strategy.compile``) and the step's hooks. The module is not wrapped."""
-        # a rank with another model would pair its broadcasts and buckets with the wrong tensors: stop it here
-        check_same_on_all_ranks("the model's parameters", describe_parameters(module), self._dp_group)
-        broadcast_tensors(list(module.parameters()) + list(module.buffers()), group=self._dp_group)
+        start_from_rank_zero(module, self._dp_group)
         if not any(p.requires_grad for p in module.parameters()):
             return module  # nothing to synchronise (a frozen teacher, an evaluation copy)
         if self._module is not None:
@@ -334,7 +332,7 @@ class StaticDistFabricStrategy(DDPStrategy):
             return
         split = None
         if config.regional == "auto" and self.world_size > 1:
-            split = (int(sync.first_bucket_mb * MiB), int(sync.bucket_mb * MiB))
+            split = bucket_split(sync)
         self._compile_report = compile_regions(module, config, self._compile_report, split=split)
         self._graphs_checked = False
         if self._synchronizer is not None and self._compile_report.splitter is not None:
@@ -346,8 +344,7 @@ class StaticDistFabricStrategy(DDPStrategy):
         if self._compile_report is None or self._graphs_checked:
             return
         self._graphs_checked = True
-        check_same_on_all_ranks("what they compiled (graph structures)", self._compile_report.structure_lines(),
-                                self._dp_group)
+        check_same_graphs(self._compile_report, self._dp_group)
 
     # -------------------------------------------------------------------------------------------- one step
 
@@ -356,8 +353,7 @@ class StaticDistFabricStrategy(DDPStrategy):
         if not (module.training and torch.is_grad_enabled()):
             return  # an evaluation forward: no buffers taken from rank 0, nothing recorded
         if self._buffers_to_broadcast:
-            with waiting_in("the broadcast of module buffers"):
-                broadcast_tensors(self._buffers_to_broadcast, group=self._dp_group)
+            broadcast_buffers(self._buffers_to_broadcast, self._dp_group)
         recorder = self._recorder
         if recorder is None:
             return

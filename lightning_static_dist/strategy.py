@@ -88,21 +88,23 @@ from lightning_static_dist.ddp_arguments import DDPArguments, strategy_config, y
 from lightning_static_dist.embedding import EmbeddingSharder
 from lightning_static_dist.engine import (
     COMPRESSION_KEY as _COMPRESSION_KEY,
+    broadcast_buffers,
+    bucket_split,
     build_synchronizer,
+    check_same_graphs,
     compressing_reducer_of,
     gather_compression_state,
     register_names,
     restore_compression_state,
+    start_from_rank_zero,
 )
 from lightning_static_dist.faults import diagnose, is_collective_failure, waiting_in
 from lightning_static_dist import loop as loop_patches
 from lightning_static_dist.launcher import StaticDistLauncher, StaticDistSpawnLauncher
-from lightning_static_dist.fingerprint import RankMismatchError, check_same_on_all_ranks, describe_parameters
+from lightning_static_dist.fingerprint import RankMismatchError
 from lightning_static_dist.mesh import REPLICATE_DIM, SHARD_DIM, build_dp_mesh, resolve_mesh_shape
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.sync import GradientSynchronizer
-from lightning_static_dist.sync.broadcast import broadcast_tensors
-from lightning_static_dist.sync.plan import MiB
 from lightning_static_dist.sync.graph import GraphGradientSync
 from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
 
@@ -411,10 +413,7 @@ class StaticDistStrategy(ParallelStrategy):
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        # a rank with another model would pair its broadcasts and buckets with the wrong tensors: stop it here
-        check_same_on_all_ranks("the model's parameters", describe_parameters(self.model), self._dp_group)
-        # every rank starts from rank 0's weights and buffers, whatever its own initialisation drew
-        broadcast_tensors(list(self.model.parameters()) + list(self.model.buffers()), group=self._dp_group)
+        start_from_rank_zero(self.model, self._dp_group)
         if trainer.state.fn == TrainerFn.FITTING:
             self._shard_embeddings()  # before the optimizer is built: it must hold the shards, not the full weights
             self.setup_optimizers(trainer)
@@ -474,7 +473,7 @@ class StaticDistStrategy(ParallelStrategy):
             if config.regional == "auto" and self.world_size > 1 and not graph_mode:
                 # one graph for forward + loss, cut where the buckets end so that collectives still overlap backward
                 # (decided from the config, not from this stage: a validate before fit compiles for the fit too)
-                split = (int(sync.first_bucket_mb * MiB), int(sync.bucket_mb * MiB))
+                split = bucket_split(sync)
             patches = graph_mode_patches(sync.first_bucket_mb, sync.bucket_mb) if graph_mode else None
             self._compile_report = compile_regions(module, config, split=split, inductor_patches=patches)
             if config.optimizer and trainer.state.fn == TrainerFn.FITTING:
@@ -494,9 +493,7 @@ class StaticDistStrategy(ParallelStrategy):
         if self._compile_report is None or self._graphs_checked:
             return
         self._graphs_checked = True
-        check_same_on_all_ranks(
-            "what they compiled (graph structures)", self._compile_report.structure_lines(), self._dp_group
-        )
+        check_same_graphs(self._compile_report, self._dp_group)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -761,8 +758,7 @@ class StaticDistStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._buffers_to_broadcast:
-            with waiting_in("the broadcast of module buffers"):
-                broadcast_tensors(self._buffers_to_broadcast, group=self._dp_group)
+            broadcast_buffers(self._buffers_to_broadcast, self._dp_group)
         if self._embedding_sharder is not None:
             with waiting_in("the all-gather of the sharded embeddings"):
                 self._embedding_sharder.materialize()  # the only wait for the gather issued earlier
