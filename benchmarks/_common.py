@@ -116,3 +116,24 @@ def write_record(scenario: str, command: str, **fields: Any) -> str:
         json.dump(record, f, indent=2)
     print(f"recorded: {os.path.relpath(path, ROOT)}")
     return path
+
+
+def spawn_ranks(target: Any, world: int, *args: Any, timeout_s: float = 1800) -> Any:
+    """Run ``target(rank, world, port, *args, queue)`` on ``world`` spawned processes of this machine (``port``: a
+    free one for ``MASTER_PORT``) and return what rank 0 put on ``queue``."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(rank, world, port, *args, queue)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=timeout_s)
+    for p in procs:
+        p.join()
+    return result

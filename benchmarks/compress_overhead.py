@@ -28,7 +28,8 @@ import time
 from collections import Counter
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _common import ROOT, spawn_ranks  # (this script's folder is on sys.path)
+
 #: operators that only make a new view of existing memory: no kernel
 VIEWS = {"aten.view", "aten.slice", "aten.t", "aten.detach", "aten.permute", "aten.as_strided", "aten.expand",
          "aten.select", "aten.unsqueeze", "aten.squeeze", "aten.transpose", "aten.alias", "aten._reshape_alias",
@@ -112,10 +113,6 @@ def _rank(rank: int, world: int, port: int, src: str, layers: int, steps: int, q
 
 
 def main() -> None:
-    import socket
-
-    import torch.multiprocessing as mp
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", required=True, help="the record key: before / after ...")
     parser.add_argument("--src", default=ROOT, help="the checkout whose lightning_static_dist is measured")
@@ -123,17 +120,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, args.src, args.layers, args.steps, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
+    results = spawn_ranks(_rank, 2, args.src, args.layers, args.steps)
     for name, row in results.items():
         row["reducer_ops"] = row["aten_ops"] - results["fp32"]["aten_ops"]
         row["reducer_compute_ops"] = row["compute_ops"] - results["fp32"]["compute_ops"]

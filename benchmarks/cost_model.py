@@ -33,12 +33,12 @@ import sys
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _common import ROOT, spawn_ranks  # noqa: E402  (this script's folder is on sys.path)
+
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from lightning_static_dist.compression.base import _all_gather_single  # noqa: E402  (torch 2.11 .. 2.13)
 from lightning_static_dist.overlap.cost_model import (  # noqa: E402
@@ -110,21 +110,9 @@ def _time_collectives(rank: int, world: int, port: int, backend: str, reps: int,
 
 
 def measure(worlds: list[int], backend: str, reps: int) -> list[Sample]:
-    import socket
-
     samples = []
     for world in worlds:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=_time_collectives, args=(r, world, port, backend, reps, queue)) for r in range(world)]
-        for p in procs:
-            p.start()
-        rows = queue.get(timeout=1800)
-        for p in procs:
-            p.join()
+        rows = spawn_ranks(_time_collectives, world, backend, reps)
         samples += [Sample(*row) for row in rows]
         print(f"world {world}: " + ", ".join(f"{k} {n >> 10} KiB {t * 1e3:.2f} ms" for k, n, _, t in rows), flush=True)
     return samples

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 _PATCHED = "_broadcast_sigterm_tensor"
 #: steps between starting a round of the flags' all-reduce and reading it
 LAG = 2
+_ROUND = "the all-reduce of the ranks' SIGTERM flags"
 
 
 @functools.cache
@@ -112,19 +113,26 @@ class HostSigtermBroadcast:
         self._connector.__class__ = _agreeing(self._connector_class)
         self._connector.received_sigterm = own
 
+    def _own_flag(self) -> torch.Tensor:
+        return torch.tensor([1 if self._connector.__dict__.get("own_sigterm", False) else 0], dtype=torch.int32)
+
+    def _agreed(self, carried: bool) -> bool:
+        """A completed round's verdict (``carried``: it carried a flag); if so, the agreed flag from now on."""
+        if carried:
+            self._connector.__dict__["_agreed_sigterm"] = True
+        return carried
+
     def __call__(self) -> None:
-        own = self._connector.__dict__.get("own_sigterm", False)
-        flag = torch.tensor([1 if own else 0], dtype=torch.int32)
+        flag = self._own_flag()
         self._in_flight.append((dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag))
         if len(self._in_flight) <= self._lag:
             return
         work, oldest = self._in_flight.popleft()
-        with waiting_in("the all-reduce of the ranks' SIGTERM flags"):
+        with waiting_in(_ROUND):
             work.wait()
-        if oldest.item() == 1:  # a CPU tensor Gloo wrote: no device involved
+        if self._agreed(oldest.item() == 1):  # a CPU tensor Gloo wrote: no device involved
             from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-            self._connector.__dict__["_agreed_sigterm"] = True
             with contextlib.suppress(Exception):
                 self._drain()
                 dist.barrier(group=self._group)  # as Lightning does: no rank left waiting in a collective
@@ -133,16 +141,15 @@ class HostSigtermBroadcast:
     def agree(self) -> None:
         """One blocking round now (collective: every rank calls it at the same point, e.g. at the end of a
         validation); a flag set on any rank becomes the agreed flag, which Lightning's next check acts on."""
-        flag = torch.tensor([1 if self._connector.__dict__.get("own_sigterm", False) else 0], dtype=torch.int32)
-        with waiting_in("the all-reduce of the ranks' SIGTERM flags"):
+        flag = self._own_flag()
+        with waiting_in(_ROUND):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        if flag.item() == 1:
-            self._connector.__dict__["_agreed_sigterm"] = True
+        self._agreed(flag.item() == 1)
 
     def _drain(self) -> None:
         while self._in_flight:
             work, _ = self._in_flight.popleft()
-            with waiting_in("the all-reduce of the ranks' SIGTERM flags"):
+            with waiting_in(_ROUND):
                 work.wait()
 
     def close(self, drain: bool = True) -> None:
@@ -173,10 +180,19 @@ def host_group(timeout: Optional[timedelta] = None) -> Optional[dist.ProcessGrou
         return None
 
 
+def _epoch_loop(trainer: Any) -> Any:
+    return getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+
+
+def _installed(trainer: Any) -> Optional[HostSigtermBroadcast]:
+    check = getattr(_epoch_loop(trainer), "__dict__", {}).get(_PATCHED)
+    return check if isinstance(check, HostSigtermBroadcast) else None
+
+
 def install(trainer: Any, group: Optional[dist.ProcessGroup]) -> bool:
     """Put :class:`HostSigtermBroadcast` in place of the loop's device broadcast; ``False`` where this Lightning has
     no such method or there is no host group (the loop is left as it is)."""
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    loop = _epoch_loop(trainer)
     if group is None or loop is None or not hasattr(type(loop), _PATCHED):
         return False
     setattr(loop, _PATCHED, HostSigtermBroadcast(trainer, group))
@@ -185,14 +201,14 @@ def install(trainer: Any, group: Optional[dist.ProcessGroup]) -> bool:
 
 def agree(trainer: Any) -> None:
     """:meth:`HostSigtermBroadcast.agree` where installed (at the end of a validation inside ``fit``)."""
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    check = loop.__dict__.get(_PATCHED) if loop is not None else None
-    if isinstance(check, HostSigtermBroadcast):
+    check = _installed(trainer)
+    if check is not None:
         check.agree()
 
 
 def uninstall(trainer: Any, drain: bool = True) -> None:
     """Put Lightning's method and flag back (:meth:`HostSigtermBroadcast.close`)."""
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    if loop is not None and isinstance(loop.__dict__.get(_PATCHED), HostSigtermBroadcast):
-        loop.__dict__.pop(_PATCHED).close(drain=drain)
+    check = _installed(trainer)
+    if check is not None:
+        del _epoch_loop(trainer).__dict__[_PATCHED]
+        check.close(drain=drain)

@@ -71,12 +71,12 @@ class PhasedReduction:
     work = None
 
     def __init__(self, reducer: CompressingReducer, flat: Tensor, generators: Sequence[Generator[Phase, None, None]],
-                 nbytes: int, compressed: Sequence[Tensor], snapshot: Any,
-                 reference: Optional[Sequence[Tensor]] = None, gradients: Optional[Tensor] = None) -> None:
+                 nbytes: int, compressed: Sequence[Tensor], snapshot: Any, gradients: Tensor,
+                 reference: Optional[Sequence[Tensor]] = None) -> None:
         self._reducer = reducer
         self._reference = reference
         self._flat = flat
-        self._gradients = flat if gradients is None else gradients
+        self._gradients = gradients
         """The bucket's gradient slots (its flat buffer without the usage flags): checked finite in one pass."""
         self._compressed = compressed
         self._snapshot = snapshot
@@ -215,7 +215,7 @@ class CompressingReducer:
             generators.insert(0, averaged(reference, world))
             nbytes += sum(r.numel() for r in reference) * 4
         reduction = PhasedReduction(self, flat, generators, nbytes, compressed, self.compressor.snapshot(keys),
-                                    reference, gradients=flat[: bucket.numel])
+                                    flat[: bucket.numel], reference)
         self._chain.append(reduction)
         # issues its phase 0 now, behind earlier buckets' (launch order), and the later phases of earlier buckets
         # whose previous phase is done: completion is checked here, at bucket boundaries, not from every gradient hook
