@@ -145,6 +145,18 @@ _NOT_ELEMENTWISE = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafa
                          if hasattr(torch.optim, name))
 
 
+def binds_device(backend: str, device: torch.device) -> bool:
+    """Whether the process group starts bound to the rank's device (``device_id``): NCCL-like backends on an
+    accelerator, so that the mesh's groups are split from one eagerly created communicator. Gloo is not bound, also
+    when it carries CUDA tensors: ``DeviceMesh`` would then split its groups, and ``split_group`` cannot copy Gloo's
+    options (``TypeError: cannot pickle ... _Options`` on torch 2.11)."""
+    if device.type == "cpu":
+        return False
+    backend = backend.lower()
+    per_device = dict(pair.split(":", 1) for pair in backend.split(",")) if ":" in backend else {device.type: backend}
+    return per_device.get(device.type) != "gloo"
+
+
 class StaticDistStrategy(ParallelStrategy):
     """Data-parallel training with explicit, bucketed gradient collectives over a ``DeviceMesh``.
 
@@ -389,7 +401,7 @@ class StaticDistStrategy(ParallelStrategy):
             self.cluster_environment,
             self._process_group_backend,
             timeout=timedelta(seconds=self._config.timeout_s),
-            device_id=self.root_device if self.root_device.type != "cpu" else None,
+            device_id=self.root_device if binds_device(self._process_group_backend, self.root_device) else None,
         )
         _destroy_process_groups_at_exit()
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
