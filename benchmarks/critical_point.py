@@ -30,7 +30,9 @@ import argparse
 import json
 import math
 import os
+import socket
 import statistics
+import subprocess
 import sys
 from typing import Any, Optional
 
@@ -38,6 +40,7 @@ from _common import ROOT, SAFE_ENV, run_worker, write_record
 
 from lightning_static_dist.compression.compressors import QSGDCompressor
 from lightning_static_dist.compression.critical import critical_points, sweep_row
+from lightning_static_dist.compression.critical_report import format_table, plot_sweep
 
 CONFIG = os.path.join(ROOT, "configs", "charlm_cpu.yaml")
 
@@ -65,7 +68,15 @@ SETTINGS: dict[str, tuple[str, int, dict[str, Any]]] = {
     "powersgd_r4": ("powersgd", 2, {"name": "powersgd", "rank": 4}),
     "powersgd_r2": ("powersgd", 3, {"name": "powersgd", "rank": 2}),
     "powersgd_r1": ("powersgd", 4, {"name": "powersgd", "rank": 1}),
+    # not ours: PyTorch's own PowerSGD (DDP's powerSGD_hook, error feedback and warm start on, its defaults
+    # otherwise) at rank 4 under Lightning's `ddp`, compressing from the same step: tells an implementation fault of
+    # ours from what the algorithm does to this model
+    "torch_powersgd_r4": ("torch_reference", 0, {"name": "none"}),
 }
+#: the families whose critical point is sought (the reference row is beside them, not one of them)
+FAMILIES = ("qsgd", "topk", "powersgd")
+#: the reference settings: rank of torch's PowerSGD hook
+TORCH_POWERSGD = {"torch_powersgd_r4": 4}
 QSGD_BITS = {"qsgd_8bit": 8, "qsgd_4bit": 4, "qsgd_3bit": 3, "qsgd_2bit": 2}
 #: the main job as configured, or the same model family at GPT-2 small's shape (d = 768, 12 layers, 12 heads,
 #: 1024 bytes of context) with GPT-2's learning rate
@@ -132,6 +143,8 @@ def worker(setting: str, args: argparse.Namespace, out: str) -> None:
                                batch_idx: int) -> None:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             self.losses.append(loss.detach().float())
+            if setting in TORCH_POWERSGD:  # DDP's hook counts nothing
+                return
             sent = trainer.strategy.synchronizer.stats.bytes_sent
             self.step_bytes.append(sent - self._sent)
             self._sent = sent
@@ -142,24 +155,35 @@ def worker(setting: str, args: argparse.Namespace, out: str) -> None:
                 self.rel_errors.append((step, guard.last_rel_error))
 
     family, _, compression = SETTINGS[setting]
-    cfg = load_run_config(CONFIG, job_overrides(args, compression))
+    overrides = job_overrides(args, compression)
+    peer = None
+    if args.shared_gpu:
+        peer = start_as_two_nodes(args)
+        overrides += ["trainer.num_nodes=2", "trainer.devices=1"]
+    cfg = load_run_config(CONFIG, overrides)
     L.seed_everything(cfg.seed)
     model, data = cfg.model.instantiate("model"), cfg.data.instantiate("data")
     # the guard's own measurement, with thresholds it can never reach: it reads the error and never switches
-    guard = None if family == "exact" else CompressionGuard(
+    guard = None if family in ("exact", "torch_reference") else CompressionGuard(
         check_every_n_steps=args.check_every, max_rel_error=math.inf, loss_spike=math.inf, patience=2**31)
     summary, log = RunSummary(warmup_steps=5), StepLog(guard)
     callbacks = [summary, *([guard] if guard is not None else []), log]  # the log reads the guard after it ran
-    trainer = L.Trainer(strategy=StaticDistStrategy.from_config(cfg.strategy), callbacks=callbacks, **cfg.trainer)
+    backend = {"process_group_backend": "gloo"} if args.shared_gpu else {}
+    if setting in TORCH_POWERSGD:
+        strategy = torch_powersgd_strategy(TORCH_POWERSGD[setting], args.start_step, backend)
+    else:
+        strategy = StaticDistStrategy.from_config(cfg.strategy, **backend)
+    trainer = L.Trainer(strategy=strategy, callbacks=callbacks, **cfg.trainer)
     trainer.fit(model, datamodule=data)
     if trainer.is_global_zero:
-        sync, reducer = trainer.strategy.synchronizer, trainer.strategy.compressing_reducer
+        sync = getattr(trainer.strategy, "synchronizer", None)
+        reducer = getattr(trainer.strategy, "compressing_reducer", None)
         taken = 0 if reducer is None else sum(p.numel() for p in sync.parameters if reducer.compressor.takes(p.shape))
         record = {
             "losses": [float(x) for x in log.losses],
             "val_loss": float(trainer.callback_metrics["val_loss"]),
             "step_bytes": log.step_bytes,
-            "dense_bytes_per_step": sync.stats.last_round_dense_bytes,
+            "dense_bytes_per_step": None if sync is None else sync.stats.last_round_dense_bytes,
             "rel_errors": log.rel_errors,
             "compressed_numel": taken,
             "step_s": summary.step_seconds[5:],
@@ -171,12 +195,49 @@ def worker(setting: str, args: argparse.Namespace, out: str) -> None:
         }
         with open(out, "w") as f:
             json.dump(record, f)
+    if peer is not None and peer.wait() != 0:
+        sys.exit(f"rank 1 exited with {peer.returncode}")
+
+
+def torch_powersgd_strategy(rank: int, start_step: int, backend: dict[str, str]) -> Any:
+    """Lightning's ``ddp`` with PyTorch's PowerSGD communication hook at ``rank``, compressing from ``start_step``."""
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    class HookedDDP(DDPStrategy):
+        """Lightning registers a DDP communication hook on CUDA devices only (and drops it silently elsewhere): the
+        hook is registered here on any device (DDP's hooks run on Gloo too)."""
+
+        def configure_ddp(self) -> None:
+            super().configure_ddp()
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                                start_powerSGD_iter=max(2, start_step))
+            self.model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+    return HookedDDP(**backend)
+
+
+def start_as_two_nodes(args: argparse.Namespace) -> Optional[subprocess.Popen]:
+    """``--shared-gpu``: this job's two ranks as two one-device "nodes" of this machine, both on GPU 0, over Gloo
+    (NCCL refuses two ranks on one GPU; Gloo reduces CUDA tensors through host memory). The first call (rank 0)
+    starts rank 1 as a copy of this process and returns it; Lightning reads the launch from the environment
+    (``LOCAL_RANK`` set: started externally; ``NODE_RANK``: the global rank). Rank 1 returns ``None``."""
+    if "LOCAL_RANK" in os.environ:
+        return None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    peer = subprocess.Popen([sys.executable, *sys.argv], env={**os.environ, **launch, "NODE_RANK": "1"})
+    os.environ.update(launch, NODE_RANK="0")
+    return peer
 
 
 def worker_args(args: argparse.Namespace) -> list[str]:
     """The options every setting's job gets (the parent's, minus what only the parent reads)."""
     return ["--steps", str(args.steps), "--start-step", str(args.start_step), "--check-every", str(args.check_every),
             "--device", args.device, "--devices", str(args.devices), "--width", args.width, "--compile", args.compile,
+            *(["--shared-gpu"] if args.shared_gpu else []),
             *(["--set", *args.set] if args.set else [])]
 
 
@@ -212,12 +273,14 @@ def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[
                         reference_val_loss=ref["val_loss"],
                         rel_errors=[e for _, e in rec["rel_errors"]] if compressed else [0.0],
                         start=args.start_step if compressed else 0, window=args.window)
-        nbytes, dense = steady_bytes(rec, args, compressed), rec["dense_bytes_per_step"]
+        counted = setting not in TORCH_POWERSGD  # DDP's hook counts no bytes
+        nbytes = steady_bytes(rec, args, compressed) if counted else None
+        dense = rec["dense_bytes_per_step"]
         row.update(
-            compression=compression,
+            compression=compression if counted else {"torch_powersgd_hook_rank": TORCH_POWERSGD[setting]},
             bytes_per_step=nbytes,
-            compression_ratio=round(dense / nbytes, 2),
-            run_compression_ratio=run_ratio(rec, args, compressed),
+            compression_ratio=round(dense / nbytes, 2) if counted else None,
+            run_compression_ratio=run_ratio(rec, args, compressed) if counted else None,
             rel_errors=[[s, round(e, 4)] for s, e in rec["rel_errors"]],
             step_ms_median=round(1e3 * statistics.median(rec["step_s"]), 1) if rec["step_s"] else None,
             nonfinite_buckets=rec["nonfinite_buckets"],
@@ -238,31 +301,6 @@ def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[
     return rows
 
 
-def _step(row: dict[str, Any], key: str) -> str:
-    if row.get("diverged_step") is not None:
-        return f"div@{row['diverged_step']}"
-    return "-" if row[key] is None else str(row[key])
-
-
-def _num(value: Optional[float], fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
-def print_table(rows: list[dict[str, Any]], points: dict[str, Optional[str]]) -> None:
-    print(f"\n{'setting':<14} {'bytes/step':>11} {'ratio':>7} {'loss x':>7} {'val x':>7} {'>3%':>7} {'>10%':>7} "
-          f"{'rel err':>8} {'max':>6} {'ms/step':>8}")
-    for r in rows:
-        if "failed" in r:
-            print(f"{r['setting']:<14} failed: {r['failed']}")
-            continue
-        mark = " *" if points.get(r["family"]) == r["setting"] else ""
-        print(f"{r['setting']:<14} {r['bytes_per_step']:>11,} {r['compression_ratio']:>6.1f}x "
-              f"{_num(r['final_loss_ratio'], '7.3f')} {_num(r['val_loss_ratio'], '7.3f')} {_step(r, 'behind_3pct_step'):>7} "
-              f"{_step(r, 'behind_10pct_step'):>7} {_num(r['rel_error_median'], '8.3f')} {_num(r['rel_error_max'], '6.3f')} "
-              f"{_num(r['step_ms_median'], '8.1f')}{mark}")
-    print("* the family's critical point")
-
-
 def guard_evidence(rows: list[dict[str, Any]], points: dict[str, Optional[str]]) -> dict[str, Any]:
     """Per family: the measured gradient error at its critical setting and at the first setting past it — the
     range a ``max_rel_error`` that separates them must fall in."""
@@ -281,49 +319,6 @@ def guard_evidence(rows: list[dict[str, Any]], points: dict[str, Optional[str]])
     return evidence
 
 
-def plot(rows: list[dict[str, Any]], points: dict[str, Optional[str]], tolerance: float, path: str, title: str) -> None:
-    """Final loss ratio against compression ratio (log x), one curve per family, the critical point ringed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5.2))
-    ok = [r for r in rows if "failed" not in r]
-    finite = [r["final_loss_ratio"] for r in ok if r["final_loss_ratio"] is not None]
-    ceiling = max(finite + [tolerance]) * 1.05
-    labels = {"qsgd": lambda r: f"{r['bits']}b", "topk": lambda r: f"{100 * r['compression']['density']:g}%",
-              "powersgd": lambda r: f"r{r['compression']['rank']}"}
-    for family, color in (("qsgd", "tab:blue"), ("topk", "tab:orange"), ("powersgd", "tab:green")):
-        members = sorted((r for r in ok if r["family"] == family), key=lambda r: r["level"])
-        if not members:
-            continue
-        xs = [r["compression_ratio"] for r in members]
-        ys = [r["final_loss_ratio"] if r["final_loss_ratio"] is not None else ceiling for r in members]
-        ax.plot(xs, ys, "-o", color=color, label=family)
-        for r, x, y in zip(members, xs, ys):
-            diverged = r["final_loss_ratio"] is None
-            ax.annotate(labels[family](r) + (" (diverged)" if diverged else ""), (x, y), textcoords="offset points",
-                        xytext=(9, 5), fontsize=8, color=color)
-            if r["setting"] == points.get(family):
-                ax.plot([x], [y], "o", ms=16, mfc="none", mec=color, mew=2)
-        if family == "qsgd":
-            packed = [r["packed_compression_ratio_estimate"] for r in members]
-            ax.plot(packed, ys, "--o", color=color, mfc="none", alpha=0.6, label="qsgd if bit-packed (estimate)")
-    ax.plot([1.0], [1.0], "ks", label="exact fp32")
-    ax.axhline(tolerance, color="grey", ls=":", lw=1, label=f"tolerance {tolerance}x")
-    ax.set_xscale("log")
-    ax.set_xlabel("compression ratio (uncompressed bytes / bytes sent per step, log scale)")
-    ax.set_ylabel("final training loss / exact's")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"plotted: {os.path.relpath(path, ROOT)}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
@@ -340,6 +335,12 @@ def main() -> None:
                         help="strategy.compile backend (default: inductor on cuda; off on cpu, where compiling does not"
                              " change the step time (cpu2-charlm) and costs 10 s (aot_eager) to 45 s (inductor) per job)."
                              " The compressors run in the synchroniser's hooks, outside the compiled graph, either way")
+    parser.add_argument("--shared-gpu", action="store_true",
+                        help="run the two ranks on one GPU over Gloo (a 1-GPU machine); quality figures only, the"
+                             " step times are not those of two GPUs")
+    parser.add_argument("--keep-dir", help="keep each setting's record in this folder and reuse the ones already there"
+                                           " (a sweep split over several calls)")
+    parser.add_argument("--tag", help="appended to the scenario's name (a partial sweep beside the full one)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides")
     parser.add_argument("--no-record", action="store_true", help="print only; do not write benchmarks/results/")
     parser.add_argument("--rows-json", help="also write the table, critical points and curves to this file")
@@ -350,6 +351,8 @@ def main() -> None:
         args.start_step = args.steps // 10
     if args.compile is None:
         args.compile = "off" if args.device == "cpu" else "inductor"
+    if args.shared_gpu and (args.device != "cuda" or args.devices != 2):
+        sys.exit("--shared-gpu: allowed with --device cuda and --devices 2 only")
     if args.worker:
         worker(args.worker, args, args.out)
         return
@@ -362,6 +365,12 @@ def main() -> None:
 
     results: dict[str, dict[str, Any]] = {}
     for name in names:
+        kept = args.keep_dir and os.path.join(args.keep_dir, f"{name}.json")
+        if kept and os.path.exists(kept):
+            with open(kept) as f:
+                results[name] = json.load(f)
+            print(f"{name:<14} reused {kept}", flush=True)
+            continue
         try:
             results[name] = run_worker(__file__, name, *worker_args(args))
         except SystemExit as failure:  # run_worker exits with the job's stderr tail; the sweep goes on without it
@@ -370,15 +379,21 @@ def main() -> None:
             print(failure, file=sys.stderr)
             results[name] = {"failed": str(failure).splitlines()[0]}
         print(f"{name:<14} done in {results[name].get('wall_s', 0):.0f} s", flush=True)
+        if kept and "failed" not in results[name]:
+            os.makedirs(args.keep_dir, exist_ok=True)
+            with open(kept, "w") as f:
+                json.dump(results[name], f)
     rows = table(results, args)
-    points = critical_points([r for r in rows if "failed" not in r], args.tolerance)
-    print_table(rows, points)
+    points = critical_points([r for r in rows if "failed" not in r and r["family"] in FAMILIES], args.tolerance)
+    print(format_table(rows, points))
     print(f"critical points (final loss <= {args.tolerance}x exact): {points}")
     ref = results["exact"]
-    scenario = f"{'cpu' if args.device == 'cpu' else 'gpu'}{args.devices}-critical-point"
+    # two ranks on one GPU (--shared-gpu) are a gpu1 record
+    scenario = f"{'cpu' if args.device == 'cpu' else 'gpu'}{1 if args.shared_gpu else args.devices}-critical-point"
+    scenario += f"-{args.tag}" if args.tag else ""
     settings = {"steps": args.steps, "start_step": args.start_step, "check_every": args.check_every,
                 "window": args.window, "tolerance": args.tolerance, "device": args.device, "devices": args.devices,
-                "width": args.width, "compile": args.compile, "overrides": args.set, "seed": ref["seed"],
+                "width": args.width, "compile": args.compile, "shared_gpu": args.shared_gpu, "overrides": args.set, "seed": ref["seed"],
                 "compressor_seed": 0, "model": ref["model"], "parameters": ref["parameters"],
                 "batch_size_per_rank": ref["batch_size"]}
     by_name = {r["setting"]: r for r in rows}
@@ -399,7 +414,9 @@ def main() -> None:
     if args.no_record:
         return
     command = "python benchmarks/critical_point.py " + " ".join(sys.argv[1:])
-    hardware = None if args.device == "cpu" else {"devices": args.devices, "backend": "nccl", "cores": os.cpu_count()}
+    hardware = None if args.device == "cpu" else {
+        "gpus": 1 if args.shared_gpu else args.devices, "ranks": args.devices,
+        "backend": "gloo (both ranks on GPU 0)" if args.shared_gpu else "nccl", "cores": os.cpu_count()}
     notes = NOTES + ([] if args.compile != "off" else [
         "compile off: the compressors run in the synchroniser's hooks outside any compiled graph, so compiling does"
         " not change what is measured here, and on these CPUs it does not change the step time (cpu2-charlm) while"
@@ -409,7 +426,7 @@ def main() -> None:
                         summary=summary, curves=curves)
     title = (f"{scenario}: CharGPT d={ref['model']['n_embd']}, {ref['model']['n_layer']} layers, {args.steps} steps "
              f"(exact for the first {args.start_step})")
-    plot(rows, points, args.tolerance, path[: -len(".json")] + ".png", title)
+    print(f"plotted: {os.path.relpath(plot_sweep(rows, points, args.tolerance, path[:-len('.json')] + '.png', title), ROOT)}")
 
 
 if __name__ == "__main__":

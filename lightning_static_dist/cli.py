@@ -170,11 +170,18 @@ def report(run_dir: str, plot: bool = True) -> str:
 
 def report_main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of ``lsd-report``."""
-    parser = argparse.ArgumentParser(prog="lsd-report", description="Summarise a finished lsd-train run.")
-    parser.add_argument("run_dir", help="the run's directory (trainer.default_root_dir) or one of its log dirs")
+    from lightning_static_dist.compression.critical_report import is_sweep_record, report_sweep
+
+    parser = argparse.ArgumentParser(
+        prog="lsd-report", description="Summarise a finished lsd-train run, or a recorded critical-point sweep.")
+    parser.add_argument("run_dir", help="the run's directory (trainer.default_root_dir) or one of its log dirs; or a"
+                                        " critical-point record (benchmarks/results/*-critical-point-<date>.json)")
     parser.add_argument("--no-plot", action="store_true", help="print the table only")
     args = parser.parse_args(argv)
     try:
+        if is_sweep_record(args.run_dir):
+            print(report_sweep(args.run_dir, plot=not args.no_plot))
+            return
         print(report(args.run_dir, plot=not args.no_plot))
     except FileNotFoundError as err:
         parser.exit(2, f"{err}\n")

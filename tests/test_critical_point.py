@@ -107,13 +107,16 @@ def test_a_tiny_sweep_writes_every_row_of_its_table(tmp_path: Any) -> None:
     tiny = ["model.n_layer=1", "model.n_embd=64", "model.block_size=32", "data.block_size=32", "data.batch_size=8",
             "data.max_bytes=100000", "trainer.limit_val_batches=2"]
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "critical_point.py"), "--steps", "5", "--start-step", "2",
-           "--check-every", "2", "--compile", "off", "--settings", "exact,powersgd_r2,qsgd_2bit", "--no-record",
+           "--check-every", "2", "--compile", "off", "--settings", "exact,powersgd_r2,qsgd_2bit,torch_powersgd_r4", "--no-record",
            "--rows-json", str(out), "--set", *tiny]
     proc = subprocess.run(cmd, cwd=ROOT, env=fresh_job_env(), capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sweep = json.loads(out.read_text())
     rows = {r["setting"]: r for r in sweep["rows"]}
-    assert list(rows) == ["exact", "powersgd_r2", "qsgd_2bit"]
+    assert list(rows) == ["exact", "powersgd_r2", "qsgd_2bit", "torch_powersgd_r4"]
+    reference = rows.pop("torch_powersgd_r4")  # PyTorch's own PowerSGD under Lightning's ddp: no byte count
+    assert reference["compression_ratio"] is None and reference["bytes_per_step"] is None
+    assert reference["final_loss_ratio"] is not None and reference["rel_error_median"] is None
     for row in rows.values():
         assert set(ROW_KEYS) | {"bytes_per_step", "compression_ratio", "compression", "rel_errors"} <= set(row)
     assert rows["exact"]["compression_ratio"] == 1.0 and rows["exact"]["rel_error_median"] == 0.0
@@ -127,3 +130,20 @@ def test_a_tiny_sweep_writes_every_row_of_its_table(tmp_path: Any) -> None:
     curves = sweep["curves"]
     assert curves["powersgd_r2"][:3] == curves["exact"][:3] and curves["powersgd_r2"][3:] != curves["exact"][3:]
     assert set(sweep["summary"]["critical_points"]) == {"powersgd", "qsgd"}
+
+
+def test_lsd_report_shows_a_recorded_sweep_again(tmp_path: Any, capsys: Any) -> None:
+    from lightning_static_dist.cli import report_main
+
+    record = tmp_path / "cpu2-critical-point-2026-12-01.json"
+    with open(os.path.join(ROOT, "benchmarks", "results", record.name)) as f:
+        recorded = json.load(f)
+    record.write_text(json.dumps(recorded))
+    report_main([str(record)])
+    out = capsys.readouterr().out
+    for row in recorded["rows"]:
+        assert f"\n{row['setting']} " in out
+    points = recorded["summary"]["critical_points"]
+    assert f"critical points (final loss <= 1.03x exact): {points}" in out
+    assert sum(line.endswith(" *") for line in out.splitlines()) == sum(p is not None for p in points.values())
+    assert (tmp_path / "cpu2-critical-point-2026-12-01.png").stat().st_size > 10_000
