@@ -29,7 +29,6 @@ from lightning_static_dist.compression import (
 )
 from lightning_static_dist.compression.base import PerParameterState, all_reduce, flat_float, scatter_into
 from lightning_static_dist.config import CompressionConfig, ConfigError
-from lightning_static_dist.sync.plan import ParamSpec, plan_buckets
 
 pytestmark = pytest.mark.multiprocess
 

@@ -11,7 +11,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from torch.utils.data import DataLoader
 
 import lightning as L
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from _dist import reference_ddp
 from lightning_static_dist import StaticDistStrategy
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Generator, Sequence
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist

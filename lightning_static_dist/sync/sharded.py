@@ -48,7 +48,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_static_dist.checkpoint import FullSource, PieceSource, full_state_from_pieces, range_key, scalar_key
