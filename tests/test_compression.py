@@ -326,6 +326,16 @@ def test_the_guard_switches_every_rank_on_the_same_step_and_resumes_at_that_leve
         assert torch.load(str(tmp_path / f"rank{rank}_start.pt"), weights_only=False)["compressor"] == "bf16"
 
 
+def test_the_guard_judges_each_compressor_by_its_own_measured_threshold() -> None:
+    guard = CompressionGuard()
+    assert guard.threshold(PowerSGDCompressor(rank=4)) == PowerSGDCompressor.guard_max_rel_error == 0.4
+    assert guard.threshold(QSGDCompressor(levels=7)) == 1.3 and guard.threshold(TopKCompressor()) == 0.15
+    # a compressor that names none (the test's GarbageCompressor, bf16) gets the general default
+    assert guard.threshold(GarbageCompressor()) == guard.threshold(LowPrecisionCompressor(torch.bfloat16)) == 0.95
+    # a threshold given wins for every compressor
+    assert CompressionGuard(max_rel_error=0.7).threshold(PowerSGDCompressor()) == 0.7
+
+
 class _TimedPowerSGD(PowerSGDCompressor):
     """PowerSGD that notes when each of its collectives is issued: (bucket's first key, phase, time)."""
 

@@ -64,6 +64,8 @@ class Compressor(Protocol):
     name: str
     phases_per_bucket: int
     """How many collectives :meth:`phases` yields, one after the other (PowerSGD: 2)."""
+    # optional: ``guard_max_rel_error`` (float), the relative gradient error above which the CompressionGuard counts a
+    # check as bad when it is given no threshold of its own (``compression/guard.py``; 0.95 when a class names none)
 
     def takes(self, shape: torch.Size) -> bool:
         """Whether this compressor compresses a gradient of this shape (the rest travels exact, in fp32)."""
