@@ -2,13 +2,15 @@
 
 Every setting trains the main job's model (``configs/charlm_cpu.yaml``: CharGPT on the standard library's sources)
 from the same seed on the same batches, with ``static_dist`` and ``strategy.compression`` as below, in a fresh
-2-rank job (Lightning's subprocess launcher, as ``lsd-train`` starts them). Compression starts after a warm-up of
-``--start-step`` exact steps, as PowerSGD and Deep Gradient Compression recommend.
+2-rank job (Lightning's subprocess launcher, as ``lsd-train`` starts them; with ``--shared-gpu`` two one-device
+"nodes" on one GPU over Gloo, for a machine with one GPU). Compression starts after a warm-up of ``--start-step``
+exact steps, as PowerSGD and Deep Gradient Compression recommend.
 
     exact                          fp32 all-reduce, no compression (the reference)
     qsgd_8bit .. qsgd_2bit         QSGD, sign + 7/3/2/1 magnitude bits: levels 127/7/3/1 (int8 on the wire)
     topk_10pct .. topk_0.1pct      TopK 10 / 1 / 0.1 % with error feedback
     powersgd_r16 .. powersgd_r1    PowerSGD rank 16/8/4/2/1, error feedback, warm start
+    torch_powersgd_r4              not ours: PyTorch's own PowerSGD hook at rank 4 under Lightning's ddp (a reference)
 
 Figures per setting: payload bytes per compressed step (the synchroniser's count, median over the steps after the
 warm-up, the guard's check steps left out) and compression_ratio = uncompressed / that; the final loss ratio to
@@ -22,6 +24,8 @@ beside it (final loss ratio against compression ratio, one curve per family, the
     python benchmarks/critical_point.py                                  # the CPU sweep, 15-25 min on 2 cores
     python benchmarks/critical_point.py --steps 20 --settings exact,powersgd_r4 --no-record
     python benchmarks/critical_point.py --device cuda --width gpt2 --steps 2000   # GPT-2 width, inductor
+    python benchmarks/critical_point.py --device cuda --shared-gpu --width gpt2 --keep-dir runs/cp  # one GPU, resumable
+    lsd-report benchmarks/results/cpu2-critical-point-2026-12-01.json                 # a recorded sweep again
 """
 
 from __future__ import annotations
@@ -34,13 +38,15 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from typing import Any, Optional
 
 from _common import ROOT, SAFE_ENV, run_worker, write_record
 
 from lightning_static_dist.compression.compressors import QSGDCompressor
 from lightning_static_dist.compression.critical import critical_points, sweep_row
-from lightning_static_dist.compression.critical_report import format_table, plot_sweep
+from lightning_static_dist.sweep_report import format_table, plot_sweep, sweep_title
 
 CONFIG = os.path.join(ROOT, "configs", "charlm_cpu.yaml")
 
@@ -160,6 +166,7 @@ def worker(setting: str, args: argparse.Namespace, out: str) -> None:
     if args.shared_gpu:
         peer = start_as_two_nodes(args)
         overrides += ["trainer.num_nodes=2", "trainer.devices=1"]
+        watch_the_other_rank(peer)
     cfg = load_run_config(CONFIG, overrides)
     L.seed_everything(cfg.seed)
     model, data = cfg.model.instantiate("model"), cfg.data.instantiate("data")
@@ -170,12 +177,18 @@ def worker(setting: str, args: argparse.Namespace, out: str) -> None:
     callbacks = [summary, *([guard] if guard is not None else []), log]  # the log reads the guard after it ran
     backend = {"process_group_backend": "gloo"} if args.shared_gpu else {}
     if setting in TORCH_POWERSGD:
-        strategy = torch_powersgd_strategy(TORCH_POWERSGD[setting], args.start_step, backend)
+        strategy = torch_powersgd_strategy(TORCH_POWERSGD[setting], args.start_step, cfg.strategy.timeout_s, backend)
     else:
         strategy = StaticDistStrategy.from_config(cfg.strategy, **backend)
     trainer = L.Trainer(strategy=strategy, callbacks=callbacks, **cfg.trainer)
-    trainer.fit(model, datamodule=data)
+    try:
+        trainer.fit(model, datamodule=data)
+    except BaseException:
+        if peer is not None:
+            peer.kill()  # it would wait for this rank until the process group's timeout
+        raise
     if trainer.is_global_zero:
+        hook_state = getattr(trainer.strategy, "powersgd_state", None)
         sync = getattr(trainer.strategy, "synchronizer", None)
         reducer = getattr(trainer.strategy, "compressing_reducer", None)
         taken = 0 if reducer is None else sum(p.numel() for p in sync.parameters if reducer.compressor.takes(p.shape))
@@ -192,6 +205,10 @@ def worker(setting: str, args: argparse.Namespace, out: str) -> None:
             "model": {key: getattr(model.hparams, key) for key in ("n_layer", "n_head", "n_embd", "block_size", "lr")},
             "batch_size": cfg.data.init_args.get("batch_size"),
             "seed": cfg.seed,
+            "args": job_identity(setting, args),
+            # PyTorch's hook counts its iterations: past start_powerSGD_iter means it compressed
+            **({"hook_iterations": hook_state.iter, "hook_start": hook_state.start_powerSGD_iter}
+               if hook_state else {}),
         }
         with open(out, "w") as f:
             json.dump(record, f)
@@ -199,22 +216,29 @@ def worker(setting: str, args: argparse.Namespace, out: str) -> None:
         sys.exit(f"rank 1 exited with {peer.returncode}")
 
 
-def torch_powersgd_strategy(rank: int, start_step: int, backend: dict[str, str]) -> Any:
-    """Lightning's ``ddp`` with PyTorch's PowerSGD communication hook at ``rank``, compressing from ``start_step``."""
+def torch_powersgd_strategy(rank: int, start_step: int, timeout_s: float, backend: dict[str, str]) -> Any:
+    """Lightning's ``ddp`` with PyTorch's PowerSGD communication hook at ``rank``, compressing from ``start_step``,
+    eager (``strategy.compile`` is ours; on CPU, where the recorded comparison ran, it is off for both)."""
+    from datetime import timedelta
+
     from lightning.pytorch.strategies import DDPStrategy
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from typing_extensions import override
 
     class HookedDDP(DDPStrategy):
         """Lightning registers a DDP communication hook on CUDA devices only (and drops it silently elsewhere): the
         hook is registered here on any device (DDP's hooks run on Gloo too)."""
 
+        powersgd_state: Optional[powerSGD_hook.PowerSGDState] = None
+
+        @override
         def configure_ddp(self) -> None:
             super().configure_ddp()
-            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                                start_powerSGD_iter=max(2, start_step))
-            self.model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            self.powersgd_state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=max(2, start_step))
+            self.model.register_comm_hook(self.powersgd_state, powerSGD_hook.powerSGD_hook)
 
-    return HookedDDP(**backend)
+    return HookedDDP(timeout=timedelta(seconds=timeout_s), **backend)
 
 
 def start_as_two_nodes(args: argparse.Namespace) -> Optional[subprocess.Popen]:
@@ -231,6 +255,37 @@ def start_as_two_nodes(args: argparse.Namespace) -> Optional[subprocess.Popen]:
     peer = subprocess.Popen([sys.executable, *sys.argv], env={**os.environ, **launch, "NODE_RANK": "1"})
     os.environ.update(launch, NODE_RANK="0")
     return peer
+
+
+def watch_the_other_rank(peer: Optional[subprocess.Popen]) -> None:
+    """``--shared-gpu``: end this rank at once when the other one is gone, instead of waiting in a collective until
+    the process group's timeout. Rank 0 watches rank 1's exit status; rank 1 (``peer`` None) watches for its parent,
+    rank 0, to disappear."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if peer is not None and peer.poll() is not None:
+                if peer.returncode == 0:
+                    return
+                print(f"critical_point: rank 1 exited with {peer.returncode}", file=sys.stderr, flush=True)
+                os._exit(1)
+            if peer is None and os.getppid() != parent:
+                print("critical_point: rank 0 is gone", file=sys.stderr, flush=True)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="critical-point-peer-watch", daemon=True).start()
+
+
+def job_identity(setting: str, args: argparse.Namespace) -> list[str]:
+    """What a kept record was run with (``--keep-dir`` reuses it only for the same): the worker's options, less the
+    warm-up for the exact run, which does not depend on it."""
+    identity = worker_args(args)
+    if SETTINGS[setting][0] == "exact":
+        at = identity.index("--start-step")
+        del identity[at:at + 2]
+    return identity
 
 
 def worker_args(args: argparse.Namespace) -> list[str]:
@@ -286,6 +341,8 @@ def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[
             nonfinite_buckets=rec["nonfinite_buckets"],
             wall_s=rec["wall_s"],
         )
+        if not counted:  # how many iterations PyTorch's hook saw, and from which one it compressed
+            row.update(hook_iterations=rec.get("hook_iterations"), hook_start=rec.get("hook_start"))
         if setting in QSGD_BITS:
             # every level travels as one int8 per value; what bit-packing those values would send (estimate: the
             # per-bucket padding to whole 512-value chunks is ignored)
@@ -369,6 +426,9 @@ def main() -> None:
         if kept and os.path.exists(kept):
             with open(kept) as f:
                 results[name] = json.load(f)
+            if results[name].get("args") != job_identity(name, args):
+                sys.exit(f"--keep-dir: {kept} was run with {results[name].get('args')}, not with"
+                         f" {job_identity(name, args)}: remove it or use another folder")
             print(f"{name:<14} reused {kept}", flush=True)
             continue
         try:
@@ -393,8 +453,8 @@ def main() -> None:
     scenario += f"-{args.tag}" if args.tag else ""
     settings = {"steps": args.steps, "start_step": args.start_step, "check_every": args.check_every,
                 "window": args.window, "tolerance": args.tolerance, "device": args.device, "devices": args.devices,
-                "width": args.width, "compile": args.compile, "shared_gpu": args.shared_gpu, "overrides": args.set, "seed": ref["seed"],
-                "compressor_seed": 0, "model": ref["model"], "parameters": ref["parameters"],
+                "width": args.width, "compile": args.compile, "shared_gpu": args.shared_gpu, "overrides": args.set,
+                "seed": ref["seed"], "compressor_seed": 0, "model": ref["model"], "parameters": ref["parameters"],
                 "batch_size_per_rank": ref["batch_size"]}
     by_name = {r["setting"]: r for r in rows}
     r4 = by_name.get("powersgd_r4", {})
@@ -421,12 +481,17 @@ def main() -> None:
         "compile off: the compressors run in the synchroniser's hooks outside any compiled graph, so compiling does"
         " not change what is measured here, and on these CPUs it does not change the step time (cpu2-charlm) while"
         " costing 10-45 s per job; the GPU sweep compiles (inductor)."])
+    if args.shared_gpu:
+        notes.append("Both ranks share one GPU over Gloo (--shared-gpu): the losses, bytes and gradient errors are"
+                     " those of a 2-rank run; the step times are not those of two GPUs.")
+    if any(name in TORCH_POWERSGD for name in results) and args.compile != "off":
+        notes.append("The torch_powersgd rows run eager (PyTorch's hook under Lightning's ddp), ours compiled.")
     path = write_record(scenario, command.strip(), **({"hardware": hardware} if hardware else {}),
                         config=os.path.relpath(CONFIG, ROOT), settings=settings, notes=notes, rows=rows,
                         summary=summary, curves=curves)
-    title = (f"{scenario}: CharGPT d={ref['model']['n_embd']}, {ref['model']['n_layer']} layers, {args.steps} steps "
-             f"(exact for the first {args.start_step})")
-    print(f"plotted: {os.path.relpath(plot_sweep(rows, points, args.tolerance, path[:-len('.json')] + '.png', title), ROOT)}")
+    title = sweep_title(scenario, settings)
+    plotted = plot_sweep(rows, points, args.tolerance, path[: -len(".json")] + ".png", title)
+    print(f"plotted: {os.path.relpath(plotted, ROOT)}")
 
 
 if __name__ == "__main__":

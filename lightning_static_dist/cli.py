@@ -170,7 +170,7 @@ def report(run_dir: str, plot: bool = True) -> str:
 
 def report_main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of ``lsd-report``."""
-    from lightning_static_dist.compression.critical_report import is_sweep_record, report_sweep
+    from lightning_static_dist.sweep_report import is_sweep_record, report_sweep
 
     parser = argparse.ArgumentParser(
         prog="lsd-report", description="Summarise a finished lsd-train run, or a recorded critical-point sweep.")
@@ -180,10 +180,12 @@ def report_main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     try:
         if is_sweep_record(args.run_dir):
-            print(report_sweep(args.run_dir, plot=not args.no_plot))
+            # drawn in the working directory: the record's own folder may be read-only, or hold the committed plot
+            plot_to = None if args.no_plot else os.path.basename(args.run_dir)[: -len(".json")] + ".png"
+            print(report_sweep(args.run_dir, plot_to=plot_to))
             return
         print(report(args.run_dir, plot=not args.no_plot))
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:
         parser.exit(2, f"{err}\n")
 
 

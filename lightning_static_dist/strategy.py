@@ -145,16 +145,21 @@ _NOT_ELEMENTWISE = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafa
                          if hasattr(torch.optim, name))
 
 
+#: backends whose communicator is created eagerly on the rank's device when the process group is bound to it
+_DEVICE_BOUND_BACKENDS = ("nccl", "xccl", "hccl")
+
+
 def binds_device(backend: str, device: torch.device) -> bool:
-    """Whether the process group starts bound to the rank's device (``device_id``): NCCL-like backends on an
-    accelerator, so that the mesh's groups are split from one eagerly created communicator. Gloo is not bound, also
-    when it carries CUDA tensors: ``DeviceMesh`` would then split its groups, and ``split_group`` cannot copy Gloo's
-    options (``TypeError: cannot pickle ... _Options`` on torch 2.11)."""
+    """Whether the process group starts bound to the rank's device (``device_id``): for the accelerator's own
+    collective library (NCCL, XCCL, HCCL), so that the mesh's groups are split from one eagerly created
+    communicator. Any other backend is not bound — Gloo carrying CUDA tensors in particular: ``DeviceMesh`` would
+    then split its groups, and ``split_group`` cannot copy Gloo's options (``TypeError: cannot pickle ...
+    _Options`` on torch 2.11). ``backend`` was validated by ``ddp_arguments.check_process_group_backend``."""
     if device.type == "cpu":
         return False
     backend = backend.lower()
     per_device = dict(pair.split(":", 1) for pair in backend.split(",")) if ":" in backend else {device.type: backend}
-    return per_device.get(device.type) != "gloo"
+    return per_device.get(device.type) in _DEVICE_BOUND_BACKENDS
 
 
 class StaticDistStrategy(ParallelStrategy):

@@ -336,6 +336,51 @@ def test_the_guard_judges_each_compressor_by_its_own_measured_threshold() -> Non
     assert CompressionGuard(max_rel_error=0.7).threshold(PowerSGDCompressor()) == 0.7
 
 
+class _Lenient:
+    name, guard_max_rel_error = "lenient", 3.0
+
+    def safer(self) -> Any:
+        return _Strict()
+
+
+class _Strict:
+    name, guard_max_rel_error = "strict", 1.0
+
+    def safer(self) -> Any:
+        return _Lenient()
+
+
+class _MeasuredReducer:
+    """What the guard reads of a compressing reducer: the compressor in use and the error measured on a check."""
+
+    def __init__(self, compressor: Any, rel_error: float) -> None:
+        self.compressor, self.rel_error = compressor, rel_error
+
+    def take_relative_error(self) -> float:
+        return self.rel_error
+
+    def switch_to(self, compressor: Any) -> None:
+        self.compressor = compressor
+
+
+def test_the_guard_reads_the_threshold_of_the_compressor_in_use_at_every_check() -> None:
+    from types import SimpleNamespace
+
+    reducer = _MeasuredReducer(_Lenient(), rel_error=2.0)
+    strategy = SimpleNamespace(compressing_reducer=reducer, broadcast=lambda obj, src=0: obj)
+    trainer, module = SimpleNamespace(strategy=strategy), SimpleNamespace(log=lambda *args, **kwargs: None)
+    guard = CompressionGuard(patience=2)
+    checks = lambda n: [guard.on_train_batch_end(trainer, module, {"loss": torch.tensor(1.0)}, None, 0) for _ in range(n)]
+    checks(3)  # error 2 < the lenient compressor's 3: never bad
+    assert guard.events == []
+    reducer.compressor = _Strict()  # error 2 > 1: bad twice, then stepped down to the lenient one ...
+    checks(2)
+    assert [(e["old"], e["new"]) for e in guard.events] == [("strict", "lenient")]
+    assert guard.events[0]["reason"].startswith("relative gradient error 2.000 > 1.0")
+    checks(3)  # ... whose threshold applies from the next check on
+    assert len(guard.events) == 1 and reducer.compressor.name == "lenient"
+
+
 class _TimedPowerSGD(PowerSGDCompressor):
     """PowerSGD that notes when each of its collectives is issued: (bucket's first key, phase, time)."""
 

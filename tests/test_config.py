@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
-import torch
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -32,7 +31,6 @@ from lightning_static_dist import (
 )
 from lightning_static_dist.config import DEFAULT_DATA, DEFAULT_MODEL
 from lightning_static_dist.mesh import resolve_mesh_shape
-from lightning_static_dist.strategy import binds_device
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_CONFIG = str(REPO / "configs" / "charlm_cpu.yaml")
@@ -510,14 +508,3 @@ def test_a_num_nodes_given_to_the_strategy_that_the_trainer_replaces_is_warned_a
     with pytest.warns(UserWarning, match="num_nodes=2 given to the strategy is replaced by the Trainer's num_nodes=1"):
         L.Trainer(accelerator="cpu", devices=1, strategy=StaticDistStrategy(num_nodes=2), logger=False)
 
-
-@pytest.mark.parametrize(("backend", "device", "bound"), [
-    ("nccl", "cuda:0", True),
-    ("gloo", "cuda:0", False),  # Gloo on CUDA tensors: the mesh must not split its groups (torch 2.11 cannot)
-    ("cpu:gloo,cuda:nccl", "cuda:1", True),
-    ("cpu:gloo,cuda:gloo", "cuda:0", False),
-    ("gloo", "cpu", False),
-    ("cpu:gloo,cuda:nccl", "cpu", False),
-])
-def test_the_process_group_is_bound_to_the_device_for_nccl_only(backend: str, device: str, bound: bool) -> None:
-    assert binds_device(backend, torch.device(device)) is bound

@@ -117,6 +117,7 @@ def test_a_tiny_sweep_writes_every_row_of_its_table(tmp_path: Any) -> None:
     reference = rows.pop("torch_powersgd_r4")  # PyTorch's own PowerSGD under Lightning's ddp: no byte count
     assert reference["compression_ratio"] is None and reference["bytes_per_step"] is None
     assert reference["final_loss_ratio"] is not None and reference["rel_error_median"] is None
+    assert reference["hook_iterations"] > reference["hook_start"] == 2  # the hook ran, and compressed from step 2
     for row in rows.values():
         assert set(ROW_KEYS) | {"bytes_per_step", "compression_ratio", "compression", "rel_errors"} <= set(row)
     assert rows["exact"]["compression_ratio"] == 1.0 and rows["exact"]["rel_error_median"] == 0.0
@@ -132,10 +133,12 @@ def test_a_tiny_sweep_writes_every_row_of_its_table(tmp_path: Any) -> None:
     assert set(sweep["summary"]["critical_points"]) == {"powersgd", "qsgd"}
 
 
-def test_lsd_report_shows_a_recorded_sweep_again(tmp_path: Any, capsys: Any) -> None:
+def test_lsd_report_shows_a_recorded_sweep_again(tmp_path: Any, capsys: Any, monkeypatch: Any) -> None:
     from lightning_static_dist.cli import report_main
 
-    record = tmp_path / "cpu2-critical-point-2026-12-01.json"
+    monkeypatch.chdir(tmp_path)  # the plot is drawn in the working directory
+    record = tmp_path / "record" / "cpu2-critical-point-2026-12-01.json"
+    record.parent.mkdir()
     with open(os.path.join(ROOT, "benchmarks", "results", record.name)) as f:
         recorded = json.load(f)
     record.write_text(json.dumps(recorded))
@@ -147,3 +150,24 @@ def test_lsd_report_shows_a_recorded_sweep_again(tmp_path: Any, capsys: Any) -> 
     assert f"critical points (final loss <= 1.03x exact): {points}" in out
     assert sum(line.endswith(" *") for line in out.splitlines()) == sum(p is not None for p in points.values())
     assert (tmp_path / "cpu2-critical-point-2026-12-01.png").stat().st_size > 10_000
+
+
+def test_lsd_report_prints_an_earlier_run_a_record_carries_and_refuses_what_is_not_a_record(
+        tmp_path: Any, capsys: Any) -> None:
+    from lightning_static_dist.cli import report_main
+
+    with open(os.path.join(ROOT, "benchmarks", "results", "gpu1-critical-point-2026-12-01.json")) as f:
+        recorded = json.load(f)
+    report_main([os.path.join(ROOT, "benchmarks", "results", "gpu1-critical-point-2026-12-01.json"), "--no-plot"])
+    out = capsys.readouterr().out
+    assert "run_600_steps: gpu1-critical-point: CharGPT d=768, 12 layers, 600 steps" in out
+    for row in recorded["run_600_steps"]["rows"]:
+        assert f"\n{row['setting']} " in out
+    binary = tmp_path / "x-critical-point-2026-12-01.json"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    not_a_record = tmp_path / "other.json"
+    not_a_record.write_text('{"scenario": "cpu2-charlm"}')
+    for path in (binary, not_a_record):  # neither is a sweep record: read as a run directory, which it is not
+        with pytest.raises(SystemExit) as stopped:
+            report_main([str(path), "--no-plot"])
+        assert stopped.value.code == 2

@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from _dist import fresh_job_env, reference_ddp
 from lightning_static_dist import StaticDistStrategy
+from lightning_static_dist.strategy import binds_device
 
 pytestmark = pytest.mark.multiprocess
 
@@ -442,3 +443,16 @@ class GradProbe(BoringModel):
 def test_on_after_backward_sees_averaged_gradients() -> None:
     # like DDP: the round finishes as the autograd engine finishes backward, before Lightning's hook
     fit(GradProbe, static_dist(), max_steps=4)
+
+
+@pytest.mark.parametrize(("backend", "device", "bound"), [
+    ("nccl", "cuda:0", True),
+    ("gloo", "cuda:0", False),  # Gloo on CUDA tensors: the mesh must not split its groups (torch 2.11 cannot)
+    ("cpu:gloo,cuda:nccl", "cuda:1", True),
+    ("cpu:gloo,cuda:gloo", "cuda:0", False),
+    ("ucc", "cuda:0", False),  # only the accelerator's own library is created eagerly on the device
+    ("gloo", "cpu", False),
+    ("cpu:gloo,cuda:nccl", "cpu", False),
+])
+def test_the_process_group_is_bound_to_the_device_for_the_accelerators_own_library_only(backend: str, device: str, bound: bool) -> None:
+    assert binds_device(backend, torch.device(device)) is bound

@@ -59,13 +59,15 @@ class Compressor(Protocol):
             def safer(self): return None
 
         StaticDistStrategy(compression={"name": "my_pkg.SignCompressor"})
+
+    Optional: ``guard_max_rel_error`` (a float), the relative gradient error above which the
+    :class:`~lightning_static_dist.compression.guard.CompressionGuard` counts a check as bad when it was given no
+    threshold of its own (``guard.DEFAULT_MAX_REL_ERROR`` for a class that names none).
     """
 
     name: str
     phases_per_bucket: int
     """How many collectives :meth:`phases` yields, one after the other (PowerSGD: 2)."""
-    # optional: ``guard_max_rel_error`` (float), the relative gradient error above which the CompressionGuard counts a
-    # check as bad when it is given no threshold of its own (``compression/guard.py``; 0.95 when a class names none)
 
     def takes(self, shape: torch.Size) -> bool:
         """Whether this compressor compresses a gradient of this shape (the rest travels exact, in fp32)."""

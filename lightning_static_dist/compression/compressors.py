@@ -86,9 +86,8 @@ class PowerSGDCompressor(PerParameterState):
     STATE = ("residuals", "q")
     phases_per_bucket = 2
     guard_max_rel_error = 0.4
-    """The guard's threshold: rank 16 passed with errors up to 0.38, rank 8 fell behind at a median 0.48 (main job),
-    and at GPT-2 width every rank measured (4, 8) fell behind at medians of 0.61 and more
-    (``benchmarks/results/*-critical-point-2026-12-01.json``)."""
+    """The guard's threshold, for every rank and option: between the errors of the ranks that kept the loss within
+    1.03x of exact and of the first that did not (the critical-point sweeps, ``benchmarks/README.md``)."""
 
     def __init__(self, rank: int = 4, warm_start: bool = True, min_compression_rate: float = 2.0,
                  error_feedback: bool = True, min_numel: int = 1024, seed: int = 0) -> None:
@@ -174,9 +173,9 @@ class TopKCompressor(PerParameterState):
     STATE = ("residuals",)
     phases_per_bucket = 1
     guard_max_rel_error = 0.15
-    """The guard's threshold: no density measured stayed within 1.03x of exact's loss — 10 % fell behind at a
-    median error of 0.20 (main job), 1 % at 0.25 (GPT-2 width) — so the threshold sits below them all and the guard
-    steps TopK down unless its error is lower than any measured (``benchmarks/results/*-critical-point-2026-12-01.json``)."""
+    """The guard's threshold, for every density: no density measured kept the loss within 1.03x of exact, so it
+    sits below all their errors and the guard steps TopK down unless its error is lower than any measured (the
+    critical-point sweeps, ``benchmarks/README.md``)."""
 
     def __init__(self, density: float = 0.01, error_feedback: bool = True, min_numel: int = 1024) -> None:
         self.density = density
@@ -246,9 +245,9 @@ class QSGDCompressor(PerParameterState):
     name = "qsgd"
     phases_per_bucket = 1
     guard_max_rel_error = 1.3
-    """The guard's threshold: 4-bit passed with errors up to 1.06, 3-bit fell behind at a median 1.74 (main job,
-    ``benchmarks/results/cpu2-critical-point-2026-12-01.json``; QSGD's error is unbiased noise that averages out over
-    steps, so it tolerates more than the biased compressors)."""
+    """The guard's threshold, for every level: between the errors of the levels that kept the loss within 1.03x of
+    exact and of the first that did not (the critical-point sweep, ``benchmarks/README.md``). QSGD's error is
+    unbiased noise that averages out over steps, so it tolerates more than the biased compressors."""
 
     def __init__(self, levels: int = 127, chunk: int = 512, min_numel: int = 1024, seed: int = 0) -> None:
         self.levels = levels

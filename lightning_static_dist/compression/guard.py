@@ -10,9 +10,9 @@ logged (step, reason, old -> new) and kept in the checkpoint; a resumed run cont
 
 By default ``max_rel_error`` is the threshold of the compressor in use, its ``guard_max_rel_error``: measured by the
 critical-point sweep (``benchmarks/critical_point.py``), between the largest error of a setting whose final loss
-stayed within 1.03x of exact and the median error of the first setting that did not; 0.95 for a compressor that
-names none. The errors of the families differ too much for one number: QSGD 4-bit passes at errors near 1.0, while
-PowerSGD at 0.5 already falls behind.
+stayed within 1.03x of exact and the median error of the first setting that did not; :data:`DEFAULT_MAX_REL_ERROR`
+for a compressor that names none. One number does not fit every family: QSGD's unbiased noise is harmless at errors
+that already mean PowerSGD falls behind. A threshold is per family, not per setting.
 
 Example::
 

@@ -3,7 +3,8 @@
 
 A *row* is one setting of the sweep: :data:`~lightning_static_dist.compression.critical.ROW_KEYS` plus the
 benchmark's figures (``bytes_per_step``, ``compression_ratio``, ``step_ms_median`` ...); ``points`` maps each
-compressor family to the setting at its critical point (:func:`~lightning_static_dist.compression.critical.critical_points`).
+compressor family to the setting at its critical point
+(:func:`~lightning_static_dist.compression.critical.critical_points`).
 A row whose bytes were not counted (a reference run outside the synchroniser, such as PyTorch's own PowerSGD hook)
 has ``None`` there and is drawn as a horizontal line at its loss ratio.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
@@ -37,7 +39,15 @@ def _step(row: Row, key: str) -> str:
 
 
 def _num(value: Optional[float], fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
+    """``value`` in ``fmt`` (``"7.3f"``), or ``-`` padded to the same width."""
+    return format(value, fmt) if value is not None else "-".rjust(int(fmt.split(".")[0]))
+
+
+def sweep_title(scenario: str, settings: Mapping[str, Any]) -> str:
+    """The plot's title: scenario, model shape, steps and warm-up (from a record's ``settings``)."""
+    model = settings["model"]
+    return (f"{scenario}: CharGPT d={model['n_embd']}, {model['n_layer']} layers, {settings['steps']} steps "
+            f"(exact for the first {settings['start_step']})")
 
 
 def format_table(rows: Sequence[Row], points: Mapping[str, Optional[str]]) -> str:
@@ -109,31 +119,41 @@ def plot_sweep(rows: Sequence[Row], points: Mapping[str, Optional[str]], toleran
     return path
 
 
+#: what a critical-point record holds (``benchmarks/critical_point.py``'s ``write_record`` call)
+_RECORD_KEYS = ("scenario", "settings", "rows", "summary")
+
+
 def is_sweep_record(path: str) -> bool:
-    """Whether ``path`` is a critical-point record (``benchmarks/results/*-critical-point[-tag]-<date>.json``)."""
+    """Whether ``path`` names a critical-point record (``*-critical-point[-tag]-<date>.json``): a JSON file whose
+    first key, ``scenario``, says so. Only the file's first bytes are read."""
     if not (path.endswith(".json") and os.path.isfile(path)):
         return False
-    with open(path) as f:
-        try:
+    with open(path, "rb") as f:
+        head = f.read(256).decode("utf-8", errors="replace")
+    return bool(re.match(r'\s*\{\s*"scenario"\s*:\s*"[^"]*-critical-point', head))
+
+
+def report_sweep(path: str, plot_to: Optional[str] = None) -> str:
+    """``lsd-report <record>.json``: the recorded sweep's settings, table and critical points (and those of any
+    earlier run the record carries, ``run_*`` blocks), and, with ``plot_to``, its plot drawn again there."""
+    try:
+        with open(path) as f:
             record = json.load(f)
-        except json.JSONDecodeError:
-            return False
-    return isinstance(record, dict) and "-critical-point" in str(record.get("scenario", ""))
-
-
-def report_sweep(path: str, plot: bool = True) -> str:
-    """``lsd-report <record>.json``: the recorded sweep's settings, table and critical points, and (``plot``) its
-    plot drawn again beside the record."""
-    with open(path) as f:
-        record = json.load(f)
+    except ValueError as err:
+        raise ValueError(f"{path}: not a readable critical-point record ({err})") from err
+    missing = [key for key in _RECORD_KEYS if key not in record]
+    if missing:
+        raise ValueError(f"{path}: not a critical-point record (no {', '.join(missing)})")
     settings, summary = record["settings"], record["summary"]
     points, tolerance = summary["critical_points"], summary["tolerance"]
-    model = settings["model"]
-    title = (f"{record['scenario']}: d={model['n_embd']}, {model['n_layer']} layers, {settings['steps']} steps "
-             f"(exact for the first {settings['start_step']})")
+    title = sweep_title(record["scenario"], settings)
     lines = [f"record: {path} ({record.get('date', '?')}, torch {record.get('versions', {}).get('torch', '?')})",
              title, format_table(record["rows"], points),
              f"critical points (final loss <= {tolerance}x exact): {points}"]
-    if plot:
-        lines.append(f"plot: {plot_sweep(record['rows'], points, tolerance, path[:-len('.json')] + '.png', title)}")
+    for key, run in record.items():
+        if key.startswith("run_") and isinstance(run, dict) and "rows" in run:
+            lines += [f"{key}: {sweep_title(record['scenario'], run['settings'])}",
+                      format_table(run["rows"], run["summary"]["critical_points"])]
+    if plot_to is not None:
+        lines.append(f"plot: {plot_sweep(record['rows'], points, tolerance, plot_to, title)}")
     return "\n".join(lines)
