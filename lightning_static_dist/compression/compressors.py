@@ -119,35 +119,49 @@ class PowerSGDCompressor(PerParameterState):
         return torch.randn(m, r, generator=generator).to(device)
 
     def phases(self, keys: Sequence[int], grads: Sequence[Tensor], world: int) -> Generator[Phase, None, None]:
-        matrices = []
-        for key, grad in zip(keys, grads):
-            m = grad.reshape(_matrix_shape(grad.shape)).float()
+        # Same-shaped matrices (a model's repeated blocks) go through every step together, as one batch: one matmul
+        # and one QR per shape instead of one per matrix, which is what paces PowerSGD on a GPU (kernel launches).
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, grad in enumerate(grads):
+            groups.setdefault(_matrix_shape(grad.shape), []).append(i)
+        batches = []
+        for (n, m), members in groups.items():
+            group_keys = [keys[i] for i in members]
+            batch = torch.stack([grads[i].reshape(n, m) for i in members]).float()  # a new tensor: M (B, n, m)
             if self.error_feedback:
-                residual = self.residuals.get(key)
-                m = m + residual if residual is not None and residual.shape == m.shape else m.clone()
-            matrices.append(m)
-        qs = []
-        for key, m in zip(keys, matrices):
-            q = self.q.get(key) if self.warm_start else None
-            if q is None or q.shape != (m.shape[1], self._r(m.shape)):
-                q = self._initial_q(key, m.shape[1], self._r(m.shape), m.device)
-            qs.append(q)
+                residuals = [self.residuals.get(k) for k in group_keys]
+                if all(r is not None and r.shape == (n, m) for r in residuals):
+                    batch += torch.stack(residuals)
+                else:  # the first step, or a state saved at another layout: whatever residual fits
+                    for b, residual in enumerate(residuals):
+                        if residual is not None and residual.shape == (n, m):
+                            batch[b] += residual
+            r = min(self.rank, n, m)
+            qs = [self.q.get(k) if self.warm_start else None for k in group_keys]
+            qs = [q if q is not None and q.shape == (m, r) else self._initial_q(k, m, r, batch.device)
+                  for k, q in zip(group_keys, qs)]
+            batches.append((members, group_keys, batch, torch.stack(qs)))
         # phase 1: P = M Q for every matrix, averaged in one all-reduce
-        p_flat = torch.cat([(m @ q).reshape(-1) for m, q in zip(matrices, qs)]).div_(world)
+        p_flat = torch.cat([torch.bmm(batch, q).reshape(-1) for _, _, batch, q in batches]).div_(world)
         yield all_reduce(p_flat), p_flat.numel() * 4
-        ps = _split(p_flat, [(m.shape[0], q.shape[1]) for m, q in zip(matrices, qs)])
+        ps = _split(p_flat, [(batch.shape[0], batch.shape[1], q.shape[2]) for _, _, batch, q in batches])
         ps = [torch.linalg.qr(p, mode="reduced").Q for p in ps]  # fp32: orthogonalising in bf16 loses the basis
         # phase 2: Q = M^T P, averaged
-        q_flat = torch.cat([(m.T @ p).reshape(-1) for m, p in zip(matrices, ps)]).div_(world)
+        q_flat = torch.cat([torch.bmm(batch.transpose(1, 2), p).reshape(-1)
+                            for (_, _, batch, _), p in zip(batches, ps)]).div_(world)
         yield all_reduce(q_flat), q_flat.numel() * 4
-        qs = _split(q_flat, [q.shape for q in qs])
-        for key, grad, m, p, q in zip(keys, grads, matrices, ps, qs):
-            approx = p @ q.T
+        qs = _split(q_flat, [q.shape for _, _, _, q in batches])
+        targets, approxes = [], []
+        for (members, group_keys, batch, _), p, q in zip(batches, ps, qs):
+            approx = torch.bmm(p, q.transpose(1, 2))
             if self.error_feedback:
-                self.residuals[key] = m.sub_(approx)  # this rank's own loss: M (with last residual) - average
+                batch.sub_(approx)  # this rank's own loss: M (with last residual) - average
+                self.residuals.update(zip(group_keys, batch.unbind(0)))
             if self.warm_start:
-                self.q[key] = q
-            grad.copy_(approx.view(grad.shape))
+                self.q.update(zip(group_keys, q.unbind(0)))
+            targets += [grads[i] for i in members]
+            approxes += [a.view(grads[i].shape) for a, i in zip(approx.unbind(0), members)]
+        torch._foreach_copy_(targets, approxes)
 
     def safer(self) -> Optional[Compressor]:
         if self.rank < 16:
