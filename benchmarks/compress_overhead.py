@@ -134,7 +134,7 @@ def main() -> None:
     out = args.out or os.path.join(ROOT, "benchmarks", "results", f"compress-overhead-{datetime.date.today()}.json")
     record = json.load(open(out)) if os.path.exists(out) else {"scenario": "compress-overhead", "layers": args.layers}
     commit = subprocess.run(["git", "-C", args.src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    record[args.label] = {"commit": commit.stdout.strip(), "src_has_changes": bool(subprocess.run(
+    record[args.label] = {"commit": commit.stdout.strip(), "layers": args.layers, "src_has_changes": bool(subprocess.run(
         ["git", "-C", args.src, "status", "--porcelain", "lightning_static_dist"], capture_output=True,
         text=True).stdout.strip()), "results": results}
     with open(out, "w") as f:
