@@ -299,7 +299,7 @@ class SyncConfig:
 
 
 #: The built-in compressors of ``strategy.compression.name``; anything else must be a class path.
-COMPRESSORS = ("none", "fp16", "bf16", "powersgd", "qsgd", "topk")
+COMPRESSORS = ("none", "fp16", "bf16", "powersgd", "qsgd", "topk", "auto")
 
 
 @dataclass
@@ -317,9 +317,10 @@ class CompressionConfig:
     KEY = "strategy.compression"
 
     name: str = "none"
-    """``none``, ``fp16``, ``bf16``, ``powersgd``, ``qsgd``, ``topk``, or the class path of a user compressor
-    (``my_pkg.MyCompressor``, built without arguments, implementing
-    :class:`~lightning_static_dist.compression.base.Compressor`)."""
+    """``none``, ``fp16``, ``bf16``, ``powersgd``, ``qsgd``, ``topk``, ``auto`` (after ``start_step``, time exact,
+    bf16 and PowerSGD at ``rank`` for ``trial_steps`` steps each and keep the fastest:
+    :mod:`lightning_static_dist.compression.auto`), or the class path of a user compressor (``my_pkg.MyCompressor``,
+    built without arguments, implementing :class:`~lightning_static_dist.compression.base.Compressor`)."""
     rank: int = 4
     """PowerSGD: rank of the low-rank approximation."""
     warm_start: bool = True
@@ -336,6 +337,8 @@ class CompressionConfig:
     """Synchronised steps reduced exactly before compression starts."""
     min_numel: int = 1024
     """Gradients with fewer elements travel exact."""
+    trial_steps: int = 6
+    """``auto``: optimizer steps each candidate reduces for (the first is not timed)."""
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -355,6 +358,8 @@ class CompressionConfig:
             _fail(f"{self.KEY}.start_step", self.start_step, "must be an integer >= 0")
         if self.min_numel < 1:
             _fail(f"{self.KEY}.min_numel", self.min_numel, "must be an integer >= 1")
+        if self.trial_steps < 2:
+            _fail(f"{self.KEY}.trial_steps", self.trial_steps, "must be an integer >= 2 (the first step is not timed)")
 
 
 @dataclass

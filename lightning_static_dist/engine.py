@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -25,11 +26,14 @@ from torch.nn import Parameter
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_static_dist.compression import CompressingReducer, build_compressor
+from lightning_static_dist.compression import CompressingReducer, LowPrecisionCompressor, build_compressor
+from lightning_static_dist.compression.auto import Candidate, CompressionTrial
+from lightning_static_dist.compression.base import Compressor
 from lightning_static_dist.config import CompressionConfig, SyncConfig
 from lightning_static_dist.faults import waiting_in
 from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_parameters
 from lightning_static_dist.sync import GradientSynchronizer
+from lightning_static_dist.sync.reducer import MeanAllReduce
 from lightning_static_dist.sync.broadcast import broadcast_tensors
 from lightning_static_dist.sync.plan import MiB
 
@@ -76,12 +80,30 @@ def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], sync: 
         check_each_collective=sync.check == "collective",
         reduce_dtype=torch.bfloat16 if sync.reduce_dtype == "bf16" else None,
     )
+    if compression.name == "auto":
+        return synchronizer  # exact until the trial (compression_trial) picks
     compressor = build_compressor(compression)
     if compressor is not None:
-        shapes = [p.shape for p in synchronizer.parameters]
-        synchronizer.reducer = CompressingReducer(compressor, shapes, compression.start_step,
-                                                  names=synchronizer.parameter_names)
+        use_compressor(synchronizer, compressor, compression.start_step)
     return synchronizer
+
+
+def use_compressor(synchronizer: GradientSynchronizer, compressor: Optional[Compressor], start_step: int = 0) -> None:
+    """Reduce the synchroniser's buckets with ``compressor`` from now on (``None``: exact fp32); between rounds."""
+    if compressor is None:
+        synchronizer.reducer = MeanAllReduce()
+        return
+    shapes = [p.shape for p in synchronizer.parameters]
+    synchronizer.reducer = CompressingReducer(compressor, shapes, start_step, names=synchronizer.parameter_names)
+
+
+def compression_trial(compression: CompressionConfig, device: torch.device,
+                      group: Optional[dist.ProcessGroup]) -> CompressionTrial:
+    """``strategy.compression.name: auto``: the trial of exact fp32, bf16 and PowerSGD at ``compression.rank``."""
+    powersgd = dataclasses.replace(compression, name="powersgd")
+    candidates = [Candidate("none", lambda: None), Candidate("bf16", lambda: LowPrecisionCompressor(torch.bfloat16)),
+                  Candidate(f"powersgd(rank={compression.rank})", lambda: build_compressor(powersgd))]
+    return CompressionTrial(candidates, compression.start_step, compression.trial_steps, device, group)
 
 
 def compressing_reducer_of(synchronizer: Optional[GradientSynchronizer]) -> Optional[CompressingReducer]:

@@ -14,7 +14,8 @@ Fabric hands the training loop to the user; each call of it maps onto the parts 
 
 Refused under Fabric, at construction, with a one-line :class:`~lightning_static_dist.config.ConfigError` naming the
 key: ``sync.mode: graph``, ``sync.reduce: reduce_scatter`` (and ``auto`` with ``mesh.dp_shard`` other than 1),
-``sync.nonfinite`` other than ``off`` and ``embedding.shard``. They need the Trainer strategy.
+``sync.nonfinite`` other than ``off``, ``embedding.shard`` and ``compression.name: auto``. They need the Trainer
+strategy.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def _refuse_what_fabric_lacks(config: StrategyConfig) -> None:
         (sharded, "sync.reduce", sync.reduce, "'all_reduce', or 'auto' with strategy.mesh.dp_shard=1"),
         (sync.nonfinite != "off", "sync.nonfinite", sync.nonfinite, "'off'"),
         (config.embedding.shard is not False, "embedding.shard", config.embedding.shard, "false"),
+        (config.compression.name == "auto", "compression.name", config.compression.name, "a compressor by its name"),
     )
     for hit, key, value, allowed in refused:
         if hit:

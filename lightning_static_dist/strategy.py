@@ -74,6 +74,7 @@ from lightning_static_dist.compile import (
     is_compiled,
 )
 from lightning_static_dist.compression import CompressingReducer
+from lightning_static_dist.compression.auto import CompressionTrial
 from lightning_static_dist.config import (
     CheckpointConfig,
     CompileConfig,
@@ -93,10 +94,12 @@ from lightning_static_dist.engine import (
     build_synchronizer,
     check_same_graphs,
     compressing_reducer_of,
+    compression_trial,
     gather_compression_state,
     register_names,
     restore_compression_state,
     start_from_rank_zero,
+    use_compressor,
 )
 from lightning_static_dist.faults import diagnose, is_collective_failure, waiting_in
 from lightning_static_dist import loop as loop_patches
@@ -137,6 +140,7 @@ def _destroy_process_groups_at_exit() -> None:
 
     atexit.register(destroy)
 
+_TRIAL_KEY = "static_dist_compression_auto"  # compression.name: auto: the trial's choice and times
 _PIECES_KEY = "static_dist_optimizer_pieces"  # optimizer_state() in sharded-checkpoint mode: this rank's ranges
 
 #: torch.optim optimizers whose update of an element depends on more than that element's own gradient and state:
@@ -256,6 +260,8 @@ class StaticDistStrategy(ParallelStrategy):
         allow_compiled_models_in_trainer()
         self._mesh: Optional[DeviceMesh] = None
         self._compression_resume: Optional[dict[str, Any]] = None
+        self._trial: Optional[CompressionTrial] = None
+        self._trial_resume: Optional[dict[str, Any]] = None
         self._embedding_sharder: Optional[EmbeddingSharder] = None
         self.failure: Optional[str] = None
         """One line saying which rank stopped participating, and where, after a communication failure."""
@@ -546,6 +552,9 @@ class StaticDistStrategy(ParallelStrategy):
             [(name, p) for name, p in self.model.named_parameters() if id(p) not in sharded],
             sync, self._config.compression, group=self._dp_group,
         )
+        if self._config.compression.name == "auto":
+            self._trial = compression_trial(self._config.compression, self.root_device, self._dp_group)
+            self._resume_trial()
         if self.compressing_reducer is not None:
             self._restore_compression_state()
         self._synchronizer.attach()
@@ -645,6 +654,28 @@ class StaticDistStrategy(ParallelStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._embedding_sharder is not None and self._config.embedding.prefetch == "batch_start":
             self._embedding_sharder.prefetch()
+        if self._trial is not None and not self._trial.decided and self._synchronizer is not None:
+            assert self.lightning_module is not None
+            candidate = self._trial.before_step(self.lightning_module.trainer.global_step)
+            if candidate != "keep":
+                use_compressor(self._synchronizer, candidate.make())
+            if self._trial.decided:
+                rank_zero_info(f"static_dist: compression auto: {self._trial.describe()}")
+
+    @property
+    def compression_trial(self) -> Optional[CompressionTrial]:
+        """``strategy.compression.name: auto``: the trial of the candidates and, once made, its choice."""
+        return self._trial
+
+    def _resume_trial(self) -> None:
+        """A checkpoint's choice (``compression.name: auto``): reduce with it from now on, with no second trial."""
+        if self._trial_resume is None or self._trial is None or self._synchronizer is None:
+            return  # nothing saved, or setup has not built the trial yet (it calls this again)
+        saved, self._trial_resume = self._trial_resume, None
+        self._trial.load_state_dict(saved)
+        if self._trial.decided:
+            chosen = next(c for c in self._trial.candidates if c.name == self._trial.choice)
+            use_compressor(self._synchronizer, chosen.make())
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -725,6 +756,8 @@ class StaticDistStrategy(ParallelStrategy):
             saved = gather_compression_state(reducer, self._dp_group, self.world_size)  # to rank 0 only (it writes)
             if saved is not None:
                 checkpoint[_COMPRESSION_KEY] = saved
+        if self._trial is not None:
+            checkpoint[_TRIAL_KEY] = self._trial.state_dict()  # the same on every rank
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _save_sharded(self, checkpoint: dict[str, Any], path: str) -> None:
@@ -747,6 +780,8 @@ class StaticDistStrategy(ParallelStrategy):
             return load_sharded(os.fspath(checkpoint_path))  # collective: every rank reads the model's tensors
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._compression_resume = checkpoint.pop(_COMPRESSION_KEY, None)
+        self._trial_resume = checkpoint.pop(_TRIAL_KEY, None)
+        self._resume_trial()  # setup ran first: choose the compressor before its state is restored
         if self.compressing_reducer is not None:
             self._restore_compression_state()
         return checkpoint

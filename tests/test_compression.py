@@ -27,6 +27,7 @@ from lightning_static_dist.compression import (
     TopKCompressor,
     build_compressor,
 )
+from lightning_static_dist.compression.auto import Candidate, CompressionTrial, choose
 from lightning_static_dist.compression.base import PerParameterState, all_reduce, flat_float, scatter_into
 from lightning_static_dist.config import CompressionConfig, ConfigError
 
@@ -456,3 +457,90 @@ def test_consecutive_slots_are_averaged_where_they_lie() -> None:
     with pytest.raises(StopIteration):
         next(phases)
     assert torch.equal(flat, (torch.arange(12.0) / 4).bfloat16().float())
+
+
+# ------------------------------------------------------------------------------------------ compression.name: auto
+
+
+def test_auto_keeps_exact_unless_a_compressor_saves_enough_time() -> None:
+    assert choose({"none": 40.0, "bf16": 39.0, "powersgd(rank=4)": 45.0}) == "none"  # 2.5 % is not enough
+    assert choose({"none": 40.0, "bf16": 36.0, "powersgd(rank=4)": 45.0}) == "bf16"
+    assert choose({"none": 40.0, "bf16": 30.0, "powersgd(rank=4)": 20.0}) == "powersgd(rank=4)"
+    assert choose({"none": 20.0, "bf16": 30.0, "powersgd(rank=4)": 25.0}) == "none"
+
+
+class _FakeClockTrial(CompressionTrial):
+    """The trial with a clock that runs ``per_step[candidate]`` seconds per step (what a slow or fast link would
+    make the measured windows say); the real measurement is tested on a real group below."""
+
+    clock = 0.0
+
+    def _now(self) -> float:
+        return self.clock
+
+
+def _run_trial(per_step: dict[str, float]) -> tuple[str, list[tuple[int, str]]]:
+    trial = _FakeClockTrial([Candidate(name, lambda: None) for name in per_step], start_step=3, trial_steps=3,
+                            device=torch.device("cpu"))
+    switches, active = [], None
+    for step in range(20):
+        for _ in range(2):  # gradient accumulation: two batches per optimizer step, only the first counts
+            picked = trial.before_step(step)
+            if picked != "keep":
+                switches.append((step, picked.name))
+                active = picked.name
+        if active is not None and not trial.decided:
+            trial.clock += per_step[active]
+    return trial.choice, switches
+
+
+def test_auto_picks_by_the_measured_step_times_of_each_candidate() -> None:
+    fast_link = {"none": 0.030, "bf16": 0.034, "powersgd": 0.040}  # encoding costs more than the bytes it saves
+    slow_link = {"none": 0.090, "bf16": 0.060, "powersgd": 0.040}
+    choice, switches = _run_trial(fast_link)
+    # exact from step 3, bf16 from 6, PowerSGD from 9; at 12 every window is timed and exact is back
+    assert choice == "none" and switches == [(3, "none"), (6, "bf16"), (9, "powersgd"), (12, "none")]
+    choice, switches = _run_trial(slow_link)
+    assert choice == "powersgd" and switches == [(3, "none"), (6, "bf16"), (9, "powersgd")]  # it simply goes on
+
+
+class _AutoProbe(L.Callback):
+    """Writes each rank's trial (choice, times) and the reducer's compressor at the end to ``<dir>/auto_rank<r>.pt``."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trial, reducer = trainer.strategy.compression_trial, trainer.strategy.compressing_reducer
+        torch.save({"state": trial.state_dict(), "compressor": reducer.compressor.name if reducer else "none"},
+                   os.path.join(self.directory, f"auto_rank{trainer.global_rank}.pt"))
+
+
+def _fit_auto(tmp: str, steps: int, ckpt_path: Any = None) -> None:
+    from lightning_static_dist.examples.charlm import CharDataModule
+    from lightning_static_dist import StaticDistStrategy
+
+    L.seed_everything(0)
+    strategy = StaticDistStrategy(start_method="spawn", sync={"first_bucket_mb": 0.05, "bucket_mb": 0.2},
+                                  compression={"name": "auto", "rank": 2, "start_step": 1, "trial_steps": 2,
+                                               "min_numel": 256})
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+                        default_root_dir=tmp, callbacks=[_AutoProbe(tmp), ModelCheckpoint(dirpath=tmp, filename="last")],
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(_tiny_gpt(), datamodule=CharDataModule(block_size=32, batch_size=8, max_bytes=60_000),
+                ckpt_path=ckpt_path)
+
+
+def test_auto_times_every_candidate_on_the_real_group_and_every_rank_keeps_the_same(tmp_path: Any) -> None:
+    _fit_auto(str(tmp_path), steps=9)  # exact at step 0, then 2 steps each of exact, bf16, PowerSGD; chosen at 7
+    ends = [torch.load(str(tmp_path / f"auto_rank{r}.pt"), weights_only=False) for r in (0, 1)]
+    assert ends[0] == ends[1]  # the slowest rank's times: the same on both, and so the same choice
+    state = ends[0]["state"]
+    assert list(state["step_s"]) == ["none", "bf16", "powersgd(rank=2)"] and all(s > 0 for s in state["step_s"].values())
+    assert state["choice"] == choose(state["step_s"])
+    assert ends[0]["compressor"] == {"none": "none", "bf16": "bf16", "powersgd(rank=2)": "powersgd"}[state["choice"]]
+    # resumed: the saved choice is kept, with no second trial
+    (ckpt,) = glob.glob(str(tmp_path / "last*.ckpt"))
+    assert torch.load(ckpt, weights_only=False)["static_dist_compression_auto"] == state
+    _fit_auto(str(tmp_path), steps=12, ckpt_path=ckpt)
+    assert torch.load(str(tmp_path / "auto_rank0.pt"), weights_only=False) == ends[0]

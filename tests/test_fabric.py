@@ -196,12 +196,13 @@ def test_fabric_accepts_the_registered_names() -> None:
          " allowed under Fabric: 'all_reduce', or 'auto' with strategy.mesh.dp_shard=1"),
         ({"sync": {"nonfinite": "skip"}}, "strategy.sync.nonfinite='skip': not supported by the Fabric strategy"),
         ({"embedding": {"shard": "auto"}}, "strategy.embedding.shard='auto': not supported by the Fabric strategy"),
+        ({"compression": {"name": "auto"}}, "strategy.compression.name='auto': not supported by the Fabric strategy"),
         ({"bucket_cap_mb": 5, "sync": {"bucket_mb": 10}},
          "bucket_cap_mb=5: given twice (also as strategy.sync.bucket_mb); allowed: one of them"),
         ({"start_method": "thread"}, "start_method='thread': allowed: 'popen', 'spawn', 'fork', 'forkserver'"),
         ({"monitor_every_n_steps": -1}, "monitor_every_n_steps=-1: must be an integer >= 0 (0: never)"),
     ],
-    ids=["typo", "range", "compression", "backend", "graph", "reduce_scatter", "nonfinite", "embedding", "twice",
+    ids=["typo", "range", "compression", "backend", "graph", "reduce_scatter", "nonfinite", "embedding", "auto", "twice",
          "start_method", "monitor"],
 )
 def test_invalid_config_is_one_line_naming_the_key(kwargs: dict, message: str) -> None:

@@ -1,0 +1,128 @@
+"""``strategy.compression.name: auto``: time each candidate on the real job, on every rank, and keep the fastest.
+
+Whether compression pays depends on the link, on how much of the exchange backward hides, and on what encoding
+costs on this device — the cost model (``overlap/cost_model.py``) predicts it from all three, but two of them are only
+known once the job runs. So ``auto`` measures instead of predicting: after the ``start_step`` exact steps, each
+candidate — exact fp32 (``none``), ``bf16`` and ``powersgd`` at ``strategy.compression.rank`` — reduces the gradients
+of ``trial_steps`` optimizer steps; the first step of each is left out (new buffers, a new compressor state), the
+others are timed together between two device synchronisations. The ranks take the slowest rank's time of each
+candidate (one small all-reduce), so every rank picks the same one. A compressor must beat exact by at least
+:data:`MIN_GAIN`: it costs accuracy (``benchmarks/README.md``, critical point), so a tie goes to exact.
+
+The choice is printed, kept in the checkpoint (a resumed run does not time again) and, with a guard, still stepped
+down when the gradient error or the loss goes wrong. The trial's compressed steps are real training steps.
+
+Example::
+
+    StaticDistStrategy(compression={"name": "auto", "rank": 4, "start_step": 100, "trial_steps": 6})
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_static_dist.compression.base import Compressor
+
+MIN_GAIN = 0.05
+"""The fraction of exact's step time a compressor must save to be chosen."""
+
+
+def choose(step_s: Mapping[str, float], exact: str = "none", min_gain: float = MIN_GAIN) -> str:
+    """The candidate to keep, from each one's step time: the fastest, unless it saves less than ``min_gain`` of
+    ``exact``'s time (then ``exact``)."""
+    fastest = min(step_s, key=lambda name: step_s[name])
+    if fastest != exact and step_s[fastest] > (1 - min_gain) * step_s[exact]:
+        return exact
+    return fastest
+
+
+@dataclass
+class Candidate:
+    """One contender: its name in the log and the compressor it reduces with (``None``: exact fp32)."""
+
+    name: str
+    make: Callable[[], Optional[Compressor]]
+
+
+@dataclass
+class CompressionTrial:
+    """Runs the trial from the strategy's batch-start hook; :meth:`before_step` says which compressor the coming
+    step reduces with (``"keep"``: no change) until the choice is made.
+
+    ``start_step`` exact steps first, then ``trial_steps`` steps per candidate in order; ``decided`` once chosen."""
+
+    candidates: Sequence[Candidate]
+    start_step: int
+    trial_steps: int
+    device: torch.device
+    group: Optional[dist.ProcessGroup] = None
+    step_s: dict[str, float] = field(default_factory=dict)
+    """The slowest rank's seconds per step of each candidate timed so far."""
+    choice: Optional[str] = None
+    _origin: Optional[int] = None
+    _last_step: Optional[int] = None
+    _window_start: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.trial_steps < 2:
+            raise ValueError(f"trial_steps={self.trial_steps!r}: must be an integer >= 2 (the first is not timed)")
+
+    @property
+    def decided(self) -> bool:
+        return self.choice is not None
+
+    def before_step(self, step: int) -> Any:
+        """Called before each batch with the optimizer steps done so far (``trainer.global_step``; several batches
+        per step with gradient accumulation: only the first counts). Returns the candidate to switch to now, or
+        ``"keep"``. The trial starts at the first step at or after ``start_step`` that it sees (a run resumed in
+        the middle of a trial times every candidate again)."""
+        if self.decided or step < self.start_step or step == self._last_step:
+            return "keep"
+        self._last_step = step
+        if self._origin is None:
+            self._origin = step
+        index, offset = divmod(step - self._origin, self.trial_steps)
+        if offset == 1:  # the candidate's first step is done: time the rest
+            self._window_start = self._now()
+        if offset == 0 and index > 0:  # the previous candidate's window ends here
+            previous = self.candidates[index - 1]
+            self.step_s[previous.name] = (self._now() - self._window_start) / (self.trial_steps - 1)
+        if index < len(self.candidates):
+            return self.candidates[index] if offset == 0 else "keep"
+        self.choice = choose(self._slowest_rank(self.step_s), exact=self.candidates[0].name)
+        if self.choice == self.candidates[-1].name:
+            return "keep"  # it is reducing already: its state (PowerSGD's residuals) carries on
+        return next(c for c in self.candidates if c.name == self.choice)
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the window is device time: the host may run ahead of it
+        return time.perf_counter()
+
+    def _slowest_rank(self, step_s: dict[str, float]) -> dict[str, float]:
+        names = list(step_s)
+        times = torch.tensor([step_s[name] for name in names], dtype=torch.float64,
+                             device=self.device if self.device.type == "cuda" else "cpu")
+        if dist.is_initialized():
+            dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group)
+        self.step_s = dict(zip(names, times.tolist()))
+        return self.step_s
+
+    def describe(self) -> str:
+        """``none 36.1 ms, bf16 40.3 ms, powersgd(rank=4) 45.2 ms per step -> none``."""
+        timed = ", ".join(f"{name} {1e3 * s:.1f} ms" for name, s in self.step_s.items())
+        return f"{timed} per step (slowest rank) -> {self.choice}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"choice": self.choice, "step_s": dict(self.step_s)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """A saved choice is kept (no second trial); a checkpoint from mid-trial times again from the start."""
+        if state.get("choice") is not None:
+            self.choice, self.step_s = state["choice"], dict(state.get("step_s", {}))
