@@ -8,6 +8,11 @@ lets them wait until the process group's timeout (``strategy.timeout_s``). Eithe
 strategy's ``on_exception`` turns the backend's error into :func:`diagnose`'s single line: which collective was in
 flight, and which ranks did not answer a roll call through the rendezvous store (a rank that is gone, or stuck,
 cannot answer; if the store itself is gone, rank 0 — its host — is). ``lsd-train`` prints that line and exits 1.
+Where no exception can come (a rank blocked behind a dead peer where no Python runs), the peer watchdog
+(:mod:`~lightning_static_dist.watchdog`) prints a line of the same form and ends the process.
+
+On NCCL, :func:`record_nccl_flight` also has torch's own NCCL watchdog write its flight recorder (the collectives
+each rank issued and completed) under the run directory when a collective times out; the line names that file.
 """
 
 from __future__ import annotations
@@ -20,10 +25,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 _current: list[str] = []
 _failed_in: list[str] = []  # the innermost marked collective an exception left (the stack is unwound by then)
+
+#: Who is missing when the rendezvous store no longer answers: the process that hosts it.
+STORE_HOST_GONE = "rank 0 (the host of the rendezvous store) is gone"
 
 #: Substrings of the errors Gloo and NCCL raise when a peer is gone or a collective timed out.
 _SIGNATURES = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout", "nccl", "gloo",
@@ -44,11 +53,11 @@ def waiting_in(what: str) -> Iterator[None]:
         _current.pop()
 
 
-def in_flight() -> str:
-    """The collective that failed (or is being waited on)."""
-    if _failed_in:
-        return _failed_in[0]
-    return _current[-1] if _current else "a collective"
+def in_flight(unmarked: str = "a collective") -> str:
+    """The collective that failed (or is being waited on); ``unmarked`` when none is. Also read from the peer
+    watchdog's thread: each list is read once (a slice), as the main thread may pop it between a test and an index."""
+    failed, current = _failed_in[:1], _current[-1:]
+    return (failed or current or [unmarked])[0]
 
 
 def is_collective_failure(err: BaseException) -> bool:
@@ -60,10 +69,10 @@ def is_collective_failure(err: BaseException) -> bool:
 
 def missing_ranks(rank: int, world: int, wait_s: float = 3.0) -> Optional[list[int]]:
     """Ranks that do not answer a roll call in the rendezvous store within ``wait_s`` (``None``: no store)."""
-    if rank != 0 and not _store_reachable():
+    if rank != 0 and not store_reachable():
         return None  # do not even ask: a failing store client prints a C++ stack trace
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = rendezvous_store()
         store.set(f"static_dist/roll_call/{rank}", "here")
         deadline = time.monotonic() + wait_s
         while True:
@@ -75,7 +84,13 @@ def missing_ranks(rank: int, world: int, wait_s: float = 3.0) -> Optional[list[i
         return None
 
 
-def _store_reachable() -> bool:
+def rendezvous_store() -> dist.Store:
+    """The default process group's store, which every rank reaches (torch's accessor is private,
+    ``distributed_c10d._get_default_store``: kept to this one place)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def store_reachable() -> bool:
     """Whether the rendezvous store's TCP server (in rank 0's process) still accepts connections."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port:
@@ -87,17 +102,64 @@ def _store_reachable() -> bool:
         return False
 
 
+def failure_line(rank: int, who: str, step: int, reason: str) -> str:
+    """The one line every failure path prints: who stopped, during which collective, at which step, and why."""
+    return f"static_dist: rank {rank}: {who} during {in_flight()} at step {step} ({reason})"
+
+
 def diagnose(err: BaseException, rank: int, world: int, step: int) -> str:
     """One line: which ranks stopped participating, during which collective, and the backend's own reason."""
     missing = missing_ranks(rank, world)
     if missing is None:
-        who = "rank 0 (the host of the rendezvous store) is gone"
+        who = STORE_HOST_GONE
     elif missing:
         who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} stopped participating"
     else:
         who = "every rank answered the roll call, yet the collective failed"
-    where = in_flight()
-    _failed_in.clear()  # the next failure in this process is about its own collective
     reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
-    reason = re.sub(r"^\[[^\]]*\.(cc|cpp|hpp|h):\d+\]\s*", "", reason).split(". ")[0]  # drop the C++ source location
-    return f"static_dist: rank {rank}: {who} during {where} at step {step} ({reason[:160]})"
+    reason = re.sub(r"^\[[^\]]*\.(cc|cpp|hpp|h):\d+\]\s*", "", reason).split(". ")[0][:160]  # no C++ source location
+    text = str(err).lower()
+    dump = flight_recorder_file(rank) if "nccl" in text and ("timeout" in text or "timed out" in text) else None
+    if dump is not None:
+        reason += f"; flight recorder: {dump}"
+    line = failure_line(rank, who, step, reason)
+    _failed_in.clear()  # the next failure in this process is about its own collective
+    return line
+
+
+#: torch's names for the flight recorder's size and its dump file's prefix (the rank is appended): ``TORCH_FR_*``
+#: from torch 2.9 on, which still reads the ``TORCH_NCCL_*`` spellings, with a deprecation warning; older torch
+#: reads only those.
+_FR_SIZE = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+_FR_FILE = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+_DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+
+
+def record_nccl_flight(backend: str, device: torch.device, directory: str) -> None:
+    """Have torch's NCCL watchdog dump its flight recorder to ``<directory>/nccl_flight_recorder_rank<R>`` when a
+    collective times out, where ``device`` (this rank's) communicates through NCCL; variables the user set win.
+
+    Call it before the process group exists: torch reads them when it builds the recorder and its writer, once per
+    process (a later fit's dump goes where the first one's would). ``directory`` is the run's (the trainer's
+    ``default_root_dir``); torch writes the dump with plain file I/O, so a remote one (``s3://...``) is replaced by
+    the working directory.
+    """
+    if dist.BackendConfig(dist.Backend(backend)).get_device_backend_map().get(device.type) != "nccl":
+        return
+    spelling = 0 if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 9) else 1
+    directory = os.getcwd() if "://" in directory else os.path.abspath(directory)
+    if not any(name in os.environ for name in _FR_FILE):
+        os.makedirs(directory, exist_ok=True)  # torch's writer opens the file; it does not make the folder
+        os.environ[_FR_FILE[spelling]] = os.path.join(directory, "nccl_flight_recorder_rank")
+    if not any(name in os.environ for name in _FR_SIZE):
+        os.environ[_FR_SIZE[spelling]] = "2000"
+    os.environ.setdefault(_DUMP_ON_TIMEOUT, "1")
+
+
+def flight_recorder_file(rank: int) -> Optional[str]:
+    """The file torch's NCCL watchdog dumps this rank's flight recorder to on a timeout (``None``: no dump asked
+    for, or none where this project can name it: torch's default location depends on its version)."""
+    if os.environ.get(_DUMP_ON_TIMEOUT, "").lower() not in ("1", "y", "yes", "t", "true"):
+        return None
+    prefix = next((os.environ[name] for name in _FR_FILE if os.environ.get(name)), None)  # torch's order
+    return f"{prefix}{rank}" if prefix else None

@@ -101,7 +101,7 @@ from lightning_static_dist.engine import (
     start_from_rank_zero,
     use_compressor,
 )
-from lightning_static_dist.faults import diagnose, is_collective_failure, waiting_in
+from lightning_static_dist.faults import diagnose, is_collective_failure, record_nccl_flight, waiting_in
 from lightning_static_dist import loop as loop_patches
 from lightning_static_dist.launcher import StaticDistLauncher, StaticDistSpawnLauncher
 from lightning_static_dist.fingerprint import RankMismatchError
@@ -110,6 +110,7 @@ from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.sync import GradientSynchronizer
 from lightning_static_dist.sync.graph import GraphGradientSync
 from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
+from lightning_static_dist.watchdog import PeerWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +264,7 @@ class StaticDistStrategy(ParallelStrategy):
         self._trial: Optional[CompressionTrial] = None
         self._trial_resume: Optional[dict[str, Any]] = None
         self._embedding_sharder: Optional[EmbeddingSharder] = None
+        self._watchdog: Optional[PeerWatchdog] = None
         self.failure: Optional[str] = None
         """One line saying which rank stopped participating, and where, after a communication failure."""
         self.nonfinite_steps = 0
@@ -408,6 +410,9 @@ class StaticDistStrategy(ParallelStrategy):
             self.root_device
         )
         assert self.cluster_environment is not None
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        record_nccl_flight(self._process_group_backend, self.root_device,
+                           trainer.default_root_dir if trainer is not None else os.getcwd())
         _init_dist_connection(
             self.cluster_environment,
             self._process_group_backend,
@@ -418,6 +423,10 @@ class StaticDistStrategy(ParallelStrategy):
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
         if self.world_size > 1 and self._host_group is None:  # once per strategy: every later stage reuses it
             self._host_group = loop_patches.host_group(timedelta(seconds=self._config.timeout_s))
+        if self.world_size > 1 and self._watchdog is None:  # a dead peer ends this rank even where it cannot raise
+            self._watchdog = PeerWatchdog(self.global_rank, self.world_size, failed=lambda: self._failed,
+                                          step=lambda: trainer.global_step if trainer is not None else -1)
+            self._watchdog.start()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -1014,6 +1023,9 @@ class StaticDistStrategy(ParallelStrategy):
         if self._loop_patched is not None:
             loop_patches.uninstall(self._loop_patched, drain=not self._failed)
             self._loop_patched = None
+        if self._watchdog is not None:
+            self._watchdog.stop(clean=not self._failed)
+            self._watchdog = None
         self._failed = False
         self._buffers_to_broadcast = []
         self.requested_backend = None

@@ -25,7 +25,9 @@ class _KillWhilePickled:
 class FaultyCharGPT(CharGPT):
     """``fault``: ``kill`` (SIGKILL itself), ``hang`` (stop participating, alive, for ``hang_s`` seconds), ``nan``
     (a NaN loss), ``kill_in_save`` (SIGKILL while writing the checkpoint), ``sigterm`` (SIGTERM itself, as a
-    scheduler would), ``sigterm_in_val`` (the same, in the first validation batch after step ``fault_step``).
+    scheduler would), ``sigterm_in_val`` (the same, in the first validation batch after step ``fault_step``),
+    ``kill_peer_while_blocked`` (SIGKILL itself, printing the time, while every other rank sleeps ``hang_s`` outside
+    any collective: no error can reach them, as on NCCL behind a device read).
     ``save_every``: ``trainer.save_checkpoint`` to ``<default_root_dir>/ckpt/last.ckpt`` every N steps. With a
     fault, each rank prints each step it starts."""
 
@@ -56,6 +58,11 @@ class FaultyCharGPT(CharGPT):
             print(f"rank {self.global_rank} starts step {self.global_step}", file=sys.stderr, flush=True)
         if self._faulty_here("kill"):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.fault == "kill_peer_while_blocked" and self.global_step == self.fault_step:
+            if self.global_rank == self.fault_rank:
+                print(f"rank {self.global_rank} kills itself at {time.time():.3f}", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(self.hang_s)
         if self._faulty_here("sigterm"):
             os.kill(os.getpid(), signal.SIGTERM)
         if self._faulty_here("hang"):

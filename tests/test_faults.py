@@ -1,6 +1,7 @@
-"""Faults injected into real 2-rank ``lsd-train`` jobs (Lightning's subprocess launcher, Gloo): a rank killed, a rank
-that stops participating, a NaN gradient on one rank, a process killed while saving a checkpoint. Each test bounds
-the wall time and asserts the exit code, the one-line message and what is left on disk."""
+"""Faults injected into real 2-rank ``lsd-train`` jobs (Lightning's subprocess launcher, Gloo): a rank killed (also
+while its peer is blocked where no error can reach it), a rank that stops participating, a NaN gradient on one rank,
+a process killed while saving a checkpoint. Each test bounds the wall time and asserts the exit code, the one-line
+message and what is left on disk."""
 
 from __future__ import annotations
 
@@ -57,6 +58,56 @@ def test_a_killed_rank_stops_the_survivor_with_one_line(tmp_path: Any) -> None:
     assert line.startswith("static_dist: rank 0: rank 1 stopped participating during ") and "at step 3" in line, line
     assert "Traceback" not in err and "Child process" not in err, err[-2000:]  # the launcher's grace period held
     assert seconds < 60
+
+
+def test_a_rank_killed_while_its_peer_is_blocked_ends_the_job_with_one_line(tmp_path: Any) -> None:
+    # rank 0 sleeps outside any collective when rank 1 dies (as NCCL's survivor blocked in a device read): no error
+    # reaches it; its peer watchdog sees rank 1's process gone and ends it, before the launcher's SIGKILL
+    from lightning_static_dist.launcher import StaticDistLauncher
+
+    code, err, seconds = lsd_train(tmp_path, "model.fault=kill_peer_while_blocked", "model.fault_rank=1",
+                                   "model.fault_step=3")
+    ended = time.time()
+    assert code == 1, err[-2000:]  # without the watchdog: -9, Lightning's observer after its grace period
+    (line,) = failure_lines(err)
+    assert line.startswith("static_dist: rank 0: rank 1 stopped participating during ") and "at step 3" in line, line
+    assert "its process is gone" in line, line
+    assert "Traceback" not in err and "Child process" not in err, err[-2000:]
+    (killed,) = [float(line.rsplit(" ", 1)[1]) for line in err.splitlines() if line.startswith("rank 1 kills itself at ")]
+    assert ended - killed < StaticDistLauncher.grace_s  # measured 5.9-6.9 s: 2-3 s to see it, 4 s left to the main thread
+    assert seconds < 60
+
+
+def test_a_slow_step_on_one_rank_is_no_death(tmp_path: Any) -> None:
+    # rank 1 sleeps 6 s inside a step while rank 0 waits in the gradient all-reduce: both alive, the job finishes
+    code, err, _ = lsd_train(tmp_path, "model.fault=hang", "model.fault_rank=1", "model.fault_step=3", "model.hang_s=6")
+    assert code == 0, err[-2000:]
+    assert failure_lines(err) == [], err[-2000:]
+
+
+def test_an_nccl_timeout_names_the_flight_recorder_dump_under_the_run_directory(tmp_path: Any,
+                                                                               monkeypatch: Any) -> None:
+    # before an NCCL process group exists the strategy asks torch's NCCL watchdog for a flight-recorder dump on a
+    # timeout, under the run directory, unless the user chose; the timeout's line names this rank's file
+    from lightning_static_dist.faults import diagnose, flight_recorder_file, record_nccl_flight
+
+    for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_BUFFER_SIZE",
+                 "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    record_nccl_flight("gloo", torch.device("cuda", 0), str(tmp_path))
+    record_nccl_flight("cpu:gloo,cuda:nccl", torch.device("cpu"), str(tmp_path))
+    assert flight_recorder_file(1) is None  # no NCCL on this rank's device: nothing asked for
+    run = tmp_path / "run"
+    record_nccl_flight("cpu:gloo,cuda:nccl", torch.device("cuda", 0), str(run))
+    assert run.is_dir() and flight_recorder_file(1) == str(run / "nccl_flight_recorder_rank1")
+    timeout = RuntimeError("[PG ID 0 PG GUID 0(default_pg) Rank 1] Watchdog caught collective operation timeout:"
+                           " WorkNCCL(SeqNum=12, OpType=ALLREDUCE) ran for 20000 milliseconds before timing out.")
+    line = diagnose(timeout, rank=1, world=2, step=3)
+    assert line.endswith(f"; flight recorder: {run / 'nccl_flight_recorder_rank1'})"), line
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/scratch/trace_")  # the user's wins
+    monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE")
+    record_nccl_flight("nccl", torch.device("cuda", 0), str(run))
+    assert flight_recorder_file(1) == "/scratch/trace_1"
 
 
 @pytest.mark.slow  # waits out an 8 s collective timeout (the killed-rank cases stay in the default run)

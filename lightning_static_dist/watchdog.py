@@ -1,0 +1,210 @@
+"""A rank whose peer died while it was blocked where no error can reach it: one line and exit 1, not a SIGKILL.
+
+On Gloo a peer's death fails the survivors' pending collective at once, and the strategy's ``on_exception`` prints
+:func:`~lightning_static_dist.faults.diagnose`'s line. On NCCL it need not: a survivor blocked in a device read
+(``.item()``, a stream synchronisation) behind a collective the dead peer never joins runs no Python on its main
+thread, so no exception comes before the process group's timeout (``strategy.timeout_s``), and the launcher kills it
+first, once its grace period is over (``StaticDistLauncher.grace_s``): exit -9, nothing said.
+
+:class:`PeerWatchdog` is a daemon thread beside the training loop. Every second it writes this rank's heartbeat to
+the rendezvous store (a counter, its pid and host, its step, the collective its main thread waits in) and reads its
+neighbours' (a few ranks on each side: the store's load per rank does not grow with the world). A neighbour is dead
+when its counter has stopped and its process is gone (on this host: asked of the kernel, exact), or when its counter
+has stopped for a long time (on another host, where its pid means nothing); a store that no longer accepts
+connections means that its host, rank 0, is gone. The first rank to see a death posts it in the store, for every
+rank. The watchdog then leaves the main thread :attr:`PeerWatchdog.settle_s` for its own failure path; if that has
+not started, it prints a line of ``diagnose``'s form and ends the process with status 1.
+
+A rank whose watchdog stopped cleanly (the end of a fit) says so in its last heartbeat: its exit is no death. A peer
+that is alive but stuck is left to the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any, Callable, NamedTuple, Optional
+
+from lightning_static_dist.faults import STORE_HOST_GONE, failure_line, in_flight, rendezvous_store, store_reachable
+
+log = logging.getLogger(__name__)
+
+_DEATH_KEY = "static_dist/death"
+"""The first death a rank saw, ``[who, reason]``: every rank reads it, also those that do not watch the dead one."""
+
+
+def _alive_key(rank: int) -> str:
+    return f"static_dist/alive/{rank}"
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace: containers on one host may share a hostname, not their process ids."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this host has ended (a zombie its parent has not reaped yet has ended too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class _Heard(NamedTuple):
+    count: int
+    since: float  # when this rank first read that count (its own monotonic clock)
+    state: str
+
+
+class PeerWatchdog:
+    """Writes this rank's heartbeat to the rendezvous store and reads its neighbours'; when one dies and no error
+    reaches this process within :attr:`settle_s`: one line on stderr, and ``os._exit(1)``.
+
+    Example::
+
+        watchdog = PeerWatchdog(rank, world, step=lambda: trainer.global_step, failed=lambda: reporting_a_failure)
+        watchdog.start()              # once the process group exists (nothing happens while it runs)
+        ...
+        watchdog.stop(clean=True)     # at teardown; clean=False after a failure: peers then see this rank's exit
+    """
+
+    interval_s = 1.0
+    """Seconds between heartbeats."""
+    same_host_s = 2.0
+    """A neighbour on this host is dead when its heartbeat has not moved for this long and its process is gone."""
+    other_host_s = 60.0
+    """A neighbour on another host is dead when its heartbeat has not moved for this long: far above any pause of a
+    heartbeat thread (only a native call that holds the GIL stops it; a slow step, a compile, a checkpoint do not)."""
+    settle_s = 4.0
+    """Seconds left to the main thread's own failure path (where a collective fails, it fails at once) before the
+    watchdog speaks. Detection plus this stays under the launcher's grace (``StaticDistLauncher.grace_s``)."""
+    neighbours = 4
+    """Ranks read on each side (r-4 ... r+4, wrapping around)."""
+
+    def __init__(self, rank: int, world: int, step: Callable[[], int], failed: Callable[[], bool]) -> None:
+        """``step``: the training step, for the heartbeat and the line; ``failed``: whether the main thread has
+        started reporting a failure itself (both are read from the watchdog's thread)."""
+        self.rank = rank
+        self._step, self._failed = step, failed
+        self._peers = sorted({(rank + d) % world for d in range(-self.neighbours, self.neighbours + 1)} - {rank})
+        self._host, self._namespace = socket.gethostname(), _pid_namespace()
+        self._count = 0
+        self._clean = True
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start heartbeating (nothing happens while it runs)."""
+        if self.running:
+            return
+        self._stop, self._clean = threading.Event(), True  # an old thread that outlived its join keeps its own event
+        self._thread = threading.Thread(target=self._run, args=(self._stop,), name="static_dist-peer-watchdog",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, clean: bool = True) -> None:
+        """Stop, quietly (nothing happens when stopped). ``clean``: the last heartbeat says so, and the peers do not
+        take this process's exit for a death; after a failure it does not, and a peer blocked behind this rank
+        learns of its exit."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._clean = clean
+        self._stop.set()  # from here on the thread neither prints nor exits
+        thread.join(timeout=5.0)
+
+    def _run(self, stop: threading.Event) -> None:
+        heard: dict[int, _Heard] = {}
+        while not stop.is_set():
+            death = self._quietly(lambda: self._beat(heard))
+            if death is not None:
+                self._report(stop, *death)
+                return
+            stop.wait(self.interval_s)
+        if self._clean:
+            self._quietly(lambda: self._write("stopped"))
+
+    def _quietly(self, tick: Callable[[], Any]) -> Any:
+        """``tick()``, whose error is logged, not raised: a missed heartbeat is no failure of training."""
+        try:
+            return tick()
+        except Exception as err:
+            log.debug(f"static_dist: peer watchdog of rank {self.rank}: {err}")
+            return None
+
+    def _write(self, state: str) -> bool:
+        """This rank's heartbeat; ``False`` when the store no longer accepts connections (not even asked then: a
+        store client whose server is gone prints C++ stack traces)."""
+        if not store_reachable():
+            return False
+        self._count += 1
+        beat = {"count": self._count, "state": state, "pid": os.getpid(), "host": self._host, "ns": self._namespace,
+                "step": self._step(), "in": in_flight(unmarked="")}
+        rendezvous_store().set(_alive_key(self.rank), json.dumps(beat))
+        return True
+
+    def _beat(self, heard: dict[int, _Heard]) -> Optional[tuple[str, str]]:
+        """One heartbeat: ``(who, reason)`` of a death seen here or posted by another rank, else ``None``."""
+        if not self._write("running"):
+            rank_zero = heard.get(0)
+            return None if rank_zero is not None and rank_zero.state == "stopped" else (
+                STORE_HOST_GONE, "its store no longer accepts connections")
+        store = rendezvous_store()
+        if store.check([_DEATH_KEY]):
+            who, reason = json.loads(store.get(_DEATH_KEY))
+            return who, reason
+        keys = [_alive_key(peer) for peer in self._peers]
+        if not store.check(keys):
+            return None  # a neighbour has not started its watchdog yet
+        now = time.monotonic()
+        for peer, raw in zip(self._peers, store.multi_get(keys)):
+            beat = json.loads(raw)
+            last = heard.get(peer)
+            if last is None or last.count != beat["count"]:
+                heard[peer] = _Heard(beat["count"], now, beat["state"])
+                continue
+            reason = self._death(beat, now - last.since)
+            if reason is not None:
+                who = f"rank {peer} stopped participating"
+                store.set(_DEATH_KEY, json.dumps([who, f"{reason}, seen by rank {self.rank}"]))
+                return who, reason
+        return None
+
+    def _death(self, beat: dict[str, Any], quiet_s: float) -> Optional[str]:
+        """Why a neighbour whose heartbeat has not moved for ``quiet_s`` is dead (``None``: it is not, or not yet)."""
+        if beat["state"] == "stopped":
+            return None
+        if (beat["host"], beat["ns"]) == (self._host, self._namespace):
+            if quiet_s > self.same_host_s and _process_gone(beat["pid"]):
+                return "its process is gone"
+        elif quiet_s > self.other_host_s:
+            doing = f"at step {beat['step']}" + (f", in {beat['in']}" if beat["in"] else "")
+            return f"no heartbeat from {beat['host']} for {quiet_s:.0f} s, the last {doing}"
+        return None
+
+    def _report(self, stop: threading.Event, who: str, reason: str) -> None:
+        """After :attr:`settle_s`, unless stopped or the main thread reports a failure itself: the line, exit 1."""
+        if stop.wait(self.settle_s) or self._failed():
+            return
+        line = failure_line(self.rank, who, self._step(), f"{reason}; this rank was blocked where no error reached it")
+        print(line, file=sys.stderr, flush=True)
+        os._exit(1)  # the main thread may be where no exception can reach it: no interpreter teardown to wait for
