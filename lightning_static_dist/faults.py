@@ -144,6 +144,8 @@ def record_nccl_flight(backend: str, device: torch.device, directory: str) -> No
     ``default_root_dir``); torch writes the dump with plain file I/O, so a remote one (``s3://...``) is replaced by
     the working directory.
     """
+    if dist.is_initialized():
+        return  # the process group exists already: torch has read its settings (flight_recorder_file names none)
     if dist.BackendConfig(dist.Backend(backend)).get_device_backend_map().get(device.type) != "nccl":
         return
     spelling = 0 if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 9) else 1
@@ -161,5 +163,8 @@ def flight_recorder_file(rank: int) -> Optional[str]:
     for, or none where this project can name it: torch's default location depends on its version)."""
     if os.environ.get(_DUMP_ON_TIMEOUT, "").lower() not in ("1", "y", "yes", "t", "true"):
         return None
+    size = next((os.environ[name] for name in _FR_SIZE if os.environ.get(name)), "0")
+    if not size.isdigit() or int(size) == 0:
+        return None  # a recorder of no entries writes nothing
     prefix = next((os.environ[name] for name in _FR_FILE if os.environ.get(name)), None)  # torch's order
     return f"{prefix}{rank}" if prefix else None

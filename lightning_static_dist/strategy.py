@@ -682,9 +682,15 @@ class StaticDistStrategy(ParallelStrategy):
             return  # nothing saved, or setup has not built the trial yet (it calls this again)
         saved, self._trial_resume = self._trial_resume, None
         self._trial.load_state_dict(saved)
-        if self._trial.decided:
-            chosen = next(c for c in self._trial.candidates if c.name == self._trial.choice)
-            use_compressor(self._synchronizer, chosen.make())
+        if not self._trial.decided:
+            return
+        chosen = next((c for c in self._trial.candidates if c.name == self._trial.choice), None)
+        if chosen is None:  # strategy.compression.rank changed since: time the candidates again
+            rank_zero_warn(f"static_dist: compression auto: the checkpoint chose {self._trial.choice!r}, not among this"
+                           f" run's candidates ({', '.join(c.name for c in self._trial.candidates)}): timing them again")
+            self._trial.choice = None
+            return
+        use_compressor(self._synchronizer, chosen.make())
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -862,6 +868,8 @@ class StaticDistStrategy(ParallelStrategy):
             self._embedding_sharder.release()  # the shards changed: any gathered weight is stale
             if self._config.embedding.prefetch == "after_optimizer":
                 self._embedding_sharder.prefetch()
+        if self._trial is not None:
+            self._trial.after_step()
         if self.recorder is not None:
             self.recorder.end("optimizer")
         return output
@@ -1026,6 +1034,7 @@ class StaticDistStrategy(ParallelStrategy):
         if self._watchdog is not None:
             self._watchdog.stop(clean=not self._failed)
             self._watchdog = None
+        self._trial = None  # a later fit builds its own (and resumes the checkpoint's choice into it)
         self._failed = False
         self._buffers_to_broadcast = []
         self.requested_backend = None

@@ -11,9 +11,12 @@ the rendezvous store (a counter, its pid and host, its step, the collective its 
 neighbours' (a few ranks on each side: the store's load per rank does not grow with the world). A neighbour is dead
 when its counter has stopped and its process is gone (on this host: asked of the kernel, exact), or when its counter
 has stopped for a long time (on another host, where its pid means nothing); a store that no longer accepts
-connections means that its host, rank 0, is gone. The first rank to see a death posts it in the store, for every
-rank. The watchdog then leaves the main thread :attr:`PeerWatchdog.settle_s` for its own failure path; if that has
-not started, it prints a line of ``diagnose``'s form and ends the process with status 1.
+connections (several heartbeats in a row) means that its host, rank 0, is gone. The first rank to see a death posts
+it in the store, for every rank. The watchdog then waits while the main thread runs Python (it will reach a
+collective that fails, and its own failure path speaks); once the main thread has stood still for
+:attr:`PeerWatchdog.settle_s` with no failure reported, it prints a line of ``diagnose``'s form and ends the process
+with status 1. The heartbeats go through a store client of the watchdog's own, with a short timeout: the main
+thread's client can be held for minutes by a rendezvous waiting for a late rank.
 
 A rank whose watchdog stopped cleanly (the end of a fit) says so in its last heartbeat: its exit is no death. A peer
 that is alive but stuck is left to the process group's timeout.
@@ -28,7 +31,10 @@ import socket
 import sys
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Callable, NamedTuple, Optional
+
+import torch.distributed as dist
 
 from lightning_static_dist.faults import STORE_HOST_GONE, failure_line, in_flight, rendezvous_store, store_reachable
 
@@ -43,11 +49,24 @@ def _alive_key(rank: int) -> str:
 
 
 def _pid_namespace() -> str:
-    """This process's pid namespace: containers on one host may share a hostname, not their process ids."""
+    """This process's pid namespace on this boot of this machine: containers on one host may share a hostname, not
+    their process ids, and the first pid namespace has the same name on every Linux host (the boot id tells them
+    apart)."""
     try:
-        return os.readlink("/proc/self/ns/pid")
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.readlink('/proc/self/ns/pid')}"
     except OSError:
         return ""
+
+
+def _own_client(store: dist.Store, timeout_s: float) -> dist.Store:
+    """A store client of the watchdog's own: one client's blocking call (the main thread's rendezvous ``get``
+    waiting for a late rank) holds that client until it returns, and a heartbeat queued behind it would stop."""
+    clone = getattr(store, "clone", None)
+    client = clone() if clone is not None else store
+    client.set_timeout(timedelta(seconds=timeout_s))
+    return client
 
 
 def _process_gone(pid: int) -> bool:
@@ -94,16 +113,20 @@ class PeerWatchdog:
     """Seconds left to the main thread's own failure path (where a collective fails, it fails at once) before the
     watchdog speaks. Detection plus this stays under the launcher's grace (``StaticDistLauncher.grace_s``)."""
     neighbours = 4
-    """Ranks read on each side (r-4 ... r+4, wrapping around)."""
+    """Ranks read on each side (r-4 ... r+4, wrapping around), and rank 0, the store's host, by every rank."""
+    store_misses = 3
+    """Heartbeats in a row the store must refuse before its host, rank 0, counts as gone."""
 
     def __init__(self, rank: int, world: int, step: Callable[[], int], failed: Callable[[], bool]) -> None:
         """``step``: the training step, for the heartbeat and the line; ``failed``: whether the main thread has
         started reporting a failure itself (both are read from the watchdog's thread)."""
         self.rank = rank
         self._step, self._failed = step, failed
-        self._peers = sorted({(rank + d) % world for d in range(-self.neighbours, self.neighbours + 1)} - {rank})
+        self._peers = sorted(({(rank + d) % world for d in range(-self.neighbours, self.neighbours + 1)} | {0}) - {rank})
         self._host, self._namespace = socket.gethostname(), _pid_namespace()
         self._count = 0
+        self._misses = 0
+        self._store: Optional[dist.Store] = None
         self._clean = True
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -117,6 +140,7 @@ class PeerWatchdog:
         if self.running:
             return
         self._stop, self._clean = threading.Event(), True  # an old thread that outlived its join keeps its own event
+        self._store = _own_client(rendezvous_store(), timeout_s=2 * self.interval_s)
         self._thread = threading.Thread(target=self._run, args=(self._stop,), name="static_dist-peer-watchdog",
                                         daemon=True)
         self._thread.start()
@@ -159,16 +183,19 @@ class PeerWatchdog:
         self._count += 1
         beat = {"count": self._count, "state": state, "pid": os.getpid(), "host": self._host, "ns": self._namespace,
                 "step": self._step(), "in": in_flight(unmarked="")}
-        rendezvous_store().set(_alive_key(self.rank), json.dumps(beat))
+        self._store.set(_alive_key(self.rank), json.dumps(beat))
         return True
 
     def _beat(self, heard: dict[int, _Heard]) -> Optional[tuple[str, str]]:
         """One heartbeat: ``(who, reason)`` of a death seen here or posted by another rank, else ``None``."""
         if not self._write("running"):
+            self._misses += 1
             rank_zero = heard.get(0)
-            return None if rank_zero is not None and rank_zero.state == "stopped" else (
-                STORE_HOST_GONE, "its store no longer accepts connections")
-        store = rendezvous_store()
+            if self._misses < self.store_misses or (rank_zero is not None and rank_zero.state == "stopped"):
+                return None  # a moment's refusal, or rank 0 ended its fit cleanly
+            return STORE_HOST_GONE, "its store no longer accepts connections"
+        self._misses = 0
+        store = self._store
         if store.check([_DEATH_KEY]):
             who, reason = json.loads(store.get(_DEATH_KEY))
             return who, reason
@@ -179,13 +206,14 @@ class PeerWatchdog:
         for peer, raw in zip(self._peers, store.multi_get(keys)):
             beat = json.loads(raw)
             last = heard.get(peer)
-            if last is None or last.count != beat["count"]:
+            if last is None or last.count != beat["count"] or last.state != beat["state"]:
                 heard[peer] = _Heard(beat["count"], now, beat["state"])
                 continue
             reason = self._death(beat, now - last.since)
             if reason is not None:
                 who = f"rank {peer} stopped participating"
-                store.set(_DEATH_KEY, json.dumps([who, f"{reason}, seen by rank {self.rank}"]))
+                # the first death posted stays: every rank reports that one
+                store.compare_set(_DEATH_KEY, "", json.dumps([who, f"{reason}, seen by rank {self.rank}"]))
                 return who, reason
         return None
 
@@ -202,9 +230,25 @@ class PeerWatchdog:
         return None
 
     def _report(self, stop: threading.Event, who: str, reason: str) -> None:
-        """After :attr:`settle_s`, unless stopped or the main thread reports a failure itself: the line, exit 1."""
-        if stop.wait(self.settle_s) or self._failed():
-            return
-        line = failure_line(self.rank, who, self._step(), f"{reason}; this rank was blocked where no error reached it")
-        print(line, file=sys.stderr, flush=True)
-        os._exit(1)  # the main thread may be where no exception can reach it: no interpreter teardown to wait for
+        """The line and exit 1 — once the main thread has stood still for :attr:`settle_s` without reporting a
+        failure itself. A main thread that still runs Python (a long validation, a checkpoint upload) gets to its
+        next collective, which fails, and its own failure path speaks; one that stands still is blocked where no
+        error reaches it."""
+        main = threading.main_thread().ident
+        where = _frame_of(main)
+        while not stop.wait(self.settle_s):
+            if self._failed():
+                return
+            now = _frame_of(main)
+            if now == where:
+                line = failure_line(self.rank, who, self._step(),
+                                    f"{reason}; this rank was blocked where no error reached it")
+                print(line, file=sys.stderr, flush=True)
+                os._exit(1)  # the main thread is where no exception reaches it: no interpreter teardown to wait for
+            where = now
+
+
+def _frame_of(thread_id: Optional[int]) -> Optional[tuple[int, int]]:
+    """Where a thread is: its innermost Python frame's code and line (``None``: not running Python)."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    return None if frame is None else (id(frame.f_code), frame.f_lineno)

@@ -489,8 +489,10 @@ def _run_trial(per_step: dict[str, float]) -> tuple[str, list[tuple[int, str]]]:
             if picked != "keep":
                 switches.append((step, picked.name))
                 active = picked.name
-        if active is not None and not trial.decided:
+        if active is not None:
             trial.clock += per_step[active]
+        trial.after_step()
+        trial.clock += 1.0  # validation, a checkpoint: after the optimizer step, not the candidate's
     return trial.choice, switches
 
 

@@ -5,7 +5,8 @@ costs on this device — the cost model (``overlap/cost_model.py``) predicts it 
 known once the job runs. So ``auto`` measures instead of predicting: after the ``start_step`` exact steps, each
 candidate — exact fp32 (``none``), ``bf16`` and ``powersgd`` at ``strategy.compression.rank`` — reduces the gradients
 of ``trial_steps`` optimizer steps; the first step of each is left out (new buffers, a new compressor state), the
-others are timed together between two device synchronisations. The ranks take the slowest rank's time of each
+others are timed each from the batch's start to the end of its optimizer step, between device synchronisations
+(validation, checkpoints and logging after the step are not the candidate's). A guard does nothing during the trial. The ranks take the slowest rank's time of each
 candidate (one small all-reduce), so every rank picks the same one. A compressor must beat exact by at least
 :data:`MIN_GAIN`: it costs accuracy (``benchmarks/README.md``, critical point), so a tie goes to exact.
 
@@ -65,9 +66,10 @@ class CompressionTrial:
     step_s: dict[str, float] = field(default_factory=dict)
     """The slowest rank's seconds per step of each candidate timed so far."""
     choice: Optional[str] = None
-    _origin: Optional[int] = None
+    _seen: int = 0
     _last_step: Optional[int] = None
-    _window_start: float = 0.0
+    _step_start: Optional[float] = None
+    _timed_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.trial_steps < 2:
@@ -80,25 +82,31 @@ class CompressionTrial:
     def before_step(self, step: int) -> Any:
         """Called before each batch with the optimizer steps done so far (``trainer.global_step``; several batches
         per step with gradient accumulation: only the first counts). Returns the candidate to switch to now, or
-        ``"keep"``. The trial starts at the first step at or after ``start_step`` that it sees (a run resumed in
-        the middle of a trial times every candidate again)."""
+        ``"keep"``. The trial counts the distinct steps it sees from the first at or after ``start_step`` (a run
+        resumed in the middle of a trial times every candidate again; a step count that jumps, as under manual
+        optimization with several optimizer steps per batch, still gives each candidate ``trial_steps`` batches)."""
         if self.decided or step < self.start_step or step == self._last_step:
             return "keep"
         self._last_step = step
-        if self._origin is None:
-            self._origin = step
-        index, offset = divmod(step - self._origin, self.trial_steps)
-        if offset == 1:  # the candidate's first step is done: time the rest
-            self._window_start = self._now()
-        if offset == 0 and index > 0:  # the previous candidate's window ends here
-            previous = self.candidates[index - 1]
-            self.step_s[previous.name] = (self._now() - self._window_start) / (self.trial_steps - 1)
+        index, offset = divmod(self._seen, self.trial_steps)
+        self._seen += 1
+        if offset == 0 and index > 0:  # the previous candidate's timed steps are all done
+            self.step_s[self.candidates[index - 1].name] = self._timed_s / (self.trial_steps - 1)
+            self._timed_s = 0.0
         if index < len(self.candidates):
+            if offset > 0:  # the candidate's first step is done: time this one
+                self._step_start = self._now()
             return self.candidates[index] if offset == 0 else "keep"
         self.choice = choose(self._slowest_rank(self.step_s), exact=self.candidates[0].name)
         if self.choice == self.candidates[-1].name:
             return "keep"  # it is reducing already: its state (PowerSGD's residuals) carries on
         return next(c for c in self.candidates if c.name == self.choice)
+
+    def after_step(self) -> None:
+        """Called at the end of each optimizer step: closes a timed step."""
+        if self._step_start is not None:
+            self._timed_s += self._now() - self._step_start
+            self._step_start = None
 
     def _now(self) -> float:
         if self.device.type == "cuda":

@@ -183,7 +183,10 @@ class PerParameterState:
     STATE: tuple[str, ...] = ()
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: {k: v.cpu() for k, v in getattr(self, name).items()} for name in self.STATE}
+        # a copy of each tensor's own elements: state may be views of a larger tensor (PowerSGD's batched residuals),
+        # whose whole storage would otherwise be saved (and gathered) once per view
+        return {name: {k: v.detach().to("cpu", copy=True) for k, v in getattr(self, name).items()}
+                for name in self.STATE}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in self.STATE:

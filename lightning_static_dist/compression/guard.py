@@ -80,11 +80,16 @@ class CompressionGuard(Callback):
 
     @staticmethod
     def _reducer(trainer: pl.Trainer) -> Any:
+        """The compressing reducer to watch; ``None`` also while ``compression.name: auto`` is still timing its
+        candidates (the trial decides what runs, and a check step's extra exact average would skew its times)."""
+        trial = getattr(trainer.strategy, "compression_trial", None)
+        if trial is not None and not trial.decided:
+            return None
         return getattr(trainer.strategy, "compressing_reducer", None)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._reducer(trainer) is None:
+        if self._reducer(trainer) is None and getattr(trainer.strategy, "compression_trial", None) is None:
             rank_zero_warn("CompressionGuard: the strategy compresses nothing (strategy.compression.name is 'none', or"
                            " the world has one rank): the guard does nothing in this run")
         # a resumed run continues at the level it had reached (the strategy restored the compressor's state already)
