@@ -122,7 +122,8 @@ class PeerWatchdog:
         started reporting a failure itself (both are read from the watchdog's thread)."""
         self.rank = rank
         self._step, self._failed = step, failed
-        self._peers = sorted(({(rank + d) % world for d in range(-self.neighbours, self.neighbours + 1)} | {0}) - {rank})
+        around = {(rank + d) % world for d in range(-self.neighbours, self.neighbours + 1)}
+        self._peers = sorted((around | {0}) - {rank})
         self._host, self._namespace = socket.gethostname(), _pid_namespace()
         self._count = 0
         self._misses = 0

@@ -6,6 +6,7 @@ message and what is left on disk."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 from _dist import fresh_job_env
+
+from lightning_static_dist.faults import STORE_HOST_GONE
 
 pytestmark = pytest.mark.multiprocess
 
@@ -185,3 +188,93 @@ def test_a_process_killed_while_saving_leaves_the_previous_checkpoint(tmp_path: 
     (line,) = failure_lines(err)  # rank 1, left alone, says so
     assert line.startswith("static_dist: rank 1: rank 0 (the host of the rendezvous store) is gone during "), line
     assert seconds < 60
+
+
+# ------------------------------------------------------------------------------ the peer watchdog's decisions
+
+
+class _Store:
+    """The few store calls the watchdog makes, on a dict (the real store is exercised by the jobs above)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.data[k] for k in keys]
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        if key not in self.data and expected == "":
+            self.data[key] = desired.encode()
+        return self.data[key]
+
+
+def _beat_as(store: _Store, rank: int, count: int, pid: int, host: str, state: str = "running") -> None:
+    store.set(f"static_dist/alive/{rank}", json.dumps({"count": count, "state": state, "pid": pid, "host": host,
+                                                       "ns": "ns", "step": 7, "in": "bucket 2"}))
+
+
+def test_the_watchdog_calls_a_neighbour_dead_only_when_it_is(monkeypatch: Any) -> None:
+    from lightning_static_dist import watchdog as wd
+
+    clock, reachable, store = [0.0], [True], _Store()
+    monkeypatch.setattr(wd.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(wd, "store_reachable", lambda: reachable[0])
+    monkeypatch.setattr(wd.socket, "gethostname", lambda: "here")
+    monkeypatch.setattr(wd, "_pid_namespace", lambda: "ns")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+
+    def watchdog(rank: int) -> Any:
+        dog = wd.PeerWatchdog(rank, world=3, step=lambda: 7, failed=lambda: False)
+        dog._store = store
+        return dog
+
+    zero, heard = watchdog(0), {}
+    _beat_as(store, 1, 1, os.getpid(), "here")  # alive, on this host, silent from now on
+    _beat_as(store, 2, 1, 1, "there")  # on another host, silent from now on
+    assert zero._beat(heard) is None
+    clock[0] = 30.0
+    assert zero._beat(heard) is None  # this host's rank 1 is silent but its process is alive; 30 s is no death there
+    clock[0] = 61.0
+    who, reason = zero._beat(heard)
+    assert who == "rank 2 stopped participating" and reason.startswith("no heartbeat from there for 61 s"), reason
+    # every other rank reads the first death posted, whatever it saw itself
+    _beat_as(store, 2, 2, dead.pid, "here")
+    assert watchdog(1)._beat({}) == ("rank 2 stopped participating", f"{reason}, seen by rank 0")
+
+    # a neighbour on this host whose process is gone is dead after 2 s; one that stopped cleanly never is
+    store, heard = _Store(), {}
+    for rank, state in ((1, "running"), (2, "stopped")):
+        _beat_as(store, rank, 1, dead.pid, "here", state)
+    zero = watchdog(0)
+    clock[0] = 100.0
+    assert zero._beat(heard) is None
+    clock[0] = 101.5
+    assert zero._beat(heard) is None  # quiet for 1.5 s only
+    clock[0] = 103.0
+    assert zero._beat(heard) == ("rank 1 stopped participating", "its process is gone")
+
+    # the store refusing connections: rank 0 gone, after 3 refusals in a row, unless rank 0 had stopped cleanly
+    store = _Store()
+    _beat_as(store, 0, 1, os.getpid(), "here")
+    _beat_as(store, 2, 1, os.getpid(), "here")
+    one, heard = watchdog(1), {}
+    assert one._beat(heard) is None
+    reachable[0] = False
+    gone = (STORE_HOST_GONE, "its store no longer accepts connections")
+    assert [one._beat(heard) for _ in range(3)] == [None, None, gone]
+    reachable[0] = True
+    _beat_as(store, 0, 2, os.getpid(), "here", "stopped")
+    one, heard = watchdog(1), {}
+    assert one._beat(heard) is None
+    reachable[0] = False
+    assert [one._beat(heard) for _ in range(4)] == [None] * 4
