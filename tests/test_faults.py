@@ -146,7 +146,7 @@ def test_a_sigterm_on_any_rank_stops_every_rank_at_the_same_step(tmp_path: Any, 
     assert code == 0, err[-2000:]
     # the same step on both; the latest the round started at step 4 allows, or one earlier when the forwarded signal
     # reached a rank still before its step-3 round (the maximum then already carries it)
-    assert last[0] == last[1] and 3 + LAG - 1 <= last[0] <= 3 + LAG, last
+    assert last[0] == last[1] and 3 + LAG - 1 <= last[0] <= 3 + LAG, (last, err[-4000:])  # the log: a rare miss
     assert seconds < 60
 
 
