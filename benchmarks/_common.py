@@ -118,16 +118,21 @@ def write_record(scenario: str, command: str, **fields: Any) -> str:
     return path
 
 
-def spawn_ranks(target: Any, world: int, *args: Any, timeout_s: float = 1800) -> Any:
-    """Run ``target(rank, world, port, *args, queue)`` on ``world`` spawned processes of this machine (``port``: a
-    free one for ``MASTER_PORT``) and return what rank 0 put on ``queue``."""
+def free_port() -> int:
+    """A TCP port of this machine free now (for ``MASTER_PORT``)."""
     import socket
-
-    import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def spawn_ranks(target: Any, world: int, *args: Any, timeout_s: float = 1800) -> Any:
+    """Run ``target(rank, world, port, *args, queue)`` on ``world`` spawned processes of this machine (``port``: a
+    free one for ``MASTER_PORT``) and return what rank 0 put on ``queue``."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=target, args=(rank, world, port, *args, queue)) for rank in range(world)]

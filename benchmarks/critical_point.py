@@ -34,7 +34,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from _common import ROOT, SAFE_ENV, run_worker, write_record
+from _common import ROOT, SAFE_ENV, free_port, run_worker, write_record
 
 from lightning_static_dist.compression.compressors import QSGDCompressor
 from lightning_static_dist.compression.critical import critical_points, sweep_row
@@ -248,10 +247,7 @@ def start_as_two_nodes(args: argparse.Namespace) -> Optional[subprocess.Popen]:
     (``LOCAL_RANK`` set: started externally; ``NODE_RANK``: the global rank). Rank 1 returns ``None``."""
     if "LOCAL_RANK" in os.environ:
         return None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     peer = subprocess.Popen([sys.executable, *sys.argv], env={**os.environ, **launch, "NODE_RANK": "1"})
     os.environ.update(launch, NODE_RANK="0")
     return peer

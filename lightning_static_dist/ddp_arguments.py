@@ -133,6 +133,13 @@ def check_process_group_backend(backend: Optional[str]) -> None:
                           " pairs ('cpu:gloo,cuda:nccl')")
 
 
+def device_backend(backend: str, device_type: str) -> Optional[str]:
+    """The backend a process group over ``backend`` (``"nccl"``, ``"cpu:gloo,cuda:nccl"`` ...) uses for tensors on
+    ``device_type``, as ``torch.distributed`` reads the string (``None``: none for that device)."""
+    mapping = torch.distributed.BackendConfig(torch.distributed.Backend(backend)).get_device_backend_map()
+    return mapping.get(device_type)
+
+
 #: How a strategy may start its processes (``start_method``).
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 

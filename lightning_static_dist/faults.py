@@ -28,6 +28,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from lightning_static_dist.ddp_arguments import device_backend
+
 _current: list[str] = []
 _failed_in: list[str] = []  # the innermost marked collective an exception left (the stack is unwound by then)
 
@@ -146,7 +148,7 @@ def record_nccl_flight(backend: str, device: torch.device, directory: str) -> No
     """
     if dist.is_initialized():
         return  # the process group exists already: torch has read its settings (flight_recorder_file names none)
-    if dist.BackendConfig(dist.Backend(backend)).get_device_backend_map().get(device.type) != "nccl":
+    if device_backend(backend, device.type) != "nccl":
         return
     spelling = 0 if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 9) else 1
     directory = os.getcwd() if "://" in directory else os.path.abspath(directory)

@@ -85,7 +85,7 @@ from lightning_static_dist.config import (
     StrategyConfig,
     SyncConfig,
 )
-from lightning_static_dist.ddp_arguments import DDPArguments, strategy_config, yield_to
+from lightning_static_dist.ddp_arguments import DDPArguments, device_backend, strategy_config, yield_to
 from lightning_static_dist.embedding import EmbeddingSharder
 from lightning_static_dist.engine import (
     COMPRESSION_KEY as _COMPRESSION_KEY,
@@ -160,11 +160,7 @@ def binds_device(backend: str, device: torch.device) -> bool:
     communicator. Any other backend is not bound — Gloo carrying CUDA tensors in particular: ``DeviceMesh`` would
     then split its groups, and ``split_group`` cannot copy Gloo's options (``TypeError: cannot pickle ...
     _Options`` on torch 2.11). ``backend`` was validated by ``ddp_arguments.check_process_group_backend``."""
-    if device.type == "cpu":
-        return False
-    backend = backend.lower()
-    per_device = dict(pair.split(":", 1) for pair in backend.split(",")) if ":" in backend else {device.type: backend}
-    return per_device.get(device.type) in _DEVICE_BOUND_BACKENDS
+    return device.type != "cpu" and device_backend(backend, device.type) in _DEVICE_BOUND_BACKENDS
 
 
 class StaticDistStrategy(ParallelStrategy):

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_static_dist.compression.base import Compressor
+from lightning_static_dist.faults import waiting_in
 
 MIN_GAIN = 0.05
 """The fraction of exact's step time a compressor must save to be chosen."""
@@ -98,7 +99,8 @@ class CompressionTrial:
             if offset > 0:  # the candidate's first step is done: time this one
                 self._step_start = self._now()
             return self.candidates[index] if offset == 0 else "keep"
-        self.choice = choose(self._slowest_rank(self.step_s), exact=self.candidates[0].name)
+        self.step_s = self._slowest_rank(self.step_s)
+        self.choice = choose(self.step_s, exact=self.candidates[0].name)
         if self.choice == self.candidates[-1].name:
             return "keep"  # it is reducing already: its state (PowerSGD's residuals) carries on
         return next(c for c in self.candidates if c.name == self.choice)
@@ -115,13 +117,14 @@ class CompressionTrial:
         return time.perf_counter()
 
     def _slowest_rank(self, step_s: dict[str, float]) -> dict[str, float]:
+        """Each candidate's time on the slowest rank (collective: every rank decides at the same step)."""
         names = list(step_s)
         times = torch.tensor([step_s[name] for name in names], dtype=torch.float64,
                              device=self.device if self.device.type == "cuda" else "cpu")
         if dist.is_initialized():
-            dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group)
-        self.step_s = dict(zip(names, times.tolist()))
-        return self.step_s
+            with waiting_in("the all-reduce of compression auto's step times"):
+                dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group)
+        return dict(zip(names, times.tolist()))
 
     def describe(self) -> str:
         """``none 36.1 ms, bf16 40.3 ms, powersgd(rank=4) 45.2 ms per step -> none``."""
