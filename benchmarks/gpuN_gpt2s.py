@@ -12,6 +12,8 @@ started the way its users start one, run once per round, interleaved (A B C, A B
                           graph at DDP's 25 MB buckets), a hand-written loop (torchrun)
     ddp_eager             Lightning DDPStrategy (the ``ddp`` defaults)
     ddp_compile           the same, fit(torch.compile(model))
+    lightning_compile     Lightning's own strategy choice (``strategy="auto"``: one device on 1 GPU, DDP on more),
+                          fit(torch.compile(model)): with ``--one-gpu``, Lightning's loop without a DDP wrapper
     static_dist           StaticDistStrategy with compile enabled and everything else default: the whole
                           training_step as one graph, cut at the gradient buckets (sync.mode hooks)
     static_dist_graph     sync.mode graph: the all-reduces inside the compiled backward graph
@@ -51,6 +53,10 @@ job, so a run cut short (``--budget-s``) keeps what it measured, and ``--resume 
     python benchmarks/gpuN_gpt2s.py --rounds 5                       # every visible GPU, the main contenders
     python benchmarks/gpuN_gpt2s.py --rounds 1 --contenders ddp_compile,static_dist --out-dir "$OUT"
     python benchmarks/gpuN_gpt2s.py --tiny --rounds 1 --no-record    # 2 CPU ranks (Gloo), every code path
+    python benchmarks/gpuN_gpt2s.py --contenders '' --one-gpu ceiling,lightning_compile,static_dist  # 1 GPU only
+
+With ``--contenders ''`` only the ``--one-gpu`` jobs run (a machine with one GPU): the loops' own cost, no
+communication; the record is ``gpuN-gpt2s-on-1gpu-<date>.json`` and its summary compares the 1-GPU rows.
 """
 
 from __future__ import annotations
@@ -77,12 +83,15 @@ sys.path.insert(0, ROOT)  # the checkout's package, for the workload
 PLAIN = ("ceiling", "plain_ddp_compile")
 """Hand-written PyTorch loops, started with torchrun."""
 LIGHTNING_DDP = ("ddp_eager", "ddp_compile")
+LIGHTNING = LIGHTNING_DDP + ("lightning_compile",)
+"""Lightning's own strategies (no StaticDistStrategy)."""
 #: contender -> the StaticDistStrategy sections it sets over the default (None: a plain loop or Lightning's DDPStrategy)
 CONTENDERS: dict[str, Optional[dict[str, Any]]] = {
     "ceiling": None,
     "plain_ddp_compile": None,
     "ddp_eager": None,
     "ddp_compile": None,
+    "lightning_compile": None,
     "static_dist": {},
     "static_dist_graph": {"sync": {"mode": "graph"}},
     "static_dist_blocks": {"compile": {"regional": True}},
@@ -190,8 +199,10 @@ def _lightning_fit(name: str, model: Any, batches: Any, timer: Any, args: argpar
 
     callbacks: list[L.Callback] = [timer]
     monitor = None
-    if CONTENDERS[name] is None:
-        strategy: Any = DDPStrategy()
+    if name == "lightning_compile":
+        strategy: Any = "auto"
+    elif CONTENDERS[name] is None:
+        strategy = DDPStrategy()
     else:
         strategy = StaticDistStrategy(**strategy_sections(name))
         profile = (PROFILE_TINY if args.tiny else PROFILE) if args.profile else None
@@ -205,7 +216,7 @@ def _lightning_fit(name: str, model: Any, batches: Any, timer: Any, args: argpar
         # each rank's loader already yields its own batches (its own token pool)
         use_distributed_sampler=False, default_root_dir=args.profile or tempfile.gettempdir(),
     )
-    trainer.fit(torch.compile(model) if name == "ddp_compile" else model, train_dataloaders=batches)
+    trainer.fit(torch.compile(model) if name in ("ddp_compile", "lightning_compile") else model, train_dataloaders=batches)
     sync = getattr(trainer.strategy, "synchronizer", None)
     extra: dict[str, Any] = {"bytes_per_step": sync.stats.last_round_bytes if sync is not None else None}
     report = getattr(trainer.strategy, "compile_report", None)
@@ -414,7 +425,7 @@ def main() -> None:
 
     if args.gpus is None:
         args.gpus = 2 if args.tiny else torch.cuda.device_count()
-    if args.gpus < 2 or (not args.tiny and args.gpus > torch.cuda.device_count()):
+    if at_n and (args.gpus < 2 or (not args.tiny and args.gpus > torch.cuda.device_count())):
         parser.error(f"--gpus {args.gpus}: needs 2 or more, at most the {torch.cuda.device_count()} GPUs visible")
     plan = [f"{c}@{args.gpus}" for c in at_n] + [f"{c}@1" for c in at_one]
     runs: dict[str, list[dict]] = {key: [] for key in plan}
@@ -423,7 +434,7 @@ def main() -> None:
             for key, recs in json.load(f)["runs"].items():
                 runs.setdefault(key, []).extend(recs)
     today = datetime.date.today().isoformat()
-    scenario = f"gpu{args.gpus}-gpt2s" + ("-tiny" if args.tiny else "")
+    scenario = (f"gpu{args.gpus}-gpt2s" if at_n else "gpuN-gpt2s-on-1gpu") + ("-tiny" if args.tiny else "")
     path = os.path.join(args.out_dir, f"{scenario}-{today}.json")
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="gpuN-cache-")
     started = time.perf_counter()
@@ -439,7 +450,8 @@ def main() -> None:
                    "warmup": args.warmup, "monitored_tail_steps": args.tail,
                    **({"profiled_warmup_steps": args.profile_steps} if args.profile_steps else {}), "static_dist_compile": STATIC_COMPILE,
                    "contenders": {c: strategy_sections(c) if CONTENDERS[c] is not None else
-                                  ("DDPStrategy()" if c in LIGHTNING_DDP else "plain loop (torchrun)")
+                                  ("DDPStrategy()" if c in LIGHTNING_DDP else 'strategy="auto"' if c in LIGHTNING
+                                   else "plain loop (torchrun)")
                                   for c in dict.fromkeys(at_one + at_n)},
                    "inductor_cache": "shared by the invocation's jobs (warm after a graph's first compile)",
                    "env": SAFE_ENV},

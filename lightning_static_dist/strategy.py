@@ -23,7 +23,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -964,6 +964,23 @@ class StaticDistStrategy(ParallelStrategy):
             self._synchronizer.abandon_round()
 
     # ------------------------------------------------------------------------------------------ collectives
+
+    def host_max(self, values: Sequence[float]) -> list[float]:
+        """The maximum over ranks of figures held on the host, through the strategy's host (Gloo) group: no device
+        tensor, so no GPU synchronisation (a device all-reduce read back with ``.item()`` waits for the GPU's queue).
+        A collective: every rank calls it.
+
+        Example::
+
+            breaks, recompiles = strategy.host_max([len(report.graph_breaks), len(report.recompiles)])
+        """
+        if self._host_group is None:  # one rank
+            return [float(v) for v in values]
+        flat = torch.tensor(values, dtype=torch.float64)
+        with waiting_in("the maximum over ranks of host figures (strategy.host_max)"):
+            torch.distributed.all_reduce(flat, op=ReduceOp.MAX, group=self._host_group)
+        return flat.tolist()
+
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:

@@ -168,3 +168,32 @@ def test_profiler_mode_writes_one_hta_loadable_trace_per_rank_and_logs_trace_met
     assert len(recorded) == 2
     traced = series(rows, "static_dist/trace_hidden_comm_fraction")[0]
     assert abs(traced - sum(recorded) / 2) < 0.3, (traced, recorded)
+
+
+class _RecompileOnRankOne(L.Callback):
+    """Adds 100 made-up recompiles to rank 1's compile report at step 2 (before GraphReport reads it)."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == 2:
+            trainer.strategy.compile_report.recompiles.extend(["made up by the test, on rank 1 only"] * 100)
+
+
+def test_graph_report_logs_each_rank_s_worst_compile_figures_without_lightning_s_log(tmp_path: Any) -> None:
+    L.seed_everything(0)
+    strategy = StaticDistStrategy(start_method="spawn", compile={"enabled": True, "backend": "aot_eager"})
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=4, log_every_n_steps=1,
+        logger=CSVLogger(str(tmp_path)), callbacks=[_RecompileOnRankOne()], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(Stack())
+    (path,) = glob.glob(os.path.join(str(tmp_path), "lightning_logs", "version_*", "metrics.csv"))
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    # the strategy added the GraphReport; its figures are the maximum over ranks (taken over the host group): rank 0
+    # logs rank 1's made-up recompiles from step 2 on (Stack's `self.log` also recompiles once, on every rank)
+    recompiles = series(rows, "static_dist/recompiles")
+    assert len(recompiles) == 4 and recompiles[0] < 100 and all(v >= 100 for v in recompiles[1:]), recompiles
+    assert len(set(series(rows, "static_dist/graph_breaks"))) == 1
+    assert all(v > 0 for v in series(rows, "static_dist/compile_s"))
+    assert [int(r["step"]) for r in rows if r.get("static_dist/recompiles")] == [1, 2, 3, 4]

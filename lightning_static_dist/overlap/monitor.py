@@ -286,6 +286,18 @@ def _log_over_ranks(trainer: pl.Trainer, aggregate: RankAggregate, names: tuple[
     """Aggregate this rank's figures over ranks (mean, and ``_max``), log them as ``static_dist/<prefix><name>`` to
     every logger, and return the row (NaN kept: the history shows what could not be measured)."""
     row = aggregate_over_ranks(aggregate, names, per_rank, prefix, trainer.world_size, no_max)
+    log_straight(trainer, row, step)
+    return row
+
+
+def log_straight(trainer: pl.Trainer, row: Mapping[str, float], step: int) -> None:
+    """Log figures already aggregated over ranks to every logger and to ``trainer.callback_metrics``, without
+    ``LightningModule.log`` (NaN left out).
+
+    Example::
+
+        log_straight(trainer, {"static_dist/recompiles": 0.0}, trainer.global_step)
+    """
     # straight to the loggers (rank zero only, values already aggregated): LightningModule.log costs ~0.3 ms a call,
     # 15 calls a step were most of this monitor's cost (monitor-cost benchmark); NaN: nothing to measure
     finite = {k: v for k, v in row.items() if v == v}
@@ -295,7 +307,6 @@ def _log_over_ranks(trainer: pl.Trainer, aggregate: RankAggregate, names: tuple[
     # `trainer.callback_metrics` is the dict its logger connector keeps and returns (what `self.log` fills), so one
     # update there costs microseconds where 26 `log` calls would cost milliseconds
     trainer.callback_metrics.update({k: torch.tensor(v) for k, v in finite.items()})
-    return row
 
 
 def _profiler_options(options: Optional[Mapping[str, Any]]) -> dict[str, Any]:
