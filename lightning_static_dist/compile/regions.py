@@ -5,7 +5,7 @@ What gets compiled (``strategy.compile.regional``). By default (``auto``) the Li
 ``training_step`` — forward and loss — is one region, traced as one graph. A graph compiled whole is one autograd
 node, so every gradient would become ready at the very end of backward and no collective could overlap it; at
 world size > 1 the strategy therefore hands :func:`compile_regions` a ``split``: the graph is cut where the gradient
-buckets end (:mod:`~lightning_static_dist.graph_split`), each piece its own autograd node. ``regional: true``
+buckets end (:mod:`~lightning_static_dist.compile.split`), each piece its own autograd node. ``regional: true``
 compiles each repeated block separately instead — one autograd node per block, gradients ready block by block —
 with identical blocks sharing one compiled artefact (dynamo caches on the code object of ``Block.forward`` and
 guards on the module's type, not its identity, so N blocks cost one compilation); ``regional: false`` compiles
@@ -35,7 +35,7 @@ import torch._dynamo
 from torch import nn
 
 from lightning_static_dist.config import CompileConfig, ConfigError
-from lightning_static_dist.graph_split import BucketGraphSplitter
+from lightning_static_dist.compile.split import BucketGraphSplitter
 
 log = logging.getLogger(__name__)
 
@@ -440,7 +440,7 @@ def compile_regions(module: nn.Module, config: CompileConfig, report: Optional[C
     """Compile ``module`` in place as ``config`` says; return the report that fills as graphs compile.
 
     ``split`` = ``(first_bucket_bytes, bucket_bytes)``: a whole-module region is cut into pieces of that many bytes
-    of parameters (:class:`~lightning_static_dist.graph_split.BucketGraphSplitter`), so that gradients become ready
+    of parameters (:class:`~lightning_static_dist.compile.split.BucketGraphSplitter`), so that gradients become ready
     piece by piece; ``report.splitter.ready_groups`` tells which piece readies which parameter.
     ``inductor_patches``: inductor settings on top of the mode's (``sync.mode: graph``: :func:`graph_mode_patches`).
 
