@@ -11,131 +11,29 @@ with identical blocks sharing one compiled artefact (dynamo caches on the code o
 guards on the module's type, not its identity, so N blocks cost one compilation); ``regional: false`` compiles
 the whole step uncut.
 
-What is recorded (:class:`CompileReport`): every graph the backend compiled (node count, structural hash), graph
-breaks with reason and user location, recompiles with the guard that failed, device transfers found inside graphs
-(placement belongs to the strategy, not the graph), seconds spent compiling, and regions that fell back to eager.
-Graph breaks and recompiles are read from dynamo's own artifact loggers (``graph_breaks``, ``recompiles``), which
-this module enables quietly — they print nothing unless the user asked for them with ``TORCH_LOGS``.
+A region's forward is replaced by a wrapper (:class:`_RegionForward`) that runs the compiled function and, when it
+fails to compile, the eager one (``strategy.compile.fallback``). :func:`compile_optimizer_step` compiles the
+optimizer's step, and :func:`drop_short_last_batch` keeps static shapes static.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
-import re
-import time
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch._dynamo
 from torch import nn
 
-from lightning_static_dist.config import CompileConfig, ConfigError
+from lightning_static_dist.compile.backends import RecordingBackend, backend_of
+from lightning_static_dist.compile.report import CompileFailure, CompileReport, _capture_dynamo_logs, failure_reason
 from lightning_static_dist.compile.split import BucketGraphSplitter
+from lightning_static_dist.config import CompileConfig, ConfigError
 
 log = logging.getLogger(__name__)
-
-
-class CompileFailure(RuntimeError):
-    """A region failed to compile and ``strategy.compile.fallback`` is ``error`` (or a ``fullgraph`` break)."""
-
-
-@dataclass
-class GraphRecord:
-    """One graph handed to the backend."""
-
-    nodes: int
-    structure: str
-    """Hash of the graph's op sequence: equal on every rank that traced the same program."""
-    compile_s: float
-    region: str = ""
-    """The region whose call compiled it."""
-    params: int = 0
-    """Trainable parameters among its inputs (graphs without any hold no model code: a ``self.log`` tail ...)."""
-
-
-@dataclass
-class CompileReport:
-    """What compilation did so far, on this rank.
-
-    Example::
-
-        report = strategy.compile_report
-        print(report.summary())    # regions, graphs, breaks, recompiles, seconds
-    """
-
-    regions: list[str] = field(default_factory=list)
-    graphs: list[GraphRecord] = field(default_factory=list)
-    graph_breaks: list[tuple[str, str]] = field(default_factory=list)
-    """(reason, user location) per graph break."""
-    recompiles: list[str] = field(default_factory=list)
-    """The guard failure that caused each recompile."""
-    fallbacks: dict[str, str] = field(default_factory=dict)
-    """Region -> the reason it runs eagerly."""
-    placement: list[str] = field(default_factory=list)
-    """Device transfers found inside captured graphs, with their source location."""
-    backend: Any = None
-    """The recording backend the regions were compiled with (shared, so dynamo's cache is too)."""
-    around_blocks: Optional[str] = None
-    """The region compiled around the blocks (``compile.around_blocks``), if any: its graph breaks at the blocks'
-    calls are boundaries by design, counted in ``block_boundaries``, not in ``graph_breaks``."""
-    block_boundaries: int = 0
-    """How many of dynamo's graph-break records were a compiled block called from the graph around the blocks."""
-    active_region: str = ""
-    """The region being run now (set by its forward): graphs compiled meanwhile are recorded as its own."""
-    splitter: Optional[BucketGraphSplitter] = None
-    """With a whole-step region cut at the gradient buckets: the backend that cut it (its pieces, what stayed uncut)."""
-    notes: list[str] = field(default_factory=list)
-    """Settings the graphs were compiled with that a reader should know (graph mode's communication passes)."""
-    outside_blocks: list[str] = field(default_factory=list)
-    """With blocks compiled one by one: the modules holding parameters outside every block (they run eagerly, with
-    the rest of ``training_step``, unless ``around_blocks`` compiles around the blocks)."""
-
-    @property
-    def compile_s(self) -> float:
-        return sum(g.compile_s for g in self.graphs)
-
-    def structure_lines(self) -> list[str]:
-        """What this rank compiled, as comparable lines: the structures of the graphs that hold model parameters
-        (sorted), then the regions. Graphs without parameters and the graphs around the blocks are left out:
-        ``training_step`` code that differs by rank (``if self.global_rank == 0``, ``self.print``) splits them
-        differently on each rank without anything being wrong."""
-        shared = [g.structure for g in self.graphs if g.region != self.around_blocks and g.params]
-        return sorted(shared) + self.regions
-
-    def summary(self) -> str:
-        lines = [
-            f"compiled regions: {len(self.regions)} ({', '.join(self.regions[:4])}{' ...' if len(self.regions) > 4 else ''})",
-            f"graphs compiled: {len(self.graphs)} in {self.compile_s:.1f} s",
-            f"graph breaks: {len(self.graph_breaks)}"
-            + (f" (and {self.block_boundaries} at the compiled blocks, by design)" if self.block_boundaries else ""),
-            *[f"  - {reason} at {where}" for reason, where in self.graph_breaks[:10]],
-            f"recompiles: {len(self.recompiles)}",
-            *[f"  - {guard}" for guard in self.recompiles[:10]],
-        ]
-        if self.splitter is not None:
-            lines.insert(2, f"  cut into {self.splitter.pieces} pieces at the gradient buckets (one autograd node"
-                            " each: their collectives overlap backward)")
-            lines.extend(f"  - NOT cut, its gradients are ready only at its end: {why}" for why in self.splitter.uncut)
-        lines.extend(self.notes)
-        if self.outside_blocks and self.around_blocks is None:
-            lines.append(f"runs eagerly, outside the compiled blocks: {', '.join(self.outside_blocks[:8])}"
-                         f"{' ...' if len(self.outside_blocks) > 8 else ''} and the rest of training_step (the loss);"
-                         " strategy.compile.regional=auto compiles the whole step (with all_reduce)")
-        if self.around_blocks is not None and self.graphs and not any(g.region == self.around_blocks for g in self.graphs):
-            lines.append(f"{self.around_blocks}: nothing was compiled around the blocks (dynamo left the code that"
-                         " calls them eager, e.g. blocks looped in a nested forward); regional=auto compiles the"
-                         " whole step")
-        if self.fallbacks:
-            lines.append("eager fallbacks: " + "; ".join(f"{r}: {why}" for r, why in self.fallbacks.items()))
-        if self.placement:
-            lines.append("device transfers inside graphs (placement belongs to the strategy):")
-            lines.extend(f"  - {p}" for p in self.placement[:10])
-        return "\n".join(lines)
 
 
 # -------------------------------------------------------------------------------------------- region finding
@@ -180,187 +78,6 @@ def find_regions(module: nn.Module, regional: Any) -> list[tuple[str, nn.Module]
 def whole_method(module: nn.Module) -> str:
     """The method a whole-model region compiles: ``training_step`` of a LightningModule, else ``forward``."""
     return "training_step" if callable(getattr(type(module), "training_step", None)) else "forward"
-
-
-# -------------------------------------------------------------------------------------------- the backend
-
-
-def _resolve_backend(config: CompileConfig, inductor_patches: Optional[dict[str, Any]] = None) -> Callable[..., Any]:
-    """The compiler function for ``config.backend``/``config.mode``, as ``torch.compile`` would pick it (with
-    ``inductor_patches`` on top when the backend is inductor)."""
-    if config.backend in ("inductor", "inductor_distributed"):
-        from torch._inductor.compile_fx import compile_fx
-
-        options = torch._inductor.list_mode_options(config.mode, config.dynamic) if config.mode != "default" else {}
-        if config.backend == "inductor_distributed" or inductor_patches:
-            options = {**options, **(inductor_patches or graph_mode_patches())}
-        return lambda gm, example_inputs: compile_fx(gm, example_inputs, config_patches=options)
-    return torch._dynamo.lookup_backend(config.backend)  # CompileConfig checked that it is registered
-
-
-def _structure(gm: torch.fx.GraphModule) -> str:
-    ops = [f"{n.op}:{getattr(n.target, '__name__', n.target)}" for n in gm.graph.nodes]
-    return hashlib.sha1("\n".join(ops).encode()).hexdigest()[:12]
-
-
-_TRANSFER_METHODS = {"to", "cuda", "cpu"}
-
-
-def _device_transfers(gm: torch.fx.GraphModule) -> list[str]:
-    """Nodes that move a tensor to an explicit device inside the graph, with their user source line."""
-    found = []
-    for node in gm.graph.nodes:
-        explicit = any(isinstance(a, (torch.device, str)) and _looks_like_device(a) for a in node.args[1:])
-        explicit = explicit or "device" in node.kwargs
-        is_move = (node.op == "call_method" and node.target in _TRANSFER_METHODS and (node.target != "to" or explicit))
-        if is_move:
-            found.append(f"{node.format_node()[:120]} at {_user_location(node)}")
-    return found
-
-
-def _user_location(node: torch.fx.Node) -> str:
-    """``file:line: code`` of the user code that produced ``node`` (from dynamo's stack trace meta)."""
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-    for i in range(len(trace) - 1, -1, -1):
-        match = re.match(r'\s*File "(.+)", line (\d+)', trace[i])
-        if match:
-            code = trace[i + 1].strip() if i + 1 < len(trace) else ""
-            return f"{match.group(1)}:{match.group(2)}: {code}"
-    return "<unknown location>"
-
-
-def _looks_like_device(value: Any) -> bool:
-    if isinstance(value, torch.device):
-        return True
-    return isinstance(value, str) and re.fullmatch(r"(cpu|cuda|mps|xpu|meta)(:\d+)?", value) is not None
-
-
-class RecordingBackend:
-    """Wraps the configured compiler: records each graph (structure, compile seconds, device transfers).
-
-    One instance serves every region: dynamo guards on the backend object, so a backend per region would make
-    identical blocks recompile instead of sharing one artefact.
-    """
-
-    def __init__(self, config: CompileConfig, report: CompileReport,
-                 inductor_patches: Optional[dict[str, Any]] = None) -> None:
-        self._compiler = _resolve_backend(config, inductor_patches)
-        self._report = report
-        self._compiles: dict[int, Optional[int]] = {}
-        """dynamo frame id -> the compile number this backend last compiled it under."""
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        started = time.perf_counter()
-        compile_id = torch._guards.CompileContext.current_compile_id()
-        frame = compile_id.frame_id if compile_id is not None else None
-        if frame is not None and self._compiles.get(frame, compile_id.frame_compile_id) != compile_id.frame_compile_id:
-            # a frame this backend compiled before, compiled again: a guard failed. Dynamo logs which one only when
-            # TORCH_LOGS asks for "recompiles" (the capture keeps it then); it is counted here either way. Dynamo's
-            # own numbering counts other backends' compiles of the same code too (another model, an earlier fit)
-            self._report.recompiles.append(f"{_compiling_code()} compiled again in region"
-                                           f" {self._report.active_region!r}: {_CAPTURE.take_guard() or 'guard not logged'}")
-        if frame is not None:
-            self._compiles[frame] = compile_id.frame_compile_id
-        compiled = self._compiler(gm, example_inputs)
-        params = sum(isinstance(x, nn.Parameter) and x.requires_grad for x in example_inputs)
-        self._report.graphs.append(GraphRecord(len(gm.graph.nodes), _structure(gm), time.perf_counter() - started,
-                                               self._report.active_region, params))
-        for transfer in _device_transfers(gm):
-            if transfer not in self._report.placement:
-                self._report.placement.append(transfer)
-                log.warning(f"static_dist: device transfer inside a compiled graph: {transfer}")
-        return compiled
-
-
-def _compiling_code() -> str:
-    """``function (file:line)`` of the frame dynamo is compiling now."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        code = InstructionTranslator.current_tx().f_code
-        return f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
-    except Exception:  # a dynamo without this internal: the frame stays unnamed
-        return "a frame"
-
-
-# -------------------------------------------------------------------------------------------- dynamo's logs
-
-
-class _DynamoLogCapture(logging.Handler):
-    """Collects dynamo's ``graph_breaks`` and ``recompiles`` artifact records into a report."""
-
-    _AT = re.compile(r" at (\S+:\d+)")
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.DEBUG)
-        self.report: Optional[CompileReport] = None
-        self._guard: Optional[str] = None
-
-    def take_guard(self) -> Optional[str]:
-        """The guard failure of the recompile being compiled now, if dynamo logged it."""
-        guard, self._guard = self._guard, None
-        return guard
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.report is None:
-            return
-        message = record.getMessage()
-        if record.name.endswith("__recompiles"):  # counted by the backend when the new graph compiles
-            guards = [line.strip(" -") for line in message.splitlines() if line.strip().startswith("- ")]
-            self._guard = "; ".join(guards) or message.splitlines()[0]
-            return
-        if "Graph Break Reason:" not in message and "Graph break" not in message:
-            return
-        lines = message.splitlines()
-        reason = next((l.split(":", 1)[1].strip() for l in lines if "Graph Break Reason:" in l), "") or lines[0][:120]
-        explanation = next((l.split(":", 1)[1].strip() for l in lines if l.strip().startswith("Explanation:")), "")
-        if explanation:
-            reason = re.sub(r" at 0x[0-9a-f]+", "", f"{reason} {explanation}")  # no addresses: equal on every rank
-        # a compiled block called from the graph around the blocks: torch 2.13 names it in the reason, 2.11 only in the
-        # developer context ("Dynamo can only handle functions defined in python ... <..._BoundaryRegionForward ...>")
-        if "_BoundaryRegionForward" in message and not re.search(r"falling back to eager|[Ss]kipping the frame|frame skipped",
-                                                          message):
-            self.report.block_boundaries += 1
-            return
-        if "stack suppressed" in lines[0] and any(r == reason for r, _ in self.report.graph_breaks):
-            return  # dynamo repeating a break it already reported, without the user's stack this time
-        entry = (reason, self._user_frame(message) or self._at(lines[0]))
-        if entry not in self.report.graph_breaks:
-            self.report.graph_breaks.append(entry)
-
-    @classmethod
-    def _at(cls, line: str) -> str:
-        where = cls._AT.search(line)
-        return where.group(1) if where else "<unknown location>"
-
-    @staticmethod
-    def _user_frame(message: str) -> Optional[str]:
-        """The innermost frame of the user's own code in dynamo's "User code traceback" (not torch, Lightning
-        or this package): where ``self.log(...)`` was called, not where Lightning's ``log`` breaks."""
-        frames = re.findall(r'File "([^"]+)", line (\d+)', message.split("User code traceback:", 1)[-1])
-        own = [f"{path}:{line}" for path, line in frames
-               if "site-packages" not in path and "dist-packages" not in path and "lightning_static_dist" not in path]
-        return own[-1] if own else None
-
-
-_CAPTURE = _DynamoLogCapture()
-
-
-def _capture_dynamo_logs(report: CompileReport) -> None:
-    import torch._dynamo  # noqa: F401  (imports the modules that own the artifact loggers)
-    from torch._logging._internal import log_registry
-
-    _CAPTURE.report = report
-    for qname in list(log_registry.artifact_log_qnames):
-        if qname.endswith(("__graph_breaks", "__recompiles")):
-            logger = logging.getLogger(qname)
-            if _CAPTURE not in logger.handlers:
-                logger.addHandler(_CAPTURE)
-            if logger.level == logging.NOTSET:
-                # TORCH_LOGS did not ask for it: enable it for us only — torch's own handler on "torch" would
-                # print every record that propagates, whatever the parent's level
-                logger.propagate = False
-                logger.setLevel(logging.DEBUG)
 
 
 # -------------------------------------------------------------------------------------------- compiling
@@ -425,13 +142,6 @@ class _BoundaryRegionForward(_RegionForward):
     @torch._dynamo.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return super().__call__(*args, **kwargs)
-
-
-def failure_reason(err: BaseException) -> str:
-    """One line saying why compilation failed: the backend's own exception when dynamo wrapped one."""
-    inner = getattr(err, "inner_exception", None) or err.__cause__ or err
-    lines = [line.strip() for line in str(inner).strip().splitlines() if line.strip()]
-    return f"{type(inner).__name__}: {lines[0][:300] if lines else ''}".rstrip(": ")
 
 
 def compile_regions(module: nn.Module, config: CompileConfig, report: Optional[CompileReport] = None,
@@ -541,82 +251,11 @@ def is_compiled(module: nn.Module) -> bool:
     )
 
 
-# ------------------------------------------------------------------------------- the inductor_distributed backend
-
-def graph_mode_patches(first_bucket_mb: float = 1.0, bucket_mb: float = 100.0) -> dict[str, Any]:
-    """Inductor settings that make it communication-aware, each only where this torch version has it: bucket the
-    traced all-reduces (the first bucket ``first_bucket_mb``, later ones ``bucket_mb``: inductor's default is one
-    2 GB bucket, issued after the whole backward) and reorder collectives against compute (waits sunk, collectives
-    raised; the pass names changed between torch versions)."""
-    import torch._inductor.comms as comms
-
-    config = torch._inductor.config
-    patches: dict[str, Any] = {}
-    if hasattr(config, "bucket_all_reduces_fx"):
-        patches["bucket_all_reduces_fx"] = "all"
-        patches["bucket_all_reduces_fx_bucket_size_determinator"] = _BucketSizes(first_bucket_mb, bucket_mb)
-    if hasattr(config, "reorder_for_compute_comm_overlap"):
-        wanted = (("sink_waits_iterative", "sink_waits"), ("reorder_communication_preserving_peak_memory", "raise_comms"))
-        passes = [next(n for n in names if hasattr(comms, n)) for names in wanted if any(hasattr(comms, n) for n in names)]
-        if passes:
-            patches["reorder_for_compute_comm_overlap"] = True
-            patches["reorder_for_compute_comm_overlap_passes"] = passes
-    return patches
-
-
-class _BucketSizes:
-    """Inductor's all-reduce bucket size determinator: MiB for bucket ``i`` (an object, not a lambda: inductor's
-    cache keys its config, and pickles it)."""
-
-    def __init__(self, first_mb: float, later_mb: float) -> None:
-        self.first_mb, self.later_mb = first_mb, later_mb
-
-    def __call__(self, bucket_id: int) -> float:
-        return self.first_mb if bucket_id == 0 else self.later_mb
-
-    def __repr__(self) -> str:
-        return f"{self.first_mb}/{self.later_mb} MiB"
-
-
-def inductor_distributed(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-    """Inductor with communication-aware passes (:func:`graph_mode_patches`, default bucket sizes).
-
-    Registered as the dynamo backend ``"inductor_distributed"`` when ``lightning_static_dist`` is imported::
-
-        torch.compile(model, backend="inductor_distributed")
-    """
-    from torch._inductor.compile_fx import compile_fx
-
-    return compile_fx(gm, example_inputs, config_patches=graph_mode_patches())
-
-
-def register_inductor_distributed() -> None:
-    if "inductor_distributed" not in torch._dynamo.list_backends(exclude_tags=()):
-        torch._dynamo.register_backend(inductor_distributed, name="inductor_distributed")
-
-
-def backend_of(dynamo_ctx: Any) -> Optional[str]:
-    """The backend name a ``torch.compile``-d model was compiled with, if it can be read (private, guarded).
-
-    The name sits a few ``_torchdynamo_orig_backend`` wrappers deep, and the depth differs between torch versions.
-    """
-    obj = getattr(dynamo_ctx, "callback", None)
-    registered = set(torch._dynamo.list_backends(exclude_tags=()))
-    for _ in range(6):
-        if obj is None:
-            return None
-        for name in (getattr(obj, "compiler_name", None), getattr(obj, "__name__", None)):
-            if isinstance(name, str) and name in registered:
-                return name
-        obj = getattr(obj, "_torchdynamo_orig_backend", None)
-    return None
-
-
 def allow_compiled_models_in_trainer() -> None:
     """Let ``trainer.fit(torch.compile(model))`` through Lightning's compile check for this strategy.
 
     Lightning 2.6's ``_verify_strategy_supports_compile`` accepts only SingleDevice/DDP/FSDP strategies with a
-    hard-coded ``isinstance`` (DESIGN.md); the strategy then takes the compiled model apart and compiles it its own
+    hard-coded ``isinstance``; the strategy then takes the compiled model apart and compiles it its own
     way (regionally, with the user's backend). Other strategies keep Lightning's check unchanged.
     """
     import lightning.pytorch.trainer.trainer as trainer_module

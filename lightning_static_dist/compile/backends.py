@@ -1,0 +1,151 @@
+"""The compiler functions: the configured backend wrapped to record each graph, and ``inductor_distributed``.
+
+:class:`RecordingBackend` is what every region is compiled with: it resolves ``strategy.compile.backend`` /
+``mode`` as ``torch.compile`` would and records each graph it compiles into a
+:class:`~lightning_static_dist.compile.report.CompileReport`. :func:`inductor_distributed` is inductor with its
+communication passes on (:func:`graph_mode_patches`), registered as a dynamo backend when the package is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+import torch._dynamo
+from torch import nn
+
+from lightning_static_dist.compile.report import (
+    _CAPTURE,
+    CompileReport,
+    GraphRecord,
+    _compiling_code,
+    _device_transfers,
+    _structure,
+)
+from lightning_static_dist.config import CompileConfig
+
+log = logging.getLogger(__name__)
+
+
+def _resolve_backend(config: CompileConfig, inductor_patches: Optional[dict[str, Any]] = None) -> Callable[..., Any]:
+    """The compiler function for ``config.backend``/``config.mode``, as ``torch.compile`` would pick it (with
+    ``inductor_patches`` on top when the backend is inductor)."""
+    if config.backend in ("inductor", "inductor_distributed"):
+        from torch._inductor.compile_fx import compile_fx
+
+        options = torch._inductor.list_mode_options(config.mode, config.dynamic) if config.mode != "default" else {}
+        if config.backend == "inductor_distributed" or inductor_patches:
+            options = {**options, **(inductor_patches or graph_mode_patches())}
+        return lambda gm, example_inputs: compile_fx(gm, example_inputs, config_patches=options)
+    return torch._dynamo.lookup_backend(config.backend)  # CompileConfig checked that it is registered
+
+
+class RecordingBackend:
+    """Wraps the configured compiler: records each graph (structure, compile seconds, device transfers).
+
+    One instance serves every region: dynamo guards on the backend object, so a backend per region would make
+    identical blocks recompile instead of sharing one artefact.
+    """
+
+    def __init__(self, config: CompileConfig, report: CompileReport,
+                 inductor_patches: Optional[dict[str, Any]] = None) -> None:
+        self._compiler = _resolve_backend(config, inductor_patches)
+        self._report = report
+        self._compiles: dict[int, Optional[int]] = {}
+        """dynamo frame id -> the compile number this backend last compiled it under."""
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        started = time.perf_counter()
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        frame = compile_id.frame_id if compile_id is not None else None
+        if frame is not None and self._compiles.get(frame, compile_id.frame_compile_id) != compile_id.frame_compile_id:
+            # a frame this backend compiled before, compiled again: a guard failed. Dynamo logs which one only when
+            # TORCH_LOGS asks for "recompiles" (the capture keeps it then); it is counted here either way. Dynamo's
+            # own numbering counts other backends' compiles of the same code too (another model, an earlier fit)
+            self._report.recompiles.append(f"{_compiling_code()} compiled again in region"
+                                           f" {self._report.active_region!r}: {_CAPTURE.take_guard() or 'guard not logged'}")
+        if frame is not None:
+            self._compiles[frame] = compile_id.frame_compile_id
+        compiled = self._compiler(gm, example_inputs)
+        params = sum(isinstance(x, nn.Parameter) and x.requires_grad for x in example_inputs)
+        self._report.graphs.append(GraphRecord(len(gm.graph.nodes), _structure(gm), time.perf_counter() - started,
+                                               self._report.active_region, params))
+        for transfer in _device_transfers(gm):
+            if transfer not in self._report.placement:
+                self._report.placement.append(transfer)
+                log.warning(f"static_dist: device transfer inside a compiled graph: {transfer}")
+        return compiled
+
+
+# ------------------------------------------------------------------------------- the inductor_distributed backend
+
+def graph_mode_patches(first_bucket_mb: float = 1.0, bucket_mb: float = 100.0) -> dict[str, Any]:
+    """Inductor settings that make it communication-aware, each only where this torch version has it: bucket the
+    traced all-reduces (the first bucket ``first_bucket_mb``, later ones ``bucket_mb``: inductor's default is one
+    2 GB bucket, issued after the whole backward) and reorder collectives against compute (waits sunk, collectives
+    raised; the pass names changed between torch versions)."""
+    import torch._inductor.comms as comms
+
+    config = torch._inductor.config
+    patches: dict[str, Any] = {}
+    if hasattr(config, "bucket_all_reduces_fx"):
+        patches["bucket_all_reduces_fx"] = "all"
+        patches["bucket_all_reduces_fx_bucket_size_determinator"] = _BucketSizes(first_bucket_mb, bucket_mb)
+    if hasattr(config, "reorder_for_compute_comm_overlap"):
+        wanted = (("sink_waits_iterative", "sink_waits"), ("reorder_communication_preserving_peak_memory", "raise_comms"))
+        passes = [next(n for n in names if hasattr(comms, n)) for names in wanted if any(hasattr(comms, n) for n in names)]
+        if passes:
+            patches["reorder_for_compute_comm_overlap"] = True
+            patches["reorder_for_compute_comm_overlap_passes"] = passes
+    return patches
+
+
+class _BucketSizes:
+    """Inductor's all-reduce bucket size determinator: MiB for bucket ``i`` (an object, not a lambda: inductor's
+    cache keys its config, and pickles it)."""
+
+    def __init__(self, first_mb: float, later_mb: float) -> None:
+        self.first_mb, self.later_mb = first_mb, later_mb
+
+    def __call__(self, bucket_id: int) -> float:
+        return self.first_mb if bucket_id == 0 else self.later_mb
+
+    def __repr__(self) -> str:
+        return f"{self.first_mb}/{self.later_mb} MiB"
+
+
+def inductor_distributed(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """Inductor with communication-aware passes (:func:`graph_mode_patches`, default bucket sizes).
+
+    Registered as the dynamo backend ``"inductor_distributed"`` when ``lightning_static_dist`` is imported::
+
+        torch.compile(model, backend="inductor_distributed")
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches=graph_mode_patches())
+
+
+def register_inductor_distributed() -> None:
+    if "inductor_distributed" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(inductor_distributed, name="inductor_distributed")
+
+
+def backend_of(dynamo_ctx: Any) -> Optional[str]:
+    """The backend name a ``torch.compile``-d model was compiled with, if it can be read (private, guarded).
+
+    The name sits a few ``_torchdynamo_orig_backend`` wrappers deep, and the depth differs between torch versions.
+    """
+    obj = getattr(dynamo_ctx, "callback", None)
+    registered = set(torch._dynamo.list_backends(exclude_tags=()))
+    for _ in range(6):
+        if obj is None:
+            return None
+        for name in (getattr(obj, "compiler_name", None), getattr(obj, "__name__", None)):
+            if isinstance(name, str) and name in registered:
+                return name
+        obj = getattr(obj, "_torchdynamo_orig_backend", None)
+    return None

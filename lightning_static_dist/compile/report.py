@@ -1,0 +1,260 @@
+"""What static compilation did, on this rank, and every reading of dynamo's internal logs.
+
+What is recorded (:class:`CompileReport`): every graph the backend compiled (node count, structural hash), graph
+breaks with reason and user location, recompiles with the guard that failed, device transfers found inside graphs
+(placement belongs to the strategy, not the graph), seconds spent compiling, and regions that fell back to eager.
+Graph breaks and recompiles are read from dynamo's own artifact loggers (``graph_breaks``, ``recompiles``), which
+this module enables quietly — they print nothing unless the user asked for them with ``TORCH_LOGS``. The helpers
+that read a traced graph (:func:`_structure`, :func:`_device_transfers`) and the frame dynamo is compiling
+(:func:`_compiling_code`) live here too, so that every touchpoint with dynamo's internals for reporting is in one
+file; the recording backend (:mod:`~lightning_static_dist.compile.backends`) calls them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:  # for the annotation only: the report holds the splitter the regions were cut with
+    from lightning_static_dist.compile.split import BucketGraphSplitter
+
+
+class CompileFailure(RuntimeError):
+    """A region failed to compile and ``strategy.compile.fallback`` is ``error`` (or a ``fullgraph`` break)."""
+
+
+@dataclass
+class GraphRecord:
+    """One graph handed to the backend."""
+
+    nodes: int
+    structure: str
+    """Hash of the graph's op sequence: equal on every rank that traced the same program."""
+    compile_s: float
+    region: str = ""
+    """The region whose call compiled it."""
+    params: int = 0
+    """Trainable parameters among its inputs (graphs without any hold no model code: a ``self.log`` tail ...)."""
+
+
+@dataclass
+class CompileReport:
+    """What compilation did so far, on this rank.
+
+    Example::
+
+        report = strategy.compile_report
+        print(report.summary())    # regions, graphs, breaks, recompiles, seconds
+    """
+
+    regions: list[str] = field(default_factory=list)
+    graphs: list[GraphRecord] = field(default_factory=list)
+    graph_breaks: list[tuple[str, str]] = field(default_factory=list)
+    """(reason, user location) per graph break."""
+    recompiles: list[str] = field(default_factory=list)
+    """The guard failure that caused each recompile."""
+    fallbacks: dict[str, str] = field(default_factory=dict)
+    """Region -> the reason it runs eagerly."""
+    placement: list[str] = field(default_factory=list)
+    """Device transfers found inside captured graphs, with their source location."""
+    backend: Any = None
+    """The recording backend the regions were compiled with (shared, so dynamo's cache is too)."""
+    around_blocks: Optional[str] = None
+    """The region compiled around the blocks (``compile.around_blocks``), if any: its graph breaks at the blocks'
+    calls are boundaries by design, counted in ``block_boundaries``, not in ``graph_breaks``."""
+    block_boundaries: int = 0
+    """How many of dynamo's graph-break records were a compiled block called from the graph around the blocks."""
+    active_region: str = ""
+    """The region being run now (set by its forward): graphs compiled meanwhile are recorded as its own."""
+    splitter: Optional[BucketGraphSplitter] = None
+    """With a whole-step region cut at the gradient buckets: the backend that cut it (its pieces, what stayed uncut)."""
+    notes: list[str] = field(default_factory=list)
+    """Settings the graphs were compiled with that a reader should know (graph mode's communication passes)."""
+    outside_blocks: list[str] = field(default_factory=list)
+    """With blocks compiled one by one: the modules holding parameters outside every block (they run eagerly, with
+    the rest of ``training_step``, unless ``around_blocks`` compiles around the blocks)."""
+
+    @property
+    def compile_s(self) -> float:
+        return sum(g.compile_s for g in self.graphs)
+
+    def structure_lines(self) -> list[str]:
+        """What this rank compiled, as comparable lines: the structures of the graphs that hold model parameters
+        (sorted), then the regions. Graphs without parameters and the graphs around the blocks are left out:
+        ``training_step`` code that differs by rank (``if self.global_rank == 0``, ``self.print``) splits them
+        differently on each rank without anything being wrong."""
+        shared = [g.structure for g in self.graphs if g.region != self.around_blocks and g.params]
+        return sorted(shared) + self.regions
+
+    def summary(self) -> str:
+        lines = [
+            f"compiled regions: {len(self.regions)} ({', '.join(self.regions[:4])}{' ...' if len(self.regions) > 4 else ''})",
+            f"graphs compiled: {len(self.graphs)} in {self.compile_s:.1f} s",
+            f"graph breaks: {len(self.graph_breaks)}"
+            + (f" (and {self.block_boundaries} at the compiled blocks, by design)" if self.block_boundaries else ""),
+            *[f"  - {reason} at {where}" for reason, where in self.graph_breaks[:10]],
+            f"recompiles: {len(self.recompiles)}",
+            *[f"  - {guard}" for guard in self.recompiles[:10]],
+        ]
+        if self.splitter is not None:
+            lines.insert(2, f"  cut into {self.splitter.pieces} pieces at the gradient buckets (one autograd node"
+                            " each: their collectives overlap backward)")
+            lines.extend(f"  - NOT cut, its gradients are ready only at its end: {why}" for why in self.splitter.uncut)
+        lines.extend(self.notes)
+        if self.outside_blocks and self.around_blocks is None:
+            lines.append(f"runs eagerly, outside the compiled blocks: {', '.join(self.outside_blocks[:8])}"
+                         f"{' ...' if len(self.outside_blocks) > 8 else ''} and the rest of training_step (the loss);"
+                         " strategy.compile.regional=auto compiles the whole step (with all_reduce)")
+        if self.around_blocks is not None and self.graphs and not any(g.region == self.around_blocks for g in self.graphs):
+            lines.append(f"{self.around_blocks}: nothing was compiled around the blocks (dynamo left the code that"
+                         " calls them eager, e.g. blocks looped in a nested forward); regional=auto compiles the"
+                         " whole step")
+        if self.fallbacks:
+            lines.append("eager fallbacks: " + "; ".join(f"{r}: {why}" for r, why in self.fallbacks.items()))
+        if self.placement:
+            lines.append("device transfers inside graphs (placement belongs to the strategy):")
+            lines.extend(f"  - {p}" for p in self.placement[:10])
+        return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------- reading a graph
+
+
+def _structure(gm: torch.fx.GraphModule) -> str:
+    ops = [f"{n.op}:{getattr(n.target, '__name__', n.target)}" for n in gm.graph.nodes]
+    return hashlib.sha1("\n".join(ops).encode()).hexdigest()[:12]
+
+
+_TRANSFER_METHODS = {"to", "cuda", "cpu"}
+
+
+def _device_transfers(gm: torch.fx.GraphModule) -> list[str]:
+    """Nodes that move a tensor to an explicit device inside the graph, with their user source line."""
+    found = []
+    for node in gm.graph.nodes:
+        explicit = any(isinstance(a, (torch.device, str)) and _looks_like_device(a) for a in node.args[1:])
+        explicit = explicit or "device" in node.kwargs
+        is_move = (node.op == "call_method" and node.target in _TRANSFER_METHODS and (node.target != "to" or explicit))
+        if is_move:
+            found.append(f"{node.format_node()[:120]} at {_user_location(node)}")
+    return found
+
+
+def _user_location(node: torch.fx.Node) -> str:
+    """``file:line: code`` of the user code that produced ``node`` (from dynamo's stack trace meta)."""
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    for i in range(len(trace) - 1, -1, -1):
+        match = re.match(r'\s*File "(.+)", line (\d+)', trace[i])
+        if match:
+            code = trace[i + 1].strip() if i + 1 < len(trace) else ""
+            return f"{match.group(1)}:{match.group(2)}: {code}"
+    return "<unknown location>"
+
+
+def _looks_like_device(value: Any) -> bool:
+    if isinstance(value, torch.device):
+        return True
+    return isinstance(value, str) and re.fullmatch(r"(cpu|cuda|mps|xpu|meta)(:\d+)?", value) is not None
+
+
+def _compiling_code() -> str:
+    """``function (file:line)`` of the frame dynamo is compiling now."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        code = InstructionTranslator.current_tx().f_code
+        return f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
+    except Exception:  # a dynamo without this internal: the frame stays unnamed
+        return "a frame"
+
+
+# -------------------------------------------------------------------------------------------- dynamo's logs
+
+
+class _DynamoLogCapture(logging.Handler):
+    """Collects dynamo's ``graph_breaks`` and ``recompiles`` artifact records into a report."""
+
+    _AT = re.compile(r" at (\S+:\d+)")
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.report: Optional[CompileReport] = None
+        self._guard: Optional[str] = None
+
+    def take_guard(self) -> Optional[str]:
+        """The guard failure of the recompile being compiled now, if dynamo logged it."""
+        guard, self._guard = self._guard, None
+        return guard
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.report is None:
+            return
+        message = record.getMessage()
+        if record.name.endswith("__recompiles"):  # counted by the backend when the new graph compiles
+            guards = [line.strip(" -") for line in message.splitlines() if line.strip().startswith("- ")]
+            self._guard = "; ".join(guards) or message.splitlines()[0]
+            return
+        if "Graph Break Reason:" not in message and "Graph break" not in message:
+            return
+        lines = message.splitlines()
+        reason = next((l.split(":", 1)[1].strip() for l in lines if "Graph Break Reason:" in l), "") or lines[0][:120]
+        explanation = next((l.split(":", 1)[1].strip() for l in lines if l.strip().startswith("Explanation:")), "")
+        if explanation:
+            reason = re.sub(r" at 0x[0-9a-f]+", "", f"{reason} {explanation}")  # no addresses: equal on every rank
+        # a compiled block called from the graph around the blocks: torch 2.13 names it in the reason, 2.11 only in the
+        # developer context ("Dynamo can only handle functions defined in python ... <..._BoundaryRegionForward ...>")
+        if "_BoundaryRegionForward" in message and not re.search(r"falling back to eager|[Ss]kipping the frame|frame skipped",
+                                                          message):
+            self.report.block_boundaries += 1
+            return
+        if "stack suppressed" in lines[0] and any(r == reason for r, _ in self.report.graph_breaks):
+            return  # dynamo repeating a break it already reported, without the user's stack this time
+        entry = (reason, self._user_frame(message) or self._at(lines[0]))
+        if entry not in self.report.graph_breaks:
+            self.report.graph_breaks.append(entry)
+
+    @classmethod
+    def _at(cls, line: str) -> str:
+        where = cls._AT.search(line)
+        return where.group(1) if where else "<unknown location>"
+
+    @staticmethod
+    def _user_frame(message: str) -> Optional[str]:
+        """The innermost frame of the user's own code in dynamo's "User code traceback" (not torch, Lightning
+        or this package): where ``self.log(...)`` was called, not where Lightning's ``log`` breaks."""
+        frames = re.findall(r'File "([^"]+)", line (\d+)', message.split("User code traceback:", 1)[-1])
+        own = [f"{path}:{line}" for path, line in frames
+               if "site-packages" not in path and "dist-packages" not in path and "lightning_static_dist" not in path]
+        return own[-1] if own else None
+
+
+_CAPTURE = _DynamoLogCapture()
+
+
+def _capture_dynamo_logs(report: CompileReport) -> None:
+    import torch._dynamo  # noqa: F401  (imports the modules that own the artifact loggers)
+    from torch._logging._internal import log_registry
+
+    _CAPTURE.report = report
+    for qname in list(log_registry.artifact_log_qnames):
+        if qname.endswith(("__graph_breaks", "__recompiles")):
+            logger = logging.getLogger(qname)
+            if _CAPTURE not in logger.handlers:
+                logger.addHandler(_CAPTURE)
+            if logger.level == logging.NOTSET:
+                # TORCH_LOGS did not ask for it: enable it for us only — torch's own handler on "torch" would
+                # print every record that propagates, whatever the parent's level
+                logger.propagate = False
+                logger.setLevel(logging.DEBUG)
+
+
+def failure_reason(err: BaseException) -> str:
+    """One line saying why compilation failed: the backend's own exception when dynamo wrapped one."""
+    inner = getattr(err, "inner_exception", None) or err.__cause__ or err
+    lines = [line.strip() for line in str(inner).strip().splitlines() if line.strip()]
+    return f"{type(inner).__name__}: {lines[0][:300] if lines else ''}".rstrip(": ")
