@@ -10,7 +10,7 @@ larger (``bucket_mb``: the strategy's default is 100 MiB, DDP's 25) so each coll
 rarely. This is the policy DDP's reducer uses; here it is a plain function whose result every rank can print and
 compare.
 
-When the model is compiled as one graph cut into pieces at the gradient buckets (:mod:`~lightning_static_dist.graph_split`),
+When the model is compiled as one graph cut into pieces at the gradient buckets (:mod:`~lightning_static_dist.compile.split`),
 each piece's backward is one autograd node: all of its parameters' gradients become ready together, when that node
 finishes. The plan then follows the pieces (``groups``): one bucket per piece, so each collective is issued the
 moment its piece's backward is done — a bucket that straddled two pieces would wait for the later one.
