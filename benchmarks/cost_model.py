@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lightning_static_dist.compression.base import _all_gather_single  # noqa: E402  (torch 2.11 .. 2.13)
+from lightning_static_dist.compat import all_gather_single as _all_gather_single  # noqa: E402  (torch 2.11 .. 2.13)
 from lightning_static_dist.overlap.cost_model import (  # noqa: E402
     Link,
     Sample,

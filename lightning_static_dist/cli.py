@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from lightning_static_dist.overlap.intervals import median_of
 from lightning_static_dist.config import CALLBACKS, ConfigError, RunConfig, import_object, load_run_config
-from lightning_static_dist.launcher import exit_without_native_teardown
+from lightning_static_dist.compat import exit_after_failure, exit_without_native_teardown
 
 
 def build_trainer_inputs(cfg: RunConfig) -> tuple[Any, Any, Any]:
@@ -90,9 +90,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
             raise
         # the strategy printed the one line that says what happened; no stack trace on top of it, and no
         # interpreter shutdown either: it would try to tear down process groups whose peers are gone
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        exit_after_failure(1)
     # done: Python's exit handlers run, the native teardown (where Gloo threads sometimes abort) does not
     exit_without_native_teardown(0)
 

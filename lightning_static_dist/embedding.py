@@ -32,13 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_static_dist.compat import all_gather_single, reduce_scatter_single
 from lightning_static_dist.config import EmbeddingConfig
 
 log = logging.getLogger(__name__)
-
-# torch 2.13 renamed these (the old names are deprecated there); older torch has only the old ones
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class GatherRows(torch.autograd.Function):
@@ -61,7 +58,7 @@ class GatherRows(torch.autograd.Function):
         padded = grad_full.new_zeros(ctx.shard_rows * world, grad_full.shape[1])
         padded[: grad_full.shape[0]] = grad_full
         grad_shard = grad_full.new_empty(ctx.shard_rows, grad_full.shape[1])
-        _reduce_scatter_single(grad_shard, padded, group=ctx.group)
+        reduce_scatter_single(grad_shard, padded, group=ctx.group)
         return grad_shard.div_(world), None, None
 
 
@@ -180,7 +177,7 @@ class EmbeddingSharder:
                                      device=w.shard.device)
             w.issued_at = time.perf_counter()
             w.done_at = {}
-            w.work = _all_gather_single(w.gathered, w.shard.detach(), group=self.group, async_op=True)
+            w.work = all_gather_single(w.gathered, w.shard.detach(), group=self.group, async_op=True)
             if w.shard.device.type == "cpu":
                 # Gloo completes the future on its own thread the moment the gather is done
                 w.work.get_future().add_done_callback(lambda _, d=w.done_at: d.setdefault("t", time.perf_counter()))
@@ -222,7 +219,7 @@ class EmbeddingSharder:
 
     def _gather_rows(self, tensor: Tensor, rows: int) -> Tensor:
         out = tensor.new_empty(tensor.shape[0] * self.world, *tensor.shape[1:])
-        _all_gather_single(out, tensor.contiguous(), group=self.group)
+        all_gather_single(out, tensor.contiguous(), group=self.group)
         return out[:rows]
 
     def _my_rows(self, full: Tensor, w: ShardedWeight) -> Tensor:
@@ -296,7 +293,7 @@ class EmbeddingSharder:
         for w in self.weights:
             full = nn.Parameter(self._gather_rows(w.shard.detach(), w.rows).clone(), requires_grad=w.shard.requires_grad)
             home, attr = w.owners[0]
-            del home._parameters[f"{attr}_shard"]
+            delattr(home, f"{attr}_shard")
             for owner, owner_attr in w.owners:
                 if owner_attr in owner.__dict__:
                     del owner.__dict__[owner_attr]

@@ -10,13 +10,9 @@ Only a process that is still around after the grace period is killed, with Light
 
 from __future__ import annotations
 
-import atexit
 import os
-import sys
 import time
 from typing import Any, Callable, Optional
-
-import torch.distributed
 
 from typing_extensions import override
 
@@ -24,6 +20,8 @@ import lightning.pytorch as pl
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+
+from lightning_static_dist.compat import exit_without_native_teardown
 
 
 class _PatientObserver(_ChildProcessObserver):
@@ -67,14 +65,11 @@ class StaticDistLauncher(_SubprocessScriptLauncher):
 class StaticDistSpawnLauncher(_MultiProcessingLauncher):
     """Lightning's spawn/fork launcher, whose spawned ranks leave with ``os._exit`` once their work is handed over.
 
-    A spawned rank otherwise ends through the interpreter's full teardown, and there, now and then, a C++ thread of
-    the process-group machinery is still joinable when its destructor runs: ``terminate called without an active
-    exception``, SIGABRT, and ``torch.multiprocessing`` reports a finished, successful rank as crashed (seen in about
-    one full run of this project's test suite out of two, each time in a different test, after ``fit`` had
-    returned; destroying the process groups at exit did not stop it).
     After ``fit`` has returned and rank 0 has written its results to the parent (a synchronous pipe write), there
-    is nothing left to do: the rank leaves through :func:`exit_without_native_teardown` with status 0. A rank that raised
-    never gets here (torch's spawn wrapper records its traceback and exits 1). Fork children already leave this way.
+    is nothing left to do: the rank leaves through :func:`~lightning_static_dist.compat.exit_without_native_teardown`
+    with status 0, skipping the native teardown where a finished Gloo rank sometimes aborts (why: the exit teardown
+    in ``lightning_static_dist/compat.py``). A rank that raised never gets here (torch's spawn wrapper records its
+    traceback and exits 1). Fork children already leave this way.
     """
 
     @override
@@ -83,15 +78,3 @@ class StaticDistSpawnLauncher(_MultiProcessingLauncher):
         super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
         if self._start_method == "spawn":
             exit_without_native_teardown(0)
-
-
-def exit_without_native_teardown(code: int) -> None:
-    """End a process whose work is done: destroy its process groups, run Python's exit handlers (loggers' and
-    other libraries' ``atexit`` hooks), flush, and ``os._exit`` — skipping only the C++ static destructors, where
-    torch 2.13's Gloo threads sometimes abort a finished process (SIGABRT)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

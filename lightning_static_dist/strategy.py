@@ -16,9 +16,7 @@ One training step, as Lightning drives it::
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import functools
 import logging
 import os
 import signal
@@ -63,6 +61,7 @@ from lightning_static_dist.checkpoint import (
     load_sharded,
     save_sharded,
 )
+from lightning_static_dist.compat import destroy_process_groups_at_exit, mark_run_failed, unwrap_optimizer
 from lightning_static_dist.compile import (
     CompileReport,
     allow_compiled_models_in_trainer,
@@ -114,32 +113,6 @@ from lightning_static_dist.watchdog import PeerWatchdog
 
 log = logging.getLogger(__name__)
 
-
-_RUN_FAILED = False
-"""Set when training failed in this process: the exit-time teardown below is skipped then."""
-
-
-@functools.cache
-def _destroy_process_groups_at_exit() -> None:
-    """Destroy the process groups while the interpreter is still whole (registered once per process).
-
-    A Gloo worker thread still holding an async work's tensors when the interpreter finalises aborts the process
-    (SIGABRT, "terminate called without an active exception"; pytorch#179291 describes it and was not merged).
-    Async collectives with completion callbacks — what this strategy runs — make that more likely. Lightning does
-    not destroy the process group after ``fit``; this does, at exit only, so later ``fit``/``test`` calls still work
-    — and not after a failure, when a peer that is gone could keep the teardown waiting.
-    """
-
-    def destroy() -> None:
-        if _RUN_FAILED:
-            return  # peers may be gone: tearing the groups down could wait for them forever
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            try:
-                torch.distributed.destroy_process_group()
-            except Exception as err:  # exiting anyway: say why, do not mask the exit status
-                log.debug(f"static_dist: destroy_process_group at exit failed: {err}")
-
-    atexit.register(destroy)
 
 _TRIAL_KEY = "static_dist_compression_auto"  # compression.name: auto: the trial's choice and times
 _PIECES_KEY = "static_dist_optimizer_pieces"  # optimizer_state() in sharded-checkpoint mode: this rank's ranges
@@ -415,7 +388,7 @@ class StaticDistStrategy(ParallelStrategy):
             timeout=timedelta(seconds=self._config.timeout_s),
             device_id=self.root_device if binds_device(self._process_group_backend, self.root_device) else None,
         )
-        _destroy_process_groups_at_exit()
+        destroy_process_groups_at_exit()  # at exit, while the interpreter is whole; not after a failure
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
         if self.world_size > 1 and self._host_group is None:  # once per strategy: every later stage reuses it
             self._host_group = loop_patches.host_group(timedelta(seconds=self._config.timeout_s))
@@ -572,7 +545,7 @@ class StaticDistStrategy(ParallelStrategy):
             raise ConfigError(f"strategy.sync.reduce='reduce_scatter': needs exactly one optimizer, configure_optimizers"
                               f" returned {len(self.optimizers)}; allowed with several: 'all_reduce'")
         optimizer = self.optimizers[0]
-        inner = optimizer._optimizer if hasattr(optimizer, "_optimizer") else optimizer
+        inner = unwrap_optimizer(optimizer)
         if isinstance(inner, _NOT_ELEMENTWISE):
             raise ConfigError(f"strategy.sync.reduce='reduce_scatter': {type(inner).__name__} does not update each element"
                               " on its own (it would see flat chunks, not the parameters' shapes); allowed with it:"
@@ -717,7 +690,7 @@ class StaticDistStrategy(ParallelStrategy):
             return self.sharded_sync.full_optimizer_state()  # collective: the form any world size can load
         state = super().optimizer_state(optimizer)
         if self._embedding_sharder is not None:
-            inner = optimizer._optimizer if hasattr(optimizer, "_optimizer") else optimizer
+            inner = unwrap_optimizer(optimizer)
             state = self._embedding_sharder.full_optimizer_state(inner, state)  # collective
         return state
 
@@ -949,8 +922,7 @@ class StaticDistStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # forget the round without waiting: a peer that failed may never join the collectives in flight
-        global _RUN_FAILED
-        _RUN_FAILED = True
+        mark_run_failed()  # the exit-time teardown must not wait for peers that may be gone
         self._failed = True
         if self.world_size > 1 and is_collective_failure(exception):
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None

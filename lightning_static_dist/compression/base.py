@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_static_dist.compat import all_gather_single
+
 Collective = Callable[[Optional[dist.ProcessGroup]], dist.Work]
 """Issues one asynchronous collective on the group it is given; returns its work handle."""
 
@@ -159,13 +161,9 @@ def all_reduce(tensor: Tensor) -> Collective:
     return issue
 
 
-# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single; older torch has only the former
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 def all_gather(output: Tensor, tensor: Tensor) -> Collective:
     """Every rank's ``tensor`` concatenated into ``output`` (``world`` times its size), to be issued on a group."""
-    issue = lambda group: _all_gather_single(output, tensor, group=group, async_op=True)  # noqa: E731
+    issue = lambda group: all_gather_single(output, tensor, group=group, async_op=True)  # noqa: E731
     issue.kind = "all_gather"  # type: ignore[attr-defined]
     return issue
 

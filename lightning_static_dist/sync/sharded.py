@@ -52,12 +52,10 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_static_dist.checkpoint import FullSource, PieceSource, full_state_from_pieces, range_key, scalar_key
+from lightning_static_dist.compat import all_gather_single, reduce_scatter_single
 from lightning_static_dist.faults import waiting_in
 from lightning_static_dist.sync.plan import BucketPlan, GradBucket, plan_buckets
 from lightning_static_dist.sync.synchronizer import GradientSynchronizer, _BucketBuffer
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 NOT_OPTIMIZED = -1
 """Group of a trainable parameter that no optimizer param group holds: reduced, never stepped."""
@@ -181,7 +179,7 @@ class ShardedMean:
             pending.replica_issued = True
         else:
             out = torch.empty(chunk + tail.numel(), dtype=flat.dtype, device=flat.device)
-            work = _reduce_scatter_single(out[:chunk], grads, group=self.shard_group, async_op=True)
+            work = reduce_scatter_single(out[:chunk], grads, group=self.shard_group, async_op=True)
             tail_work = dist.all_reduce(tail, group=group, async_op=True)
             pending = _ShardPending(self, work, out, chunk, tail_work, tail)
         self._in_flight.append(pending)
@@ -457,7 +455,7 @@ class ShardedGradientSynchronizer(GradientSynchronizer):
         for shard in reversed(self.shards):  # buckets are in backward order; the forward needs the last first
             if shard.work is not None:  # a bucket no forward waited for (a block skipped): finish it, then renew
                 self.wait_gather([shard.bucket.index])
-            shard.work = _all_gather_single(shard.full, shard.chunk, group=self.shard_group, async_op=True)
+            shard.work = all_gather_single(shard.full, shard.chunk, group=self.shard_group, async_op=True)
 
     def wait_gather(self, buckets: Optional[Iterable[int]] = None) -> None:
         """Wait for the gathers of ``buckets`` (all by default): their parameters are then current."""

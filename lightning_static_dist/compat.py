@@ -1,0 +1,203 @@
+"""Every place the package leans on private Lightning or torch API, or on a torch version: the shims live here, and
+the places that stay in their own modules are listed here.
+
+A Lightning or torch upgrade that breaks the package breaks it at one of these places. ``tests/test_compat.py``
+checks each against the installed versions, so that such an upgrade fails there first, with the touchpoint's name.
+Each entry says what it works around, why, and what upstream change would retire it. An upstream issue or PR is
+named only where one exists.
+
+Defined here
+------------
+:data:`all_gather_single`, :data:`reduce_scatter_single` (used by ``embedding.py``, ``sync/sharded.py``,
+``compression/base.py`` and ``benchmarks/cost_model.py``)
+    torch 2.13 renamed ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` to these names
+    (pytorch/pytorch#186123). The old names still work there, but they warn (``FutureWarning``) on every call, and a
+    torch older than 2.13 has only the old names. Retired when the oldest supported torch (``pyproject.toml``) is 2.13:
+    call ``torch.distributed``'s functions directly.
+:func:`unwrap_optimizer` (used by ``strategy.py``; ``compile/regions.py`` still has its own copy of the line)
+    This reads ``LightningOptimizer._optimizer``, which is the torch optimizer that Lightning's step wrapper holds.
+    The strategy checks the optimizer's type and re-points it at shards, and the compiled optimizer step replaces the
+    real optimizer's ``step``. The check is duck-typed: it also unwraps Fabric's ``_FabricOptimizer``, and it leaves
+    alone any optimizer without that attribute. Lightning 2.6 also has a public ``optimizer`` property on both
+    wrappers. Reading that property behind an ``isinstance`` check of the two wrapper classes would retire this
+    private read. No upstream change is needed for that.
+The exit teardown: :func:`destroy_process_groups_at_exit` with :func:`mark_run_failed` (``strategy.py``),
+:func:`exit_without_native_teardown` (``launcher.py``, ``fabric.py`` through ``launcher.py``, ``cli.py``) and
+:func:`exit_after_failure` (``cli.py``)
+    One problem, two mechanisms. With Gloo, a process that finishes while it still has process groups can abort
+    (SIGABRT, ``terminate called without an active exception``). A finished rank is then reported as crashed. There
+    are two ways this happens. A Gloo worker thread may still hold an async work's tensors when the interpreter
+    finalises. Or a C++ thread of the process-group machinery may still be joinable when its static destructor
+    runs. The package's async collectives with completion callbacks make this more likely.
+
+    *Process groups destroyed at exit* is for processes that the package does not end itself: a user's script, the
+    ranks that the ``popen`` launcher starts, a notebook. An ``atexit`` handler destroys the groups while the
+    interpreter is still whole. It does not do so after ``fit``, so later ``fit`` or ``test`` calls still work.
+    It also does not do so after a failure, because a peer that is gone could keep the teardown waiting.
+    pytorch/pytorch#179291 proposed the same handler inside ``init_process_group``; it was closed without being
+    merged. Such a change in torch would retire this mechanism.
+
+    *Leaving without the native teardown* is for processes whose end the package owns once their work is done: a
+    spawned rank after it has handed over its results, and ``lsd-train`` after ``fit``. The rank destroys its
+    groups, runs Python's exit handlers (so loggers flush), and then calls ``os._exit``. That skips the C++ static
+    destructors, where destroying the groups first did not stop the abort. After a collective failure,
+    ``lsd-train`` leaves with status 1 and without either step, because both could wait for a peer that is gone.
+    The exit handlers here use the private ``atexit._run_exitfuncs``. A torch whose process-group teardown is safe
+    at interpreter and static destruction would retire this mechanism; no upstream issue names that.
+
+    The two mechanisms cannot be merged into one. Only the second is strong enough to prevent the abort. A library
+    cannot use it, though, in a program whose end it does not own, because it would skip the rest of the user's
+    script.
+
+Left where they are (so that this list is the whole inventory)
+--------------------------------------------------------------
+``strategy.py``
+    - ``_StrategyRegistry`` (the type behind ``register_strategies``), and from
+      ``lightning.fabric.utilities.distributed`` ``_init_dist_connection``,
+      ``_get_default_process_group_backend_for_device``, ``_distributed_is_initialized`` and
+      ``_sync_ddp_if_available``. With these, setup and ``reduce`` do what ``DDPStrategy`` does, including its
+      environment variables and its rank-zero messages. Also ``_optimizers_to_device`` (optimizer state follows the
+      model, as in ``DDPStrategy``) and ``_PATH`` (a type alias). A public Lightning toolkit for third-party
+      strategies would retire these.
+    - ``_SubprocessScriptLauncher`` in ``on_exception``: after a collective failure, the launcher that started the
+      other local ranks kills them, because Lightning does that only on Ctrl-C. The override of
+      ``_configure_launcher``, which Lightning's strategies override too, picks this package's launchers.
+    - ``LightningModule._device_mesh``: the same hand-over that ``ModelParallelStrategy`` uses, so that
+      ``self.device_mesh`` works inside the module. A public setter would retire it.
+    - ``torch._foreach_norm``: one multi-tensor launch for the non-finite check. The same private ``_foreach`` ops
+      are ``torch._foreach_mul_`` in ``sync/sharded.py`` (clipping), ``torch._foreach_copy_`` in
+      ``compression/compressors.py`` and, behind a ``getattr`` guard, in ``sync/synchronizer.py``. ``torch.optim``
+      and ``clip_grad_norm_`` are built on them. Public multi-tensor ops would retire them.
+``launcher.py``
+    ``_SubprocessScriptLauncher`` (``launch`` re-implemented around ``_call_children_scripts``), its
+    ``_ChildProcessObserver`` (``_run`` overridden, to give a grace period before a dead child takes the job down)
+    and ``_set_num_threads_if_needed``. Also ``_MultiProcessingLauncher``, whose ``_wrapping_function`` is
+    overridden so that a spawned rank leaves without the native teardown. ``fabric.py`` subclasses Fabric's
+    ``_MultiProcessingLauncher`` in the same way. A grace period in Lightning's observer would retire the first
+    group, and a launcher hook that runs when a rank finishes would retire the second.
+``fabric.py``
+    ``_StrategyRegistry``, ``_BackwardSyncControl`` (subclassed, for ``no_backward_sync``), ``_PATH``, and the
+    ``_configure_launcher`` override.
+``engine.py``
+    ``_StrategyRegistry`` (a type).
+``loop.py``
+    Here ``_TrainingEpochLoop._broadcast_sigterm_tensor`` is replaced on one trainer's loop instance, and the class
+    of ``Trainer._signal_connector`` is swapped for a subclass with its own ``_sigterm_notifier_fn``. Lightning's
+    step-start SIGTERM broadcast reads a device tensor on the host, so it synchronises the GPU at every step.
+    ``loop.py``'s docstring explains the rest. Lightning-AI/pytorch-lightning#21640, an open PR, would make that
+    broadcast run every N steps; that reduces the cost but does not retire the patch. What would retire it is a loop
+    that stops reading the flag through the device.
+``sync/synchronizer.py``
+    ``torch.autograd.Variable._execution_engine.queue_callback`` finishes a round when autograd finishes the
+    backward pass, which is what DDP's reducer does. No public callback runs at the end of backward.
+``sync/graph.py``
+    ``torch.distributed._functional_collectives`` are the collectives that dynamo and AOTAutograd can trace. The
+    file also reads ``module._parameters``, because the parameters live there while the attribute is a property.
+``faults.py``
+    ``distributed_c10d._get_default_store`` gives the rendezvous store for the roll call after a failure. A public
+    accessor for the default store would retire it.
+``watchdog.py``
+    ``sys._current_frames`` (a documented CPython function) shows where the main thread is. Its ``os._exit(1)``
+    comes from a background thread; it is not the exit teardown above.
+``config.py``
+    ``torch._dynamo.list_backends`` validates ``compile.backend``. The public ``torch.compiler.list_backends`` would
+    retire it.
+``compile/`` (``torch._dynamo`` and ``torch._inductor`` are its subject, so most of it is private by nature)
+    - ``regions.py``: ``allow_compiled_models_in_trainer`` replaces
+      ``lightning.pytorch.trainer.trainer._verify_strategy_supports_compile``. Lightning accepts a compiled model only
+      for the strategies it lists by type. The patch reads ``model._compiler_ctx`` to find the user's backend. It
+      uses ``torch._dynamo.disable`` and ``torch._dynamo.exc``, and it has the optimizer unwrap listed above. A
+      strategy attribute that declares compile support would retire the patch.
+    - ``backends.py``: ``torch._inductor.compile_fx``, ``list_mode_options``, ``config`` and the pass names in
+      ``torch._inductor.comms`` (checked with ``hasattr``). Also ``torch._dynamo.lookup_backend``,
+      ``list_backends`` and ``register_backend`` (``inductor_distributed`` is registered at import),
+      ``torch._guards.CompileContext``, and the ``_torchdynamo_orig_backend`` wrappers.
+    - ``report.py``: ``torch._logging._internal.log_registry`` (dynamo's artifact loggers) and
+      ``InstructionTranslator.current_tx``.
+    - ``split.py``: ``torch._dynamo.backends.distributed.DDPOptimizer`` (the graph splitter).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import sys
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------------------------- collective names
+
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""``torch.distributed.all_gather_single`` (torch >= 2.13), else ``all_gather_into_tensor``: same signature."""
+
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""``torch.distributed.reduce_scatter_single`` (torch >= 2.13), else ``reduce_scatter_tensor``: same signature."""
+
+# ------------------------------------------------------------------------------------------ the optimizer unwrap
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` (or Fabric's wrapper); anything else as it is.
+
+    Example::
+
+        inner = unwrap_optimizer(strategy.optimizers[0])   # the real torch.optim.AdamW
+    """
+    return optimizer._optimizer if hasattr(optimizer, "_optimizer") else optimizer
+
+
+# --------------------------------------------------------------------------------------------- the exit teardown
+
+_run_failed = False
+"""Set when training failed in this process: :func:`destroy_process_groups_at_exit`'s handler does nothing then."""
+
+
+def mark_run_failed() -> None:
+    """Training failed in this process: peers may be gone, so the exit-time teardown must not wait for them."""
+    global _run_failed
+    _run_failed = True
+
+
+@functools.cache
+def destroy_process_groups_at_exit() -> None:
+    """Destroy the process groups while the interpreter is still whole (an ``atexit`` handler, registered once per
+    process; it does nothing after :func:`mark_run_failed`)."""
+
+    def destroy() -> None:
+        if _run_failed:
+            return  # peers may be gone: tearing the groups down could wait for them forever
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as err:  # exiting anyway: say why, do not mask the exit status
+                log.debug(f"static_dist: destroy_process_group at exit failed: {err}")
+
+    atexit.register(destroy)
+
+
+def exit_without_native_teardown(code: int) -> NoReturn:
+    """End a process whose work is done. Destroy its process groups, run Python's exit handlers (the ``atexit`` hooks
+    of loggers and other libraries), flush, and ``os._exit``. Only the C++ static destructors are skipped: that is
+    where Gloo threads sometimes abort a finished process (SIGABRT)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    atexit._run_exitfuncs()
+    _flush_and_leave(code)
+
+
+def exit_after_failure(code: int = 1) -> NoReturn:
+    """End a process whose run failed in a collective (the failure line already printed): flush and ``os._exit``. No
+    process-group teardown and no exit handlers run, because either could wait for a peer that is gone."""
+    _flush_and_leave(code)
+
+
+def _flush_and_leave(code: int) -> NoReturn:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

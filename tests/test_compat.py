@@ -1,0 +1,221 @@
+"""The private Lightning and torch touchpoints (``lightning_static_dist/compat.py``) against the installed versions.
+
+An upgrade that renames or removes one of them fails here first, and the message names the touchpoint, the file
+that uses it and why. The other tests would instead fail somewhere inside a training run. The shims are exercised
+for real: the collective names on a 1-rank Gloo group, the optimizer unwrap on Lightning's and Fabric's wrappers,
+and the exit teardown in a fresh interpreter whose exit status and output are checked.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_static_dist import compat
+
+COMPAT_FILE = compat.__file__
+
+# ------------------------------------------------------------------------------------------ collective names
+
+
+@pytest.fixture
+def one_rank_gloo() -> Iterator[None]:
+    assert not dist.is_initialized(), "a test before this one left a process group initialised"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_collective_names_are_the_newest_this_torch_has() -> None:
+    # where torch has the 2.13 names, the shim must be them: the old names warn on every call there
+    assert compat.all_gather_single is getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    assert compat.reduce_scatter_single is getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def test_the_collective_shims_gather_and_scatter_on_a_one_rank_gloo_group(one_rank_gloo: None) -> None:
+    data = torch.arange(6, dtype=torch.float32)
+    gathered, scattered = torch.empty_like(data), torch.empty_like(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # a deprecated name would warn on every call
+        compat.all_gather_single(gathered, data, async_op=True).wait()
+        compat.reduce_scatter_single(scattered, data)
+    assert torch.equal(gathered, data)  # one rank: its own tensor, once
+    assert torch.equal(scattered, data)  # one rank: the sum over one rank
+
+
+# -------------------------------------------------------------------------------------- the optimizer unwrap
+
+
+def test_unwrap_optimizer_finds_the_torch_optimizer_behind_lightnings_and_fabrics_wrappers() -> None:
+    from lightning.fabric.strategies import SingleDeviceStrategy
+    from lightning.fabric.wrappers import _FabricOptimizer
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    for wrapper in (LightningOptimizer(sgd), _FabricOptimizer(sgd, SingleDeviceStrategy())):
+        assert isinstance(wrapper, torch.optim.SGD)  # the wrappers imitate the class: isinstance cannot tell them apart
+        assert compat.unwrap_optimizer(wrapper) is sgd, f"{type(wrapper).__name__} no longer keeps it in `_optimizer`"
+        assert wrapper.optimizer is sgd  # the public property agrees (what retires the private read)
+    assert compat.unwrap_optimizer(sgd) is sgd
+
+
+# ---------------------------------------------------------------------------------------- the exit teardown
+
+
+def _exit_in_fresh_interpreter(body: str) -> subprocess.CompletedProcess:
+    """Run ``body`` with ``compat`` loaded and a 1-rank Gloo group up, in a new interpreter (the exit ends it).
+
+    ``compat`` is loaded from its file, not through the package, whose ``__init__`` imports all of Lightning: compat
+    imports only torch, and the test stays quick."""
+    script = textwrap.dedent(f"""
+        import atexit, importlib.util, sys
+        import torch.distributed as dist
+        spec = importlib.util.spec_from_file_location("compat", {COMPAT_FILE!r})
+        compat = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(compat)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        atexit.register(lambda: print("exit handler ran; group still up:", dist.is_initialized()))
+        print("before the exit")  # buffered (stdout is a pipe): only a flush before os._exit brings it out
+    """) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})
+
+
+def test_exit_without_native_teardown_destroys_the_group_runs_exit_handlers_and_keeps_the_status() -> None:
+    done = _exit_in_fresh_interpreter("compat.exit_without_native_teardown(3)\nprint('not reached')")
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.splitlines() == ["before the exit", "exit handler ran; group still up: False"], done.stdout
+
+
+def test_exit_after_failure_flushes_and_leaves_without_teardown_or_exit_handlers() -> None:
+    done = _exit_in_fresh_interpreter("compat.exit_after_failure(1)\nprint('not reached')")
+    assert done.returncode == 1, done.stderr
+    assert done.stdout.splitlines() == ["before the exit"], done.stdout
+
+
+@pytest.mark.parametrize("failed", [False, True], ids=["after a run", "after a failed run"])
+def test_process_groups_are_destroyed_at_exit_unless_the_run_failed(failed: bool) -> None:
+    # atexit runs its handlers last registered first: the test's handler (registered before) sees what destroy did
+    body = "compat.destroy_process_groups_at_exit()\ncompat.destroy_process_groups_at_exit()\n"
+    done = _exit_in_fresh_interpreter(body + ("compat.mark_run_failed()\n" if failed else ""))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["before the exit", f"exit handler ran; group still up: {failed}"], done.stdout
+
+
+# ------------------------------------------------------------------------ the private names the package reads
+
+#: (module, dotted attribute, where the package uses it and why): the inventory in compat.py's docstring
+PRIVATE_NAMES: list[tuple[str, str, str]] = [
+    # Lightning
+    ("lightning.fabric.strategies", "_StrategyRegistry", "strategy.py: register_strategies' registry type"),
+    ("lightning.fabric.strategies.registry", "_StrategyRegistry", "engine.py, fabric.py: the registry type"),
+    ("lightning.fabric.utilities.distributed", "_init_dist_connection", "strategy.py: DDPStrategy's group setup"),
+    ("lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device",
+     "strategy.py: the default backend"),
+    ("lightning.fabric.utilities.distributed", "_distributed_is_initialized", "strategy.py: guard clauses"),
+    ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available", "strategy.py: reduce as DDPStrategy does"),
+    ("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed", "launcher.py: launch as Lightning does"),
+    ("lightning.fabric.utilities.optimizer", "_optimizers_to_device", "strategy.py: optimizer state follows the model"),
+    ("lightning.fabric.utilities.types", "_PATH", "strategy.py, fabric.py: a type alias"),
+    ("lightning.fabric.strategies.strategy", "_BackwardSyncControl", "fabric.py: no_backward_sync"),
+    ("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher._call_children_scripts",
+     "launcher.py: StaticDistLauncher.launch re-implements Lightning's"),
+    ("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher.kill",
+     "strategy.py: on_exception kills the ranks"),
+    ("lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver._run",
+     "launcher.py: the patient observer's grace period"),
+    ("lightning.pytorch.strategies.launchers", "_MultiProcessingLauncher._wrapping_function",
+     "launcher.py: spawned ranks leave without the native teardown"),
+    ("lightning.fabric.strategies.launchers.multiprocessing", "_MultiProcessingLauncher._wrapping_function",
+     "fabric.py: spawned ranks leave without the native teardown"),
+    ("lightning.pytorch.strategies.parallel", "ParallelStrategy._configure_launcher", "strategy.py: our launchers"),
+    ("lightning.fabric.strategies.parallel", "ParallelStrategy._configure_launcher", "fabric.py: our launchers"),
+    ("lightning.pytorch.trainer.trainer", "_verify_strategy_supports_compile",
+     "compile/regions.py: allow_compiled_models_in_trainer replaces it"),
+    ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor",
+     "loop.py: the per-step device broadcast it replaces (if gone, the patch is inert: retire or re-target it)"),
+    ("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector._sigterm_notifier_fn",
+     "loop.py: the handler the connector's subclass overrides"),
+    # torch
+    ("torch.distributed.distributed_c10d", "_get_default_store", "faults.py: the rendezvous store for the roll call"),
+    ("torch.autograd", "Variable._execution_engine.queue_callback", "sync/synchronizer.py: finish at end of backward"),
+    ("torch", "_foreach_norm", "strategy.py: the non-finite check in one launch"),
+    ("torch", "_foreach_mul_", "sync/sharded.py: clipping in one launch"),
+    ("torch", "_foreach_copy_", "compression/compressors.py: copies in one launch"),
+    ("torch.distributed._functional_collectives", "all_reduce", "sync/graph.py: traceable collectives"),
+    ("torch._dynamo", "lookup_backend", "compile/: the user's backend by name"),
+    ("torch._dynamo", "list_backends", "config.py, compile/: backend names"),
+    ("torch._dynamo", "register_backend", "compile/backends.py: inductor_distributed"),
+    ("torch._dynamo", "disable", "compile/regions.py: boundary regions"),
+    ("torch._dynamo.exc", "TorchDynamoException", "compile/regions.py: eager fallback"),
+    ("torch._dynamo.exc", "Unsupported", "compile/regions.py: fullgraph breaks"),
+    ("torch._dynamo.backends.distributed", "DDPOptimizer", "compile/split.py: the graph splitter"),
+    ("torch._guards", "CompileContext.current_compile_id", "compile/backends.py: recompiles counted"),
+    ("torch._inductor.compile_fx", "compile_fx", "compile/backends.py: inductor with config patches"),
+    ("torch._inductor", "list_mode_options", "compile/backends.py: compile.mode"),
+    ("torch._logging._internal", "log_registry.artifact_log_qnames", "compile/report.py: dynamo's artifact loggers"),
+    # Python
+    ("atexit", "_run_exitfuncs", "compat.py: exit handlers before os._exit"),
+    ("sys", "_current_frames", "watchdog.py: where the main thread is"),
+]
+
+
+@pytest.mark.parametrize("module, name, used", PRIVATE_NAMES, ids=[f"{m}:{n}" for m, n, _ in PRIVATE_NAMES])
+def test_a_private_name_the_package_uses_still_exists(module: str, name: str, used: str) -> None:
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        assert hasattr(obj, part), (f"{module}.{name} is gone from the installed version ({used}); see the inventory in"
+                                    " lightning_static_dist/compat.py for what it works around")
+        obj = getattr(obj, part)
+
+
+def test_the_lightning_module_attributes_the_package_sets_and_reads_still_exist() -> None:
+    from lightning.pytorch import LightningModule
+
+    module = LightningModule()
+    # strategy.py sets _device_mesh (ModelParallelStrategy's hand-over); compile/regions.py reads _compiler_ctx
+    for name in ("_device_mesh", "_compiler_ctx"):
+        assert name in vars(module), f"LightningModule no longer has {name}: see lightning_static_dist/compat.py"
+    assert LightningModule.device_mesh.fget(module) is None  # the property still reads what the strategy sets
+
+
+def test_the_launcher_overrides_match_lightnings_signatures() -> None:
+    # Lightning calls these positionally in the spawned rank: a changed signature would fail only there
+    from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher as FabricSpawn
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+    from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+
+    from lightning_static_dist.fabric import _SpawnLauncher
+    from lightning_static_dist.launcher import StaticDistSpawnLauncher
+
+    def names(fn: Any) -> list[str]:
+        return list(inspect.signature(fn).parameters)
+
+    assert names(StaticDistSpawnLauncher._wrapping_function) == names(_MultiProcessingLauncher._wrapping_function)
+    assert names(_SpawnLauncher._wrapping_function) == names(FabricSpawn._wrapping_function)
+    # launcher.py's observer passes these by keyword
+    assert {"main_pid", "child_processes", "sleep_period"} <= set(names(_ChildProcessObserver.__init__))
+
+
+def test_the_trainer_holds_the_loop_and_connector_that_loop_py_patches() -> None:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    assert isinstance(trainer._signal_connector, _SignalConnector), "Trainer._signal_connector moved (loop.py)"
+    assert isinstance(trainer.fit_loop.epoch_loop, _TrainingEpochLoop), "the epoch loop moved (loop.py)"
