@@ -8,13 +8,20 @@ named only where one exists.
 
 Defined here
 ------------
+:func:`allow_compiled_models_in_trainer` (called by ``strategy.py``)
+    Replaces ``lightning.pytorch.trainer.trainer._verify_strategy_supports_compile``, which accepts
+    ``trainer.fit(torch.compile(model))`` only for the strategies it lists by type (SingleDevice, DDP, FSDP). A
+    strategy with an ``adopt_compiled_model(dynamo_ctx)`` method passes instead: the patch hands it the user's
+    ``torch.compile`` context (``model._compiler_ctx``) and takes the compiled model apart
+    (``lightning.pytorch.utilities.compile.to_uncompiled``) before a spawn launcher pickles it. Every other strategy
+    gets Lightning's check unchanged. A strategy attribute in Lightning that declares compile support would retire it.
 :data:`all_gather_single`, :data:`reduce_scatter_single` (used by ``embedding.py``, ``sync/sharded.py``,
 ``compression/base.py`` and ``benchmarks/cost_model.py``)
     torch 2.13 renamed ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` to these names
     (pytorch/pytorch#186123). The old names still work there, but they warn (``FutureWarning``) on every call, and a
     torch older than 2.13 has only the old names. Retired when the oldest supported torch (``pyproject.toml``) is 2.13:
     call ``torch.distributed``'s functions directly.
-:func:`unwrap_optimizer` (used by ``strategy.py``; ``compile/regions.py`` still has its own copy of the line)
+:func:`unwrap_optimizer` (used by ``strategy.py`` and ``compile/regions.py``)
     This reads ``LightningOptimizer._optimizer``, which is the torch optimizer that Lightning's step wrapper holds.
     The strategy checks the optimizer's type and re-points it at shards, and the compiled optimizer step replaces the
     real optimizer's ``step``. The check is duck-typed: it also unwraps Fabric's ``_FabricOptimizer``, and it leaves
@@ -103,11 +110,7 @@ Left where they are (so that this list is the whole inventory)
     ``torch._dynamo.list_backends`` validates ``compile.backend``. The public ``torch.compiler.list_backends`` would
     retire it.
 ``compile/`` (``torch._dynamo`` and ``torch._inductor`` are its subject, so most of it is private by nature)
-    - ``regions.py``: ``allow_compiled_models_in_trainer`` replaces
-      ``lightning.pytorch.trainer.trainer._verify_strategy_supports_compile``. Lightning accepts a compiled model only
-      for the strategies it lists by type. The patch reads ``model._compiler_ctx`` to find the user's backend. It
-      uses ``torch._dynamo.disable`` and ``torch._dynamo.exc``, and it has the optimizer unwrap listed above. A
-      strategy attribute that declares compile support would retire the patch.
+    - ``regions.py``: ``torch._dynamo.disable`` and ``torch._dynamo.exc``.
     - ``backends.py``: ``torch._inductor.compile_fx``, ``list_mode_options``, ``config`` and the pass names in
       ``torch._inductor.comms`` (checked with ``hasattr``). Also ``torch._dynamo.lookup_backend``,
       ``list_backends`` and ``register_backend`` (``inductor_distributed`` is registered at import),
@@ -201,3 +204,37 @@ def _flush_and_leave(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# ------------------------------------------------------------------------------------- Lightning's compile check
+
+
+def allow_compiled_models_in_trainer() -> None:
+    """Let ``trainer.fit(torch.compile(model))`` through Lightning's compile check for a strategy that adopts compiled
+    models (one with an ``adopt_compiled_model(dynamo_ctx)`` method); other strategies keep Lightning's check. Once per
+    process.
+
+    Example::
+
+        allow_compiled_models_in_trainer()   # in the strategy's constructor
+    """
+    import lightning.pytorch.trainer.trainer as trainer_module
+
+    original = trainer_module._verify_strategy_supports_compile
+    if getattr(original, "_static_dist", False):
+        return
+
+    def verify(model: Any, strategy: Any) -> None:
+        from lightning.pytorch.utilities.compile import to_uncompiled
+
+        adopt = getattr(strategy, "adopt_compiled_model", None)
+        if adopt is None:
+            original(model, strategy)
+            return
+        if model._compiler_ctx is not None:
+            # taken apart here, before a spawn launcher pickles the model: its dynamo-wrapped methods do not pickle
+            adopt(model._compiler_ctx["dynamo_ctx"])
+            to_uncompiled(model)
+
+    verify._static_dist = True  # type: ignore[attr-defined]
+    trainer_module._verify_strategy_supports_compile = verify

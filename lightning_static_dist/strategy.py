@@ -61,10 +61,15 @@ from lightning_static_dist.checkpoint import (
     load_sharded,
     save_sharded,
 )
-from lightning_static_dist.compat import destroy_process_groups_at_exit, mark_run_failed, unwrap_optimizer
+from lightning_static_dist.compat import (
+    allow_compiled_models_in_trainer,
+    destroy_process_groups_at_exit,
+    mark_run_failed,
+    unwrap_optimizer,
+)
 from lightning_static_dist.compile import (
     CompileReport,
-    allow_compiled_models_in_trainer,
+    backend_of,
     compile_optimizer_step,
     compile_regions,
     drop_short_last_batch,
@@ -429,6 +434,12 @@ class StaticDistStrategy(ParallelStrategy):
                 self._loop_patched = trainer if loop_patches.install(trainer, self._host_group) else None
 
     # ----------------------------------------------------------------------------------------------- compile
+
+    def adopt_compiled_model(self, dynamo_ctx: Any) -> None:
+        """``trainer.fit(torch.compile(model))``: Lightning's compile check (widened by
+        :func:`~lightning_static_dist.compat.allow_compiled_models_in_trainer`) hands over the user's ``torch.compile``
+        context and takes the compiled model apart; the strategy compiles it its own way, with the user's backend."""
+        self.requested_backend = backend_of(dynamo_ctx) or self.config.compile.backend
 
     @property
     def compile_report(self) -> Optional[CompileReport]:

@@ -19,7 +19,6 @@ from lightning_static_dist.compile.backends import (
     register_inductor_distributed,
 )
 from lightning_static_dist.compile.regions import (
-    allow_compiled_models_in_trainer,
     compile_optimizer_step,
     compile_regions,
     drop_short_last_batch,
@@ -36,7 +35,6 @@ __all__ = [
     "CompileReport",
     "GraphRecord",
     "RecordingBackend",
-    "allow_compiled_models_in_trainer",
     "backend_of",
     "compile_optimizer_step",
     "compile_regions",

@@ -28,7 +28,8 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from lightning_static_dist.compile.backends import RecordingBackend, backend_of
+from lightning_static_dist.compat import unwrap_optimizer
+from lightning_static_dist.compile.backends import RecordingBackend
 from lightning_static_dist.compile.report import CompileFailure, CompileReport, _capture_dynamo_logs, failure_reason
 from lightning_static_dist.compile.split import BucketGraphSplitter
 from lightning_static_dist.config import CompileConfig, ConfigError
@@ -210,7 +211,7 @@ def compile_optimizer_step(optimizer: torch.optim.Optimizer, config: CompileConf
     Lightning's precision plugins call ``optimizer.step(closure=...)`` with forward and backward inside the closure;
     tracing that would pull the whole training step into the optimizer's graph, so the closure is called first.
     """
-    inner = optimizer._optimizer if hasattr(optimizer, "_optimizer") else optimizer  # LightningOptimizer
+    inner = unwrap_optimizer(optimizer)
     eager_step = inner.step
     backend = report.backend or RecordingBackend(config, report)
     compiled_step = _RegionForward("optimizer.step", eager_step, torch.compile(eager_step, backend=backend), config, report)
@@ -249,34 +250,3 @@ def is_compiled(module: nn.Module) -> bool:
         for sub in module.modules()
         for bound in (sub.__dict__.get("forward"), sub.__dict__.get("training_step"))
     )
-
-
-def allow_compiled_models_in_trainer() -> None:
-    """Let ``trainer.fit(torch.compile(model))`` through Lightning's compile check for this strategy.
-
-    Lightning 2.6's ``_verify_strategy_supports_compile`` accepts only SingleDevice/DDP/FSDP strategies with a
-    hard-coded ``isinstance``; the strategy then takes the compiled model apart and compiles it its own
-    way (regionally, with the user's backend). Other strategies keep Lightning's check unchanged.
-    """
-    import lightning.pytorch.trainer.trainer as trainer_module
-
-    original = trainer_module._verify_strategy_supports_compile
-    if getattr(original, "_static_dist", False):
-        return
-
-    def verify(model: Any, strategy: Any) -> None:
-        from lightning.pytorch.utilities.compile import to_uncompiled
-
-        from lightning_static_dist.strategy import StaticDistStrategy
-
-        if not isinstance(strategy, StaticDistStrategy):
-            original(model, strategy)
-            return
-        if model._compiler_ctx is not None:
-            # take Lightning's whole-step compile apart here, before a spawn launcher pickles the model (its
-            # dynamo-wrapped methods do not pickle); the strategy compiles it regionally with the same backend
-            strategy.requested_backend = backend_of(model._compiler_ctx["dynamo_ctx"]) or strategy.config.compile.backend
-            to_uncompiled(model)
-
-    verify._static_dist = True  # type: ignore[attr-defined]
-    trainer_module._verify_strategy_supports_compile = verify

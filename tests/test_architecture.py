@@ -1,0 +1,124 @@
+"""The package's import graph: no circles, and imports flow one way, from the front ends down to the leaves.
+
+Read from the source with ``ast`` (every import, inside functions too), so an import that would close a circle
+fails here before it can fail at import time in some order of first use.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections.abc import Iterator
+
+PACKAGE = "lightning_static_dist"
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PACKAGE)
+
+#: top-level room -> its layer; a module may import its own layer's rooms (acyclically) and the layers below it
+LAYERS: dict[str, int] = {
+    # the command line
+    "__main__": 0, "cli": 0,
+    # the Lightning and Fabric front ends
+    "strategy": 1, "fabric": 1,
+    # what a front end runs a step with (the engine both share, Lightning's loop patch, the watchdog, launchers,
+    # callbacks, reports)
+    "engine": 2, "loop": 2, "watchdog": 2, "launcher": 2, "callbacks": 2, "report_plot": 2, "sweep_report": 2,
+    # the features
+    "sync": 3, "compile": 3, "graph_split": 3, "compression": 3, "embedding": 3, "mesh": 3,
+    # the leaves
+    "overlap": 4, "checkpoint": 4, "config": 4, "ddp_arguments": 4, "faults": 4, "fingerprint": 4, "compat": 4,
+    "examples": 4, "configs": 4,
+}
+
+
+def modules() -> dict[str, str]:
+    """Dotted module name -> its file, for every module of the package."""
+    found = {}
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = PACKAGE + "." + os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                found[dotted.removesuffix(".__init__")] = path
+    return found
+
+
+def imported(path: str, known: dict[str, str]) -> Iterator[tuple[str, int]]:
+    """The package's modules that the file at ``path`` imports, with the line of each import."""
+    def owner(name: str) -> str:
+        while name not in known and "." in name:
+            name = name.rpartition(".")[0]
+        return name
+
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(PACKAGE):
+            submodules = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known]
+            yield from ((m, node.lineno) for m in submodules)
+            if len(submodules) < len(node.names):  # names defined in node.module itself
+                yield owner(node.module), node.lineno
+        elif isinstance(node, ast.Import):
+            yield from ((owner(a.name), node.lineno) for a in node.names if a.name.startswith(PACKAGE))
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "<root>"
+
+
+def graph() -> dict[str, dict[str, int]]:
+    """module -> {module it imports: line}, the package's root (the public facade, which imports everything) left out."""
+    known = modules()
+    edges: dict[str, dict[str, int]] = {}
+    for module, path in known.items():
+        if module == PACKAGE:
+            continue
+        edges[module] = {dep: line for dep, line in imported(path, known) if dep not in (module, PACKAGE)}
+    return edges
+
+
+def test_every_room_of_the_package_has_a_layer() -> None:
+    assert {room(m) for m in graph()} <= set(LAYERS), sorted({room(m) for m in graph()} - set(LAYERS))
+
+
+def test_imports_never_go_up_a_layer() -> None:
+    upward = [f"{m} (layer {LAYERS[room(m)]}) imports {dep} (layer {LAYERS[room(dep)]}) at line {line}"
+              for m, deps in graph().items() for dep, line in deps.items() if LAYERS[room(dep)] < LAYERS[room(m)]]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_import_graph_has_no_circle() -> None:
+    edges = graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str]:
+        state[module] = 1
+        path.append(module)
+        for dep in edges.get(module, {}):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (circle := visit(dep)):
+                return circle
+        path.pop()
+        state[module] = 2
+        return []
+
+    for module in sorted(edges):
+        if module not in state and (circle := visit(module)):
+            raise AssertionError("import circle: " + " -> ".join(circle))
+
+
+def test_no_module_imports_the_package_root_at_import_time() -> None:
+    # the root imports every room: a room importing it at module level is a circle through the facade. Inside a
+    # function it is how a spawned rank registers the strategy names, and allowed.
+    offenders = []
+    for module, path in modules().items():
+        if module == PACKAGE:
+            continue
+        for node in ast.parse(open(path).read()).body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            if isinstance(node, ast.ImportFrom) and node.module == PACKAGE:
+                names = [n for n in names if not all(f"{PACKAGE}.{a.name}" in modules() for a in node.names)]
+            if PACKAGE in names:
+                offenders.append(f"{module} line {node.lineno}")
+    assert not offenders, offenders
