@@ -87,7 +87,7 @@ def _rank(rank: int, world: int, port: int, src: str, layers: int, steps: int, q
         sync.attach()
         dist.Work.is_completed = counted
         ops, compute, times, polls = [], [], [], []
-        for step in range(steps):
+        for _ in range(steps):
             x = torch.randint(0, 256, (4, 64))
             loss = model(x).float().logsumexp(-1).mean()
             checks.clear()

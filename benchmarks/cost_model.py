@@ -209,8 +209,8 @@ def predict(buckets: list[list[torch.Size]], compute_s: float, encode_s: dict[st
                 if name == reference:
                     continue
                 latency = LINKS["400Gb/s"].latency_s
-                bw = critical_bandwidth(lambda b: step(name, world, Link(latency, b)),
-                                        lambda b: step(reference, world, Link(latency, b)))
+                bw = critical_bandwidth(lambda b, name=name, world=world, latency=latency: step(name, world, Link(latency, b)),
+                                        lambda b, ref=reference, world=world, latency=latency: step(ref, world, Link(latency, b)))
                 verdict = "always" if math.isinf(bw) else "never" if bw == 0 else None  # within 1 MB/s .. 10 TB/s
                 row[f"vs_{reference}_GBps"] = verdict or round(bw / 1e9, 3)
                 row[f"vs_{reference}_Gbps"] = verdict or round(8 * bw / 1e9, 1)

@@ -45,7 +45,7 @@ def synthetic(trace_dir: str) -> None:
         on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(trace_dir, "rank0.pt.trace.json")),
     ) as prof:
         for _ in range(5):
-            for i, g in enumerate(grads):
+            for g in grads:
                 a = torch.tanh(a @ a)  # compute
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):

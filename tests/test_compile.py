@@ -83,7 +83,7 @@ def test_training_step_is_compiled_around_the_blocks() -> None:
             model.zero_grad()
             model.training_step((x[:, :-1], x[:, 1:]), step).backward()
     for (name, a), b in zip(eager.named_parameters(), around.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     assert len(plain.graphs) == 1 and len(report.graphs) == 2
     assert report.regions[-1] == "<training_step around the blocks>"
     assert report.block_boundaries >= 1 and report.recompiles == []
@@ -233,7 +233,7 @@ def test_the_whole_step_cut_at_the_buckets_trains_like_eager_with_nothing_left_e
             optimizer.step()
             optimizer.zero_grad()
     for (name, a), b in zip(eager.named_parameters(), cut.parameters()):
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     # the nested forward, its loop over the blocks and the loss: one graph, nothing eager, cut into pieces
     assert report.regions == ["<training_step>"] and report.graph_breaks == [] and report.recompiles == []
     assert report.fallbacks == {} and report.splitter is not None and report.splitter.pieces >= 4
@@ -436,7 +436,7 @@ def test_the_compiled_step_trains_to_lightning_ddp_weights(tmp_path: Any, mode: 
     theirs = _fit_nested(reference_ddp(find_unused_parameters=True))
     for key in theirs:
         torch.testing.assert_close(ours[key], theirs[key], atol=TOLERANCE[backend], rtol=TOLERANCE[backend],
-                                   msg=lambda m: f"{key}: {m}")
+                                   msg=lambda m, key=key: f"{key}: {m}")
     with open(facts_path) as f:
         facts = json.load(f)
     # steady state: no recompile over 4 steps x 2 micro-batches, nothing eager, nothing split by dynamo
@@ -511,7 +511,7 @@ def test_graph_mode_needs_compile_and_an_eager_fallback_still_averages(tmp_path:
     reference = Dense()
     _trainer(reference_ddp()).fit(reference)
     for (name, a), b in zip(reference.named_parameters(), model.parameters()):
-        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     with open(facts_path) as f:
         facts = json.load(f)
     assert "cannot compile anything" in facts["fallbacks"]["<training_step>"] and facts["graph_rounds"] == 3

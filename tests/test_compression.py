@@ -371,7 +371,11 @@ def test_the_guard_reads_the_threshold_of_the_compressor_in_use_at_every_check()
     strategy = SimpleNamespace(compressing_reducer=reducer, broadcast=lambda obj, src=0: obj)
     trainer, module = SimpleNamespace(strategy=strategy), SimpleNamespace(log=lambda *args, **kwargs: None)
     guard = CompressionGuard(patience=2)
-    checks = lambda n: [guard.on_train_batch_end(trainer, module, {"loss": torch.tensor(1.0)}, None, 0) for _ in range(n)]
+
+    def checks(n: int) -> None:
+        for _ in range(n):
+            guard.on_train_batch_end(trainer, module, {"loss": torch.tensor(1.0)}, None, 0)
+
     checks(3)  # error 2 < the lenient compressor's 3: never bad
     assert guard.events == []
     reducer.compressor = _Strict()  # error 2 > 1: bad twice, then stepped down to the lenient one ...

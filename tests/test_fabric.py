@@ -129,7 +129,7 @@ def static_dist(**kwargs: Any) -> StaticDistFabricStrategy:
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float = 1e-6) -> None:
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=tol, rtol=tol, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(a[key], b[key], atol=tol, rtol=tol, msg=lambda m, key=key: f"{key}: {m}")
 
 
 @pytest.fixture(scope="module")

@@ -151,7 +151,7 @@ def test_regional_inductor_compile_on_gpu_matches_eager() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             model.loss(model(x[:, :-1]), x[:, 1:]).backward()
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(b.grad, a.grad, atol=2e-2, rtol=2e-2, msg=lambda m, name=name: f"{name}: {m}")
     assert len(report.graphs) == 1 and report.recompiles == [] and report.placement == []
 
 
@@ -184,7 +184,7 @@ def test_two_gpus_compiled_step_matches_ddp_over_nccl(mode: str) -> None:
                                               sync={"mode": mode, **SMALL_BUCKETS}))
     theirs = _fit_nested_gpu(reference_ddp(find_unused_parameters=True))
     for key in ours:
-        torch.testing.assert_close(ours[key], theirs[key], atol=1e-4, rtol=1e-4, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(ours[key], theirs[key], atol=1e-4, rtol=1e-4, msg=lambda m, key=key: f"{key}: {m}")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -222,7 +222,7 @@ def ddp(**kwargs: Any) -> DDPStrategy:
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float = 1e-6) -> None:
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=tol, rtol=tol, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(a[key], b[key], atol=tol, rtol=tol, msg=lambda m, key=key: f"{key}: {m}")
 
 
 class DemoWithData(DemoModel):

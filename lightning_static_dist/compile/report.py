@@ -202,8 +202,8 @@ class _DynamoLogCapture(logging.Handler):
         if "Graph Break Reason:" not in message and "Graph break" not in message:
             return
         lines = message.splitlines()
-        reason = next((l.split(":", 1)[1].strip() for l in lines if "Graph Break Reason:" in l), "") or lines[0][:120]
-        explanation = next((l.split(":", 1)[1].strip() for l in lines if l.strip().startswith("Explanation:")), "")
+        reason = next((ln.split(":", 1)[1].strip() for ln in lines if "Graph Break Reason:" in ln), "") or lines[0][:120]
+        explanation = next((ln.split(":", 1)[1].strip() for ln in lines if ln.strip().startswith("Explanation:")), "")
         if explanation:
             reason = re.sub(r" at 0x[0-9a-f]+", "", f"{reason} {explanation}")  # no addresses: equal on every rank
         # a compiled block called from the graph around the blocks: torch 2.13 names it in the reason, 2.11 only in the
