@@ -17,7 +17,7 @@ other in fresh 2-process jobs (Lightning's subprocess launcher, as ``lsd-train``
 Figures: payload bytes per step (the synchroniser's count of what this rank handed to its collectives, averaged
 over the compressed steps; under the guard the level changes, so the mean over the run is shown too),
 compression_ratio = uncompressed bytes / bytes sent, final training loss (mean of the last 10 steps), validation
-loss at the end (10 batches), median step time, guard events. Targets (BENCHMARKS.md): powersgd r4 >= 50x fewer
+loss at the end (10 batches), median step time, guard events. Targets (benchmarks/README.md): powersgd r4 >= 50x fewer
 bytes at <= 1.03x final loss; topk 1 % >= 20x at <= 1.05x; bf16 2x at <= 1.01x.
 
     python benchmarks/cpu2_compress.py                  # 300 steps each, writes results/

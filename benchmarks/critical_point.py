@@ -106,7 +106,7 @@ NOTES = [
     "bytes_per_step: the median over compressed steps, the check steps (which also send the exact copy) left out;"
     " run_compression_ratio counts the whole run, the warm-up's exact steps too (the check steps left out).",
 ]
-TARGETS = {  # at GPT-2 width (BENCHMARKS.md): setting -> (minimum compression ratio, maximum final loss ratio)
+TARGETS = {  # at GPT-2 width (benchmarks/README.md): setting -> (minimum compression ratio, maximum final loss ratio)
     "powersgd_r4": (50.0, 1.03),
     "topk_1pct": (20.0, 1.05),
 }

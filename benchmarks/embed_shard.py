@@ -8,7 +8,7 @@ Contenders alternate (A B C A B C).
 
 Figures per rank: bytes of the embedding's weight + gradient + AdamW state held on this rank (read from the tensors
 themselves after the last step), median step time, and on the sharded rows the median ``embed_gather_ms`` (gather
-duration) and ``embed_gather_exposed_ms`` (time the forward waited). Target (BENCHMARKS.md): memory / world size
+duration) and ``embed_gather_exposed_ms`` (time the forward waited). Target (benchmarks/README.md): memory / world size
 (+-5 %); exposed gather <= 10 % of the gather time on GPU (this is CPU: reported, not judged).
 
     python benchmarks/embed_shard.py                 # 2 rounds x 40 steps, writes results/

@@ -183,14 +183,14 @@ def build_summary(rows: list[dict], static_compile: dict, tiny: bool) -> dict:
         "static_dist_vs_lightning_compile": ratio("static_dist", "lightning_compile"),
         "lightning_compile_vs_plain_compile": ratio("lightning_compile", "plain_compile"),
         "target": "static_dist_vs_lightning_compile >= 1.05",
-        "anchor": {**ANCHOR, "note": "BENCHMARKS.md's anchor for Lightning+compile on this workload; "
+        "anchor": {**ANCHOR, "note": "the benchmark's anchor for Lightning+compile on this workload; "
                                      "absolute figures compare only on the same GPU, ratios travel"},
     }
     if not tiny and "lightning_compile" in by:
         summary["lightning_compile_vs_anchor"] = round(
             by["lightning_compile"]["tokens_per_s"] / ANCHOR["tokens_per_s"], 4)
     if "static_dist_monitor" in by and "static_dist" in by:
-        # monitor-cost (BENCHMARKS.md): target <= 0.01
+        # monitor-cost (benchmarks/README.md): target <= 0.01
         summary["monitor_slowdown"] = round(1 - by["static_dist_monitor"]["tokens_per_s"] / by["static_dist"]["tokens_per_s"], 4)
     if static_compile.get("regional", "auto") in ("auto", False):
         # static_dist compiles the whole step at world size 1 (auto) or when told (false); both cold unless --warm-cache

@@ -38,7 +38,7 @@ recorder's sight). ``exposed_comm_share`` = exposed_comm_ms / median step.
 
 Summary (static_dist = the defaults, at N GPUs): ``vs_ceiling``, ``vs_plain_ddp_compile``,
 ``vs_lightning_ddp_compile`` (tokens/s ratios) and ``peak_gib_vs_lightning_ddp_compile``; the same ratios for every
-contender under ``ratios``. Targets (BENCHMARKS.md, at 2 GPUs): vs_ceiling >= 0.95, vs_plain_ddp_compile >= 1.03,
+contender under ``ratios``. Targets (benchmarks/README.md, at 2 GPUs): vs_ceiling >= 0.95, vs_plain_ddp_compile >= 1.03,
 vs_lightning_ddp_compile >= 1.10, peak <= 1.0x. ``compressed_compute_ratio``: each compressed contender's
 ``static_dist/compute_ms`` over the defaults' at the same GPU count (issue 15: <= 1.03).
 

@@ -2,7 +2,7 @@
 
 Needs CUDA and the optional ``hta`` extra (``pip install HolisticTraceAnalysis``). Two sources of traces:
 
-- ``--trainer`` (the check of BENCHMARKS.md / issue 9): the char-level GPT trained by ``static_dist`` on every
+- ``--trainer`` (the check of issue 9): the char-level GPT trained by ``static_dist`` on every
   visible GPU (NCCL) with ``OverlapMonitor(profiler=...)``; one trace per rank. On one GPU there is no gradient
   communication, so both figures are NaN — the run then only shows that HTA loads the traces and their ranks.
 - ``--synthetic`` (default; one process, one GPU): matrix multiplications on the default stream while

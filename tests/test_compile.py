@@ -121,7 +121,7 @@ def test_zero_recompiles_over_twenty_steps() -> None:
 
 
 class Stack(nn.Module):
-    """Six Linear+GELU blocks (the DESIGN.md measurement) for hook timing."""
+    """Six Linear+GELU blocks, for hook timing."""
 
     def __init__(self) -> None:
         super().__init__()

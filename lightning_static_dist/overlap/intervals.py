@@ -1,6 +1,6 @@
 """Interval math for overlap metrics: pure functions over ``(start, end)`` pairs, no clocks, no processes.
 
-The definitions (DESIGN.md) for one step, with ``comm`` the union of collective intervals and ``comp`` the union
+The definitions for one step (the names every logger shows: README, "Overlap monitor"), with ``comm`` the union of collective intervals and ``comp`` the union
 of compute intervals::
 
     overlap_ratio        = |comm ∩ comp| / max(|comm|, |comp|)
