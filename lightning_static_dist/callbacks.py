@@ -250,7 +250,7 @@ class GraphReport(Callback):
         if self.log_metrics and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
             figures = [float(len(report.graph_breaks)), float(len(report.recompiles)), report.compile_s]
             # host figures, their maximum taken on the host: `log_dict(sync_dist=True)` made device tensors of them,
-            # all-reduced them on the device and read them back, a GPU synchronisation (about 15 ms on 2 x H200)
+            # all-reduced them on the device and read them back: a GPU synchronisation (gpuN-gpt2s measured its cost)
             host_max = getattr(trainer.strategy, "host_max", None)
             figures = host_max(figures) if host_max is not None else figures
             log_straight(trainer, dict(zip(self.METRICS, figures)), trainer.global_step)

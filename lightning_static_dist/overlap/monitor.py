@@ -298,8 +298,8 @@ def log_straight(trainer: pl.Trainer, row: Mapping[str, float], step: int) -> No
 
         log_straight(trainer, {"static_dist/recompiles": 0.0}, trainer.global_step)
     """
-    # straight to the loggers (rank zero only, values already aggregated): LightningModule.log costs ~0.3 ms a call,
-    # 15 calls a step were most of this monitor's cost (monitor-cost benchmark); NaN: nothing to measure
+    # straight to the loggers (rank zero only, values already aggregated): LightningModule.log's own work per call,
+    # times 15 calls a step, was most of this monitor's cost (monitor-cost benchmark); NaN: nothing to measure
     finite = {k: v for k, v in row.items() if v == v}
     for logger in trainer.loggers:
         logger.log_metrics(finite, step=step)

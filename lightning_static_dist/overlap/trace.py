@@ -5,7 +5,7 @@ window of one rank's trace:
 
 - on GPU (the trace has kernels): communication = GPU kernels whose name contains ``nccl``; compute = every other
   kernel; memory copies and sets are neither — HTA's classification of kernels. Kernels are not cut by the steps'
-  marks (a step's kernels run after its CPU mark, and the GPU marks need not cover them — seen on the H200): all
+  marks (a step's kernels run after its CPU mark, and the GPU marks need not cover them): all
   kernels of the trace count, which holds only the profiled steps;
 - on CPU (Gloo: no kernels): communication = the ``gloo:<collective>`` ranges the process group's worker threads
   record while a collective runs; compute = the operators on the training thread (the thread of the
