@@ -420,6 +420,8 @@ def main() -> None:
         return chosen
 
     at_n, at_one = names(args.contenders, "--contenders"), names(args.one_gpu, "--one-gpu")
+    if not at_n and not at_one:
+        parser.error("--contenders and --one-gpu are both empty: nothing to run")
     import lightning
     import torch
 
@@ -441,7 +443,7 @@ def main() -> None:
     record: dict[str, Any] = {
         "scenario": scenario,
         "date": today,
-        "hardware": {"cpu" if args.tiny else "gpu": None, "gpus": args.gpus},
+        "hardware": {"cpu" if args.tiny else "gpu": None, "gpus": args.gpus if at_n else 1},
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "lightning": lightning.__version__, "cuda": torch.version.cuda,
                      "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None},

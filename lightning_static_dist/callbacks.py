@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_module
 
+from lightning_static_dist.compat import lightning_log_step
 from lightning_static_dist.overlap.monitor import log_straight
 
 SUMMARY_FILE = "summary.json"
@@ -232,6 +233,11 @@ class GraphReport(Callback):
         self.log_metrics = log_metrics
         self.print_summary = print_summary
         self._printed_recompiles: Optional[int] = None
+        self._logged_at = 0  # the global step last logged at (0: no optimizer step yet)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._logged_at = trainer.global_step  # a resumed fit starts past its checkpoint's step
 
     @staticmethod
     def _report(trainer: pl.Trainer) -> Any:
@@ -247,13 +253,17 @@ class GraphReport(Callback):
         if self.print_summary and self._printed_recompiles is None:
             self._printed_recompiles = len(report.recompiles)
             say(trainer, f"static_dist compile report (after the first step):\n{report.summary()}")
-        if self.log_metrics and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+        every, step = trainer.log_every_n_steps, trainer.global_step
+        # as Lightning logs `self.log(on_step=True)`: once per optimizer step (not per accumulated micro-batch), every
+        # log_every_n_steps steps, never with log_every_n_steps=0
+        if self.log_metrics and every > 0 and step % every == 0 and step != self._logged_at:
+            self._logged_at = step
             figures = [float(len(report.graph_breaks)), float(len(report.recompiles)), report.compile_s]
             # host figures, their maximum taken on the host: `log_dict(sync_dist=True)` made device tensors of them,
             # all-reduced them on the device and read them back: a GPU synchronisation (gpuN-gpt2s measured its cost)
             host_max = getattr(trainer.strategy, "host_max", None)
             figures = host_max(figures) if host_max is not None else figures
-            log_straight(trainer, dict(zip(self.METRICS, figures)), trainer.global_step)
+            log_straight(trainer, dict(zip(self.METRICS, figures)), lightning_log_step(trainer))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -8,6 +8,10 @@ named only where one exists.
 
 Defined here
 ------------
+:func:`lightning_log_step` (used by ``callbacks.py``'s ``GraphReport``)
+    Reads ``trainer.fit_loop.epoch_loop._batches_that_stepped``, the step Lightning's own logger connector (and its
+    ``LearningRateMonitor``) logs a training step's metrics at, so that figures logged straight to the loggers land in
+    the same rows as ``self.log``'s. A public "logging step" on the trainer would retire it.
 :func:`allow_compiled_models_in_trainer` (called by ``strategy.py``)
     Replaces ``lightning.pytorch.trainer.trainer._verify_strategy_supports_compile``, which accepts
     ``trainer.fit(torch.compile(model))`` only for the strategies it lists by type (SingleDevice, DDP, FSDP). A
@@ -238,3 +242,16 @@ def allow_compiled_models_in_trainer() -> None:
 
     verify._static_dist = True  # type: ignore[attr-defined]
     trainer_module._verify_strategy_supports_compile = verify
+
+
+# ------------------------------------------------------------------------------------------------- log step
+
+
+def lightning_log_step(trainer: Any) -> int:
+    """The step Lightning logs this training step's metrics at (the optimizer steps taken before this batch's).
+
+    Example::
+
+        logger.log_metrics({"static_dist/recompiles": 0.0}, step=lightning_log_step(trainer))
+    """
+    return trainer.fit_loop.epoch_loop._batches_that_stepped

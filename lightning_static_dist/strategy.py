@@ -957,8 +957,12 @@ class StaticDistStrategy(ParallelStrategy):
 
             breaks, recompiles = strategy.host_max([len(report.graph_breaks), len(report.recompiles)])
         """
-        if self._host_group is None:  # one rank
+        if self.world_size == 1:
             return [float(v) for v in values]
+        if self._host_group is None:  # no Gloo group could be made here (loop.host_group warned): through the device
+            flat = torch.tensor(values, dtype=torch.float64, device=self.root_device)
+            torch.distributed.all_reduce(flat, op=ReduceOp.MAX)
+            return flat.tolist()
         flat = torch.tensor(values, dtype=torch.float64)
         with waiting_in("the maximum over ranks of host figures (strategy.host_max)"):
             torch.distributed.all_reduce(flat, op=ReduceOp.MAX, group=self._host_group)

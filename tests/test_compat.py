@@ -39,12 +39,6 @@ def one_rank_gloo() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def test_the_collective_names_are_the_newest_this_torch_has() -> None:
-    # where torch has the 2.13 names, the shim must be them: the old names warn on every call there
-    assert compat.all_gather_single is getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-    assert compat.reduce_scatter_single is getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
 def test_the_collective_shims_gather_and_scatter_on_a_one_rank_gloo_group(one_rank_gloo: None) -> None:
     data = torch.arange(6, dtype=torch.float32)
     gathered, scattered = torch.empty_like(data), torch.empty_like(data)
@@ -144,7 +138,7 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     ("lightning.pytorch.strategies.parallel", "ParallelStrategy._configure_launcher", "strategy.py: our launchers"),
     ("lightning.fabric.strategies.parallel", "ParallelStrategy._configure_launcher", "fabric.py: our launchers"),
     ("lightning.pytorch.trainer.trainer", "_verify_strategy_supports_compile",
-     "compile/regions.py: allow_compiled_models_in_trainer replaces it"),
+     "compat.py: allow_compiled_models_in_trainer replaces it"),
     ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor",
      "loop.py: the per-step device broadcast it replaces (if gone, the patch is inert: retire or re-target it)"),
     ("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector._sigterm_notifier_fn",
@@ -219,3 +213,10 @@ def test_the_trainer_holds_the_loop_and_connector_that_loop_py_patches() -> None
                       enable_progress_bar=False, enable_model_summary=False)
     assert isinstance(trainer._signal_connector, _SignalConnector), "Trainer._signal_connector moved (loop.py)"
     assert isinstance(trainer.fit_loop.epoch_loop, _TrainingEpochLoop), "the epoch loop moved (loop.py)"
+
+
+def test_the_log_step_is_lightning_s_count_of_optimizer_steps_taken() -> None:
+    import lightning as L
+
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    assert compat.lightning_log_step(trainer) == 0  # an instance attribute of the epoch loop: checked on a trainer

@@ -306,7 +306,9 @@ def log_straight(trainer: pl.Trainer, row: Mapping[str, float], step: int) -> No
     # and where callbacks look (ModelCheckpoint(monitor=...), EarlyStopping, a user's own): Lightning's
     # `trainer.callback_metrics` is the dict its logger connector keeps and returns (what `self.log` fills), so one
     # update there costs microseconds where 26 `log` calls would cost milliseconds
-    trainer.callback_metrics.update({k: torch.tensor(v) for k, v in finite.items()})
+    tensors = {k: torch.tensor(v) for k, v in finite.items()}
+    trainer.callback_metrics.update(tensors)
+    trainer.logged_metrics.update(tensors)  # where `self.log` lists what it sent to the loggers
 
 
 def _profiler_options(options: Optional[Mapping[str, Any]]) -> dict[str, Any]:
