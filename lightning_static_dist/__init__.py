@@ -18,16 +18,15 @@ from lightning_static_dist.config import (
     ConfigError,
     EmbeddingConfig,
     MeshConfig,
-    RunConfig,
     StrategyConfig,
     SyncConfig,
-    load_run_config,
 )
 from lightning_static_dist.callbacks import GraphReport, RunSummary
 from lightning_static_dist.compile import CompileReport, inductor_distributed, register_inductor_distributed
 from lightning_static_dist.compression.guard import CompressionGuard
 from lightning_static_dist.overlap.monitor import OverlapMonitor
 from lightning_static_dist.fabric import StaticDistFabricStrategy
+from lightning_static_dist.runfile import RunConfig, load_run_config
 from lightning_static_dist.strategy import StaticDistStrategy
 from lightning_static_dist.sync import GradientSynchronizer
 

@@ -1,4 +1,5 @@
-"""Callbacks a run file can switch on under ``callbacks:``.
+"""Callbacks a run file can switch on under ``callbacks:``; each validates its options with a ``Config`` dataclass
+beside it (the run file's ``callbacks.<name>`` block), like the strategy's sections.
 
 :class:`RunSummary` ends a run with the figures a user looks for first — loss, tokens/s and the bytes the gradient
 synchroniser put on the wire — printed as a table on rank 0 and written to ``<log_dir>/summary.json``, which
@@ -12,6 +13,7 @@ import logging
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -22,6 +24,7 @@ from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_module
 
 from lightning_static_dist.compat import lightning_log_step
+from lightning_static_dist.config.check import check_fields, fail
 from lightning_static_dist.overlap.monitor import log_straight
 
 SUMMARY_FILE = "summary.json"
@@ -82,20 +85,40 @@ class RunSummary(Callback):
             rank 0: step, loss, median time per optimizer step (all its accumulated micro-batches), tokens/s;
             0: never (the loss is read on the host only then).
 
+    Raises:
+        ConfigError: a bad option, in one line naming its run-file key (``callbacks.run_summary.warmup_steps=-1: ...``).
+
     Example::
 
         trainer = L.Trainer(strategy="static_dist", callbacks=[RunSummary()])
         trainer.fit(model)   # prints the table on rank 0, writes <log_dir>/summary.json
     """
 
+    @dataclass
+    class Config:
+        """``callbacks.run_summary``: the options of :class:`RunSummary` (its keyword arguments), validated."""
+
+        KEY = "callbacks.run_summary"
+
+        warmup_steps: int = 5
+        """Steps excluded from timing (allocation, first-step planning)."""
+        loss_key: str = "train_loss"
+        """The logged metric shown as the training loss."""
+        print_every_n_steps: int = 0
+        """Also print a progress line every this many optimizer steps (and one per validation) on rank 0; 0: never."""
+
+        def __post_init__(self) -> None:
+            check_fields(self)
+            if self.warmup_steps < 0:
+                fail(f"{self.KEY}.warmup_steps", self.warmup_steps, "must be an integer >= 0")
+            if self.print_every_n_steps < 0:
+                fail(f"{self.KEY}.print_every_n_steps", self.print_every_n_steps, "must be an integer >= 0 (0: never)")
+
     def __init__(self, warmup_steps: int = 5, loss_key: str = "train_loss", print_every_n_steps: int = 0) -> None:
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps={warmup_steps}: must be an integer >= 0")
-        if print_every_n_steps < 0:
-            raise ValueError(f"print_every_n_steps={print_every_n_steps}: must be an integer >= 0 (0: never)")
-        self.print_every_n_steps = print_every_n_steps
-        self.warmup_steps = warmup_steps
-        self.loss_key = loss_key
+        self.config = self.Config(warmup_steps=warmup_steps, loss_key=loss_key, print_every_n_steps=print_every_n_steps)
+        self.print_every_n_steps = self.config.print_every_n_steps
+        self.warmup_steps = self.config.warmup_steps
+        self.loss_key = self.config.loss_key
         self.step_seconds: list[float] = []
         self.tokens_per_step: int = 0
         self.losses: list[torch.Tensor] = []
@@ -229,9 +252,24 @@ class GraphReport(Callback):
 
     METRICS = ("static_dist/graph_breaks", "static_dist/recompiles", "static_dist/compile_s")
 
+    @dataclass
+    class Config:
+        """``callbacks.graph_report``: the options of :class:`GraphReport` (its keyword arguments), validated."""
+
+        KEY = "callbacks.graph_report"
+
+        log_metrics: bool = True
+        """Log the metrics."""
+        print_summary: bool = True
+        """Print the report on rank 0."""
+
+        def __post_init__(self) -> None:
+            check_fields(self)
+
     def __init__(self, log_metrics: bool = True, print_summary: bool = True) -> None:
-        self.log_metrics = log_metrics
-        self.print_summary = print_summary
+        self.config = self.Config(log_metrics=log_metrics, print_summary=print_summary)
+        self.log_metrics = self.config.log_metrics
+        self.print_summary = self.config.print_summary
         self._printed_recompiles: Optional[int] = None
         self._logged_at = 0  # the global step last logged at (0: no optimizer step yet)
 

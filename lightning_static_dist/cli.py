@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from lightning_static_dist.overlap.intervals import median_of
-from lightning_static_dist.config import CALLBACKS, ConfigError, RunConfig, import_object, load_run_config
+from lightning_static_dist.config import ConfigError
+from lightning_static_dist.runfile import RunConfig, load_run_config
 from lightning_static_dist.compat import exit_after_failure, exit_without_native_teardown
 
 
@@ -30,11 +31,7 @@ def build_trainer_inputs(cfg: RunConfig) -> tuple[Any, Any, Any]:
     L.seed_everything(cfg.seed, workers=True)
     model, datamodule = cfg.model.instantiate("model"), cfg.data.instantiate("data")
     strategy = StaticDistStrategy.from_config(cfg.strategy)
-    callbacks = [
-        import_object(f"callbacks.{name}", CALLBACKS[name])(**block.options)
-        for name, block in cfg.callbacks.items()
-        if block.enabled
-    ]
+    callbacks = [block.build(name) for name, block in cfg.callbacks.items() if block.enabled]
     if "graph_report" in cfg.callbacks and not cfg.callbacks["graph_report"].enabled:
         # the strategy adds a GraphReport when it compiles and finds none: an inert one keeps it switched off
         callbacks.append(GraphReport(log_metrics=False, print_summary=False))

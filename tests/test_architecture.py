@@ -15,8 +15,8 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 #: top-level room -> its layer; a module may import its own layer's rooms (acyclically) and the layers below it
 LAYERS: dict[str, int] = {
-    # the command line
-    "__main__": 0, "cli": 0,
+    # the command line and its run file
+    "__main__": 0, "cli": 0, "runfile": 0,
     # the Lightning and Fabric front ends
     "strategy": 1, "fabric": 1,
     # what a front end runs a step with (the engine both share, Lightning's loop patch, the watchdog, launchers,

@@ -20,7 +20,8 @@ import pytest
 from _dist import fresh_job_env
 
 from lightning_static_dist.cli import report, train_main
-from lightning_static_dist.config import ConfigError, load_run_config, shipped_config_names
+from lightning_static_dist.config import ConfigError
+from lightning_static_dist.runfile import load_run_config, shipped_config_names
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_CONFIG = "configs/charlm_cpu.yaml"

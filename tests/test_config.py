@@ -21,15 +21,19 @@ from hypothesis import strategies as st
 
 from lightning_static_dist import (
     CompileConfig,
+    CompressionGuard,
     ConfigError,
+    GraphReport,
     MeshConfig,
+    OverlapMonitor,
     RunConfig,
+    RunSummary,
     StaticDistStrategy,
     StrategyConfig,
     SyncConfig,
     load_run_config,
 )
-from lightning_static_dist.config import DEFAULT_DATA, DEFAULT_MODEL
+from lightning_static_dist.runfile import CALLBACKS, DEFAULT_DATA, DEFAULT_MODEL
 from lightning_static_dist.mesh import resolve_mesh_shape
 
 REPO = Path(__file__).resolve().parents[1]
@@ -508,3 +512,33 @@ def test_a_num_nodes_given_to_the_strategy_that_the_trainer_replaces_is_warned_a
     with pytest.warns(UserWarning, match="num_nodes=2 given to the strategy is replaced by the Trainer's num_nodes=1"):
         L.Trainer(accelerator="cpu", devices=1, strategy=StaticDistStrategy(num_nodes=2), logger=False)
 
+
+
+# ------------------------------------------------------------------------------------ callbacks' configs
+
+
+@pytest.mark.parametrize("name", sorted(CALLBACKS))
+def test_a_callbacks_keyword_arguments_are_the_fields_of_its_config(name: str) -> None:
+    # the run file's block is checked against Config, the callback is built from its keyword arguments: they must agree
+    import dataclasses
+    import inspect
+
+    cls = CALLBACKS[name]
+    arguments = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    assert arguments == [f.name for f in dataclasses.fields(cls.Config)]
+    assert cls.Config.KEY == f"callbacks.{name}"
+    assert cls().config == cls.Config()
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "message"), [
+    (RunSummary, {"warmup_steps": -1}, "callbacks.run_summary.warmup_steps=-1: must be an integer >= 0"),
+    (GraphReport, {"print_summary": "no"}, "callbacks.graph_report.print_summary='no': expected bool"),
+    (OverlapMonitor, {"timeline_every_n_steps": -2},
+     "callbacks.overlap_monitor.timeline_every_n_steps=-2: must be an integer >= 0 (0: never)"),
+    (OverlapMonitor, {"profiler": {"warmup": -1}}, "callbacks.overlap_monitor.profiler.warmup=-1: must be an integer >= 0"),
+    (CompressionGuard, {"loss_ema": 1.0}, "callbacks.compression_guard.loss_ema=1.0: must be in [0, 1)"),
+], ids=["run_summary", "graph_report", "overlap_monitor", "profiler", "compression_guard"])
+def test_a_callback_built_in_python_names_its_run_file_key(cls: type, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        cls(**kwargs)
+    assert str(excinfo.value) == message

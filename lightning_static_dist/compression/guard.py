@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from typing_extensions import override
@@ -32,6 +33,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_static_dist.compression.base import Compressor
+from lightning_static_dist.config.check import check_fields, fail
 from lightning_static_dist.sync.reducer import MeanAllReduce
 
 log = logging.getLogger(__name__)
@@ -51,25 +53,58 @@ def describe(compressor: Optional[Compressor]) -> str:
 
 
 class CompressionGuard(Callback):
-    """Switches to a safer compression level when the compressed gradient or the loss goes wrong (module docs)."""
+    """Switches to a safer compression level when the compressed gradient or the loss goes wrong (module docs).
+
+    Its keyword arguments are the fields of :class:`CompressionGuard.Config`; a bad one raises a one-line
+    :class:`~lightning_static_dist.config.check.ConfigError` naming its run-file key
+    (``callbacks.compression_guard.patience=0: ...``).
+
+    Example::
+
+        guard = CompressionGuard(check_every_n_steps=25, patience=3)
+    """
+
+    @dataclass
+    class Config:
+        """``callbacks.compression_guard``: the options of :class:`CompressionGuard` (its keyword arguments)."""
+
+        KEY = "callbacks.compression_guard"
+
+        check_every_n_steps: int = 50
+        """Measure the compressed gradient's relative error every this many optimizer steps (one extra exact
+        collective on those steps)."""
+        max_rel_error: Optional[float] = None
+        """A check is bad above this relative error; null: the compressor's own ``guard_max_rel_error``."""
+        loss_spike: float = 1.5
+        """A check is also bad when the loss exceeds this factor x its moving average."""
+        patience: int = 2
+        """Bad checks in a row before every rank steps down one level."""
+        loss_ema: float = 0.9
+        """The weight of the past in the loss's moving average, in [0, 1)."""
+
+        def __post_init__(self) -> None:
+            check_fields(self)
+            if self.check_every_n_steps < 1:
+                fail(f"{self.KEY}.check_every_n_steps", self.check_every_n_steps, "must be an integer >= 1")
+            if self.max_rel_error is not None and not self.max_rel_error > 0:
+                fail(f"{self.KEY}.max_rel_error", self.max_rel_error,
+                     "must be a number > 0, or None (the compressor's own)")
+            if not self.loss_spike > 1:
+                fail(f"{self.KEY}.loss_spike", self.loss_spike, "must be a factor > 1")
+            if self.patience < 1:
+                fail(f"{self.KEY}.patience", self.patience, "must be an integer >= 1")
+            if not 0 <= self.loss_ema < 1:
+                fail(f"{self.KEY}.loss_ema", self.loss_ema, "must be in [0, 1)")
 
     def __init__(self, check_every_n_steps: int = 50, max_rel_error: Optional[float] = None, loss_spike: float = 1.5,
                  patience: int = 2, loss_ema: float = 0.9) -> None:
-        if not isinstance(check_every_n_steps, int) or check_every_n_steps < 1:
-            raise ValueError(f"check_every_n_steps={check_every_n_steps!r}: must be an integer >= 1")
-        if max_rel_error is not None and not max_rel_error > 0:
-            raise ValueError(f"max_rel_error={max_rel_error!r}: must be a number > 0, or None (the compressor's own)")
-        if not loss_spike > 1:
-            raise ValueError(f"loss_spike={loss_spike!r}: must be a factor > 1")
-        if not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"patience={patience!r}: must be an integer >= 1")
-        if not 0 <= loss_ema < 1:
-            raise ValueError(f"loss_ema={loss_ema!r}: must be in [0, 1)")
-        self.check_every_n_steps = check_every_n_steps
-        self.max_rel_error = max_rel_error
-        self.loss_spike = loss_spike
-        self.patience = patience
-        self.loss_ema = loss_ema
+        self.config = self.Config(check_every_n_steps=check_every_n_steps, max_rel_error=max_rel_error,
+                                  loss_spike=loss_spike, patience=patience, loss_ema=loss_ema)
+        self.check_every_n_steps = self.config.check_every_n_steps
+        self.max_rel_error = self.config.max_rel_error
+        self.loss_spike = self.config.loss_spike
+        self.patience = self.config.patience
+        self.loss_ema = self.config.loss_ema
         self.events: list[dict[str, Any]] = []
         """One entry per switch: step, reason, old and new level."""
         self.last_rel_error: Optional[float] = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -29,13 +30,39 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_static_dist.config.check import check_fields, fail, section_from_dict
 from lightning_static_dist.overlap.intervals import step_metrics
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.overlap.timeline import StepTimeline
 from lightning_static_dist.overlap.trace import TRACE_METRICS, load_trace, trace_metrics
 
-#: ``profiler`` options and their defaults.
-PROFILER_DEFAULTS = {"enabled": False, "wait": 1, "warmup": 1, "active": 3}
+
+@dataclass
+class ProfilerConfig:
+    """``callbacks.overlap_monitor.profiler``: ``torch.profiler`` over a few steps, one Chrome trace per rank.
+
+    Example::
+
+        OverlapMonitor(profiler={"enabled": True, "wait": 1, "warmup": 1, "active": 3})
+    """
+
+    KEY = "callbacks.overlap_monitor.profiler"
+
+    enabled: bool = False
+    """Profile, and log the trace-derived metrics (``static_dist/trace_<name>``)."""
+    wait: int = 1
+    """Optimizer steps skipped before the profiler starts."""
+    warmup: int = 1
+    """Steps profiled but not recorded (the profiler's own start-up)."""
+    active: int = 3
+    """Steps recorded into the trace."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for name, least in (("wait", 0), ("warmup", 0), ("active", 1)):
+            if getattr(self, name) < least:
+                fail(f"{self.KEY}.{name}", getattr(self, name), f"must be an integer >= {least}")
+
 
 #: The metrics this monitor logs, in the order of the aggregation vector.
 METRICS = (
@@ -106,16 +133,38 @@ class OverlapMonitor(Callback):
         trainer = L.Trainer(strategy="static_dist", callbacks=[OverlapMonitor(every_n_steps=10, prog_bar=True)])
     """
 
+    @dataclass
+    class Config:
+        """``callbacks.overlap_monitor``: the options of :class:`OverlapMonitor` (its keyword arguments), validated."""
+
+        KEY = "callbacks.overlap_monitor"
+
+        every_n_steps: int = 1
+        """Record and log every this many optimizer steps (unrecorded steps cost nothing)."""
+        prog_bar: bool = False
+        """Show the overlap ratio in the progress bar."""
+        timeline_every_n_steps: int = 0
+        """Write ``<log_dir>/timeline/step_<N>.png`` every this many steps; 0: never."""
+        profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+        """Profiler mode: a mapping of :class:`ProfilerConfig`'s fields (``null``: its defaults)."""
+
+        def __post_init__(self) -> None:
+            self.profiler = section_from_dict(ProfilerConfig, self.profiler, show_value=True)
+            check_fields(self)
+            if self.every_n_steps < 1:
+                fail(f"{self.KEY}.every_n_steps", self.every_n_steps, "must be an integer >= 1")
+            if self.timeline_every_n_steps < 0:
+                fail(f"{self.KEY}.timeline_every_n_steps", self.timeline_every_n_steps,
+                     "must be an integer >= 0 (0: never)")
+
     def __init__(self, every_n_steps: int = 1, prog_bar: bool = False, timeline_every_n_steps: int = 0,
                  profiler: Optional[Mapping[str, Any]] = None) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps={every_n_steps}: must be an integer >= 1")
-        if timeline_every_n_steps < 0:
-            raise ValueError(f"timeline_every_n_steps={timeline_every_n_steps}: must be an integer >= 0 (0: never)")
-        self.every_n_steps = every_n_steps
-        self.prog_bar = prog_bar
-        self.timeline_every_n_steps = timeline_every_n_steps
-        self.profiler = _profiler_options(profiler)
+        self.config = self.Config(every_n_steps=every_n_steps, prog_bar=prog_bar,
+                                  timeline_every_n_steps=timeline_every_n_steps, profiler=profiler)
+        self.every_n_steps = self.config.every_n_steps
+        self.prog_bar = self.config.prog_bar
+        self.timeline_every_n_steps = self.config.timeline_every_n_steps
+        self.profiler = self.config.profiler
         self.trace_paths: list[str] = []
         """This rank's Chrome trace (profiler mode), once written."""
         self.trace_history: list[dict[str, float]] = []
@@ -146,7 +195,7 @@ class OverlapMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.profiler["enabled"] or self._recorder is None:
+        if not self.profiler.enabled or self._recorder is None:
             return
         log_dir = trainer.log_dir or trainer.default_root_dir  # a collective: every rank asks
         self._trace_dir = os.path.join(log_dir, "profiler")
@@ -157,7 +206,7 @@ class OverlapMonitor(Callback):
         options = self.profiler
         self._profile = torch.profiler.profile(
             activities=activities,
-            schedule=torch.profiler.schedule(wait=options["wait"], warmup=options["warmup"], active=options["active"],
+            schedule=torch.profiler.schedule(wait=options.wait, warmup=options.warmup, active=options.active,
                                              repeat=1),
             on_trace_ready=lambda prof: self._export(prof, trainer.global_rank),
         )
@@ -309,25 +358,6 @@ def log_straight(trainer: pl.Trainer, row: Mapping[str, float], step: int) -> No
     tensors = {k: torch.tensor(v) for k, v in finite.items()}
     trainer.callback_metrics.update(tensors)
     trainer.logged_metrics.update(tensors)  # where `self.log` lists what it sent to the loggers
-
-
-def _profiler_options(options: Optional[Mapping[str, Any]]) -> dict[str, Any]:
-    """Validate ``profiler``; errors start with ``profiler.<key>=<value>:`` (the run-file loader prefixes them)."""
-    if options is None:
-        return dict(PROFILER_DEFAULTS)
-    if not isinstance(options, Mapping):
-        raise ValueError(f"profiler={options!r}: expected a mapping with keys {', '.join(PROFILER_DEFAULTS)}")
-    unknown = [k for k in options if k not in PROFILER_DEFAULTS]
-    if unknown:
-        raise ValueError(f"profiler.{unknown[0]}={options[unknown[0]]!r}: unknown key; allowed: {', '.join(PROFILER_DEFAULTS)}")
-    merged = {**PROFILER_DEFAULTS, **options}
-    if not isinstance(merged["enabled"], bool):
-        raise ValueError(f"profiler.enabled={merged['enabled']!r}: expected true or false")
-    for key, least in (("wait", 0), ("warmup", 0), ("active", 1)):
-        value = merged[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"profiler.{key}={value!r}: must be an integer >= {least}")
-    return merged
 
 
 def _stepped(trainer: pl.Trainer, batch_idx: int) -> bool:
