@@ -22,6 +22,8 @@ LAYERS: dict[str, int] = {
     # what a front end runs a step with (the engine both share, Lightning's loop patch, the watchdog, launchers,
     # callbacks, reports)
     "engine": 2, "loop": 2, "watchdog": 2, "launcher": 2, "callbacks": 2, "report_plot": 2, "sweep_report": 2,
+    # each feature's part of the strategy's hooks (the step participants)
+    "participants": 2,
     # the features
     "sync": 3, "compile": 3, "compression": 3, "embedding": 3, "mesh": 3,
     # the leaves

@@ -1,0 +1,30 @@
+"""The step participants: each feature's part of the strategy's hooks (:mod:`.base` says what a phase is).
+
+The strategy calls every phase on all of them in one fixed order (see ``StaticDistStrategy``'s class docstring):
+a new feature is a new participant in that list, not an edit of each hook.
+"""
+
+from lightning_static_dist.participants.base import StepParticipant, StrategyView
+from lightning_static_dist.participants.compilation import StaticCompile
+from lightning_static_dist.participants.compression import CompressionState
+from lightning_static_dist.participants.embeddings import EmbeddingShards
+from lightning_static_dist.participants.gradients import BufferBroadcast, GraphSync, HookSync, NonfiniteCheck
+from lightning_static_dist.participants.recording import PhaseRecording
+from lightning_static_dist.participants.runtime import PeerWatch, SigtermAgreement
+from lightning_static_dist.participants.sharded import ShardedSync
+
+__all__ = [
+    "BufferBroadcast",
+    "CompressionState",
+    "EmbeddingShards",
+    "GraphSync",
+    "HookSync",
+    "NonfiniteCheck",
+    "PeerWatch",
+    "PhaseRecording",
+    "ShardedSync",
+    "SigtermAgreement",
+    "StaticCompile",
+    "StepParticipant",
+    "StrategyView",
+]

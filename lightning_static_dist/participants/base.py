@@ -1,0 +1,218 @@
+"""A step participant: one feature's part of the strategy's hooks, and what it may read of the strategy.
+
+The strategy (:class:`~lightning_static_dist.strategy.StaticDistStrategy`) owns Lightning's lifecycle; each feature
+(gradient sync, the sharded embeddings, compilation, the recorder ...) owns its part of every hook as a
+:class:`StepParticipant`. A strategy hook calls one phase on every participant, in the strategy's one fixed order;
+a participant that has nothing to do in a phase inherits the no-op. A feature that is off (its config says so, or
+the world has one rank) stays in the list and does nothing: the hooks never ask which features are on.
+
+Phases, as the strategy calls them (a phase returning a value is read as the method's docstring says)::
+
+    setup_distributed     the process group and the mesh exist
+    before_optimizers     setup: the model is on the device, the same on every rank; no optimizer yet
+    setup                 setup: the optimizers exist (the precision plugin is not set up yet)
+    after_setup           setup: the precision plugin is set up, the optimizers are on the device
+    on_train_batch_start  a training batch begins
+    before_forward        training_step, before the user's forward;  after_forward: after it
+    before_reading_parameters  a validation forward, or the model's state dict, is about to read the parameters
+    before_backward       pre_backward
+    after_backward        post_backward: the backward's own compute is over (what follows is waiting, not compute)
+    finish_gradients      post_backward: make the gradients final (synchronise, check, release what backward held)
+    before_optimizer_step post_backward, last: clipping, the scaler and the optimizer step follow
+    after_optimizer_step  optimizer_step, after the step
+    on_validation_end     a validation loop ended
+    no_sync               block_backward_sync: a context entered for a micro-batch that accumulates locally
+    on_exception          the run failed (after the strategy recorded the failure)
+    check_in_step         before a checkpoint is written and before teardown: the ranks' last steps agree
+    teardown              the fit (or stage) is over; ``failed``: collectives may hang, do none
+
+Example (a participant that counts optimizer steps; the strategy builds its list in ``__init__``)::
+
+    class StepCounter(StepParticipant):
+        def __init__(self) -> None:
+            self.steps = 0
+
+        def after_optimizer_step(self) -> None:
+            self.steps += 1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_static_dist.config import StrategyConfig
+from lightning_static_dist.overlap.recorder import StepRecorder
+
+
+class StrategyView(Protocol):
+    """What a participant reads of the strategy: the run's configuration, ranks, device, groups and model. A
+    participant never imports the strategy (it sits a layer above); it is handed the strategy as this view."""
+
+    @property
+    def config(self) -> StrategyConfig: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    @property
+    def device_mesh(self) -> Any: ...
+
+    @property
+    def dp_group(self) -> Optional[dist.ProcessGroup]: ...
+
+    @property
+    def host_group(self) -> Optional[dist.ProcessGroup]: ...
+
+    @property
+    def synchronizer(self) -> Any: ...
+
+    @property
+    def lightning_module(self) -> Optional[pl.LightningModule]: ...
+
+    @property
+    def model(self) -> Optional[torch.nn.Module]: ...
+
+    @property
+    def optimizers(self) -> list[Any]: ...
+
+    @property
+    def precision_plugin(self) -> Any: ...
+
+    def reduce_scatter(self) -> bool: ...
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None: ...
+
+
+def syncs_gradients(trainer: pl.Trainer, view: StrategyView) -> bool:
+    """Whether this setup builds gradient synchronisation: while fitting, on more than one rank (one rank has
+    nothing to average: no buckets, no copies)."""
+    return trainer.state.fn == TrainerFn.FITTING and view.world_size > 1
+
+
+class StepParticipant:
+    """One feature's part of the strategy's hooks. Every phase is a no-op here: override the ones the feature
+    acts in. The module docstring lists the phases in the order of a step."""
+
+    def setup_distributed(self) -> None:
+        """The process group and the data-parallel mesh exist."""
+
+    def before_optimizers(self, trainer: pl.Trainer) -> None:
+        """Setup, with the model on the device and the same on every rank, before the optimizers are built."""
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Setup, with the optimizers built (while fitting), before the precision plugin is set up."""
+
+    def after_setup(self, trainer: pl.Trainer) -> None:
+        """Setup's end: the precision plugin is set up and the optimizers are on the device."""
+
+    def process_dataloader(self, dataloader: object) -> None:
+        """A dataloader Lightning is about to iterate (changed in place, if at all)."""
+
+    def attach_recorder(self, recorder: StepRecorder) -> None:
+        """The overlap monitor's recorder, to be told of compute phases and collectives."""
+
+    def on_train_batch_start(self) -> None:
+        """A training batch begins (before its forward)."""
+
+    def before_forward(self) -> None:
+        """The training step's forward is next."""
+
+    def after_forward(self) -> None:
+        """The training step's forward returned."""
+
+    def before_reading_parameters(self) -> None:
+        """A validation forward, or the model's state dict, is about to read the parameters' values."""
+
+    def before_backward(self) -> None:
+        """The backward pass is next."""
+
+    def after_backward(self) -> None:
+        """The backward's own compute is over: what comes next (waiting for collectives) is not compute."""
+
+    def finish_gradients(self, accumulating: bool) -> None:
+        """Make this micro-batch's gradients final (synchronised where this is an optimizer step's last micro-batch,
+        ``accumulating`` otherwise); runs before clipping, the gradient scaler and ``on_before_optimizer_step``."""
+
+    def before_optimizer_step(self) -> None:
+        """The optimizer step (clipping and unscaling first) is next."""
+
+    def after_optimizer_step(self) -> None:
+        """The optimizer stepped."""
+
+    def on_validation_end(self) -> None:
+        """A validation loop ended (inside ``fit`` too, the sanity check included)."""
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """A context for a micro-batch whose gradients accumulate locally (no synchronisation)."""
+        return nullcontext()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """The run failed: forget what waits on peers (a failed peer may never join it)."""
+
+    def check_in_step(self) -> None:
+        """Before a checkpoint is written and before teardown: raise if the ranks' last steps disagreed (read from
+        what the last steps recorded; no collective, so a missing peer cannot make it wait)."""
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def model_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The model's state dict as saved: Lightning's, as this participant would have it saved."""
+        return state
+
+    def model_state_to_load(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint's model state dict as this rank's model loads it."""
+        return state
+
+    def after_model_loaded(self) -> None:
+        """The model's state dict was loaded."""
+
+    def optimizer_state(self, optimizer: Any) -> Optional[dict[str, Any]]:
+        """The optimizer's state as saved, when this participant holds it in a form of its own (the first
+        participant that returns one wins; ``None``: Lightning's)."""
+        return None
+
+    def optimizer_state_to_save(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        """Lightning's optimizer state, as this participant would have it saved."""
+        return state
+
+    def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> bool:
+        """Load the checkpoint's optimizer states in this participant's own form; ``True``: loaded, Lightning's
+        loading is skipped."""
+        return False
+
+    def optimizer_state_to_load(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint's optimizer state as this rank's optimizer loads it."""
+        return state
+
+    def write_checkpoint(self, checkpoint: dict[str, Any], path: str) -> bool:
+        """Write the checkpoint in this participant's own format; ``True``: written, Lightning's writing is
+        skipped (and no participant adds its :meth:`state_dict`)."""
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """Entries this participant adds to a checkpoint (a collective where a rank's state is gathered: every rank
+        calls it; an entry may be left out on ranks that do not write)."""
+        return {}
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint read on this rank: take (and remove) this participant's entries."""
+
+    def teardown(self, failed: bool) -> None:
+        """The stage is over. ``failed``: the run failed or the ranks were out of step; do no collective."""

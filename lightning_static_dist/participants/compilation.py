@@ -1,0 +1,125 @@
+"""``strategy.compile``: the LightningModule compiled at setup (or as ``trainer.fit(torch.compile(model))`` asked),
+the ranks' compiled graphs compared once before the plan's first bucket collective, and the short last batch
+dropped where a static-shape compile would recompile for it.
+
+Example (the strategy builds it in its ``__init__``)::
+
+    compile = StaticCompile(strategy)
+    compile.adopt(dynamo_ctx)        # trainer.fit(torch.compile(model)): compile with the user's backend
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_static_dist.callbacks import GraphReport
+from lightning_static_dist.compile import (
+    CompileReport,
+    backend_of,
+    compile_optimizer_step,
+    compile_regions,
+    drop_short_last_batch,
+    find_regions,
+    graph_mode_patches,
+    is_compiled,
+)
+from lightning_static_dist.config import CompileConfig, ConfigError
+from lightning_static_dist.engine import bucket_split, check_same_graphs
+from lightning_static_dist.participants.base import StepParticipant, StrategyView
+
+
+class StaticCompile(StepParticipant):
+    """Compiles the model at every setup that finds it uncompiled; holds what compilation did on this rank."""
+
+    def __init__(self, view: StrategyView) -> None:
+        self._view = view
+        self.report: Optional[CompileReport] = None
+        """What static compilation did on this rank (``None`` when the model is not compiled)."""
+        self.requested_backend: Optional[str] = None
+        """Set when ``trainer.fit(torch.compile(model))`` asked for compilation with this backend."""
+        self.graphs_checked = True
+        """Whether the ranks' compiled graphs were compared since the last compilation."""
+
+    def adopt(self, dynamo_ctx: Any) -> None:
+        """Compile the way ``torch.compile(model)`` asked: with the user's backend (else ``compile.backend``)."""
+        self.requested_backend = backend_of(dynamo_ctx) or self._view.config.compile.backend
+
+    def config(self) -> CompileConfig:
+        """``strategy.compile`` as it applies to this run: enabled by ``trainer.fit(torch.compile(model))``, and with
+        ``reduce_scatter`` a ``regional: auto`` resolved to the blocks one by one (each block waits for its own
+        parameters' all-gather in a forward pre-hook; a graph cut at the buckets could not follow that synchroniser's
+        static plan), or to the whole step uncut for a model without repeated blocks."""
+        config = self._view.config.compile
+        if self.requested_backend is not None:
+            # the user passed torch.compile(model); Lightning's compile check unwrapped it
+            config = dataclasses.replace(config, enabled=True, backend=self.requested_backend)
+        if config.regional == "auto" and self._view.reduce_scatter():
+            config = dataclasses.replace(config, regional=bool(self.repeated_blocks()))
+        return config
+
+    def repeated_blocks(self) -> list[torch.nn.Module]:
+        """The blocks ``regional: true`` would compile one by one (none when the model has no repeated blocks)."""
+        assert self._view.lightning_module is not None
+        try:
+            return [m for _, m in find_regions(self._view.lightning_module, True)]
+        except ConfigError:
+            return []
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Compile the LightningModule as ``strategy.compile`` says (or as a ``torch.compile``-d model asked)."""
+        view = self._view
+        module = view.lightning_module
+        assert module is not None
+        config = self.config()
+        if self.requested_backend is not None:
+            rank_zero_info(f"static_dist: compiling the torch.compile()-d model in the strategy (backend {config.backend!r})")
+        sync = view.config.sync
+        graph_mode = sync.mode == "graph" and view.world_size > 1
+        if graph_mode and not config.enabled:
+            raise ConfigError("strategy.sync.mode='graph': the collectives live in the compiled graph, which needs"
+                              " strategy.compile.enabled=true (or trainer.fit(torch.compile(model))); allowed"
+                              " without compile: 'hooks'")
+        if config.enabled and not is_compiled(module):
+            split = None
+            if config.regional == "auto" and view.world_size > 1 and not graph_mode:
+                # one graph for forward + loss, cut where the buckets end so that collectives still overlap backward
+                # (decided from the config, not from this stage: a validate before fit compiles for the fit too)
+                split = bucket_split(sync)
+            patches = graph_mode_patches(sync.first_bucket_mb, sync.bucket_mb) if graph_mode else None
+            self.report = compile_regions(module, config, split=split, inductor_patches=patches)
+            if config.optimizer and trainer.state.fn == TrainerFn.FITTING:
+                for optimizer in view.optimizers:
+                    compile_optimizer_step(optimizer, config, self.report)
+            if not any(isinstance(c, GraphReport) for c in trainer.callbacks):
+                trainer.callbacks.append(GraphReport())
+            self.graphs_checked = False
+        report = self.report
+        synchronizer = view.synchronizer
+        if report is not None and report.splitter is not None and synchronizer is not None:
+            # also on a later fit of the same, already compiled model: its plan follows the same pieces
+            synchronizer.ready_groups = report.splitter.ready_groups
+
+    def check_graphs_once(self) -> None:
+        """Every rank compiled the same graphs (collective, once per compilation): after round 1, whose collectives
+        are sized by the parameter list checked at setup, and before the first bucket collective of the plan."""
+        if self.report is None or self.graphs_checked:
+            return
+        self.graphs_checked = True
+        check_same_graphs(self.report, self._view.dp_group)
+
+    def process_dataloader(self, dataloader: object) -> None:
+        # here, not in on_train_start: Lightning counts an epoch's batches (validation schedule, progress) right after
+        module = self._view.lightning_module
+        trainer = module.trainer if module is not None else None
+        if trainer is not None and trainer.training and self.report is not None and not self._view.config.compile.dynamic:
+            drop_short_last_batch(dataloader)
+
+    def teardown(self, failed: bool) -> None:
+        self.requested_backend = None

@@ -1,0 +1,125 @@
+"""``strategy.compression``: the compressor's per-rank state and the ``auto`` trial's choice, carried through
+checkpoints, and the trial's candidates swapped in at batch starts until it decides.
+
+The compressing reducer itself belongs to the hook-driven synchroniser (``mode: hooks``, ``reduce: all_reduce``):
+:class:`~lightning_static_dist.participants.gradients.HookSync` builds it and calls :meth:`CompressionState.
+before_attach` before the synchroniser's first round, so that a resumed run reduces with the checkpoint's choice
+and state from its first step.
+
+Example (the strategy builds it in its ``__init__``)::
+
+    compression = CompressionState(strategy)
+    checkpoint.update(compression.state_dict())     # every rank: each rank's residual gathered to rank 0
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_static_dist.compression import CompressingReducer
+from lightning_static_dist.compression.auto import CompressionTrial
+from lightning_static_dist.engine import (
+    COMPRESSION_KEY,
+    compressing_reducer_of,
+    compression_trial,
+    gather_compression_state,
+    restore_compression_state,
+    use_compressor,
+)
+from lightning_static_dist.participants.base import StepParticipant, StrategyView
+
+TRIAL_KEY = "static_dist_compression_auto"  # compression.name: auto: the trial's choice and times
+
+
+class CompressionState(StepParticipant):
+    """The compressor's state and the ``auto`` trial (``compression.name: auto``) of the hook-driven synchroniser."""
+
+    def __init__(self, view: StrategyView) -> None:
+        self._view = view
+        self.trial: Optional[CompressionTrial] = None
+        """``compression.name: auto``: the trial of the candidates and, once made, its choice."""
+        self._trial_resume: Optional[dict[str, Any]] = None
+        self._compression_resume: Optional[dict[str, Any]] = None
+
+    @property
+    def reducer(self) -> Optional[CompressingReducer]:
+        """The synchroniser's compressing reducer (``None`` without compression or at world size 1)."""
+        return compressing_reducer_of(self._view.synchronizer)
+
+    def before_attach(self) -> None:
+        """The hook-driven synchroniser is built, its hooks not attached yet: start the trial (resuming a
+        checkpoint's choice) and give the compressor its saved state."""
+        config = self._view.config.compression
+        if config.name == "auto":
+            self.trial = compression_trial(config, self._view.root_device, self._view.dp_group)
+            self._resume_trial()
+        if self.reducer is not None:
+            self._restore_compression_state()
+
+    def on_train_batch_start(self) -> None:
+        trial, synchronizer = self.trial, self._view.synchronizer
+        if trial is None or trial.decided or synchronizer is None:
+            return
+        module = self._view.lightning_module
+        assert module is not None
+        candidate = trial.before_step(module.trainer.global_step)
+        if candidate != "keep":
+            use_compressor(synchronizer, candidate.make())
+        if trial.decided:
+            rank_zero_info(f"static_dist: compression auto: {trial.describe()}")
+
+    def after_optimizer_step(self) -> None:
+        if self.trial is not None:
+            self.trial.after_step()
+
+    def state_dict(self) -> dict[str, Any]:
+        entries: dict[str, Any] = {}
+        # every rank gets here (Lightning writes on rank 0 only): gather each rank's compression state, so that a
+        # resumed rank gets its own error-feedback residual back, not rank 0's
+        reducer = self.reducer
+        if reducer is not None:
+            view = self._view
+            saved = gather_compression_state(reducer, view.dp_group, view.world_size)  # to rank 0 only (it writes)
+            if saved is not None:
+                entries[COMPRESSION_KEY] = saved
+        if self.trial is not None:
+            entries[TRIAL_KEY] = self.trial.state_dict()  # the same on every rank
+        return entries
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        self._compression_resume = checkpoint.pop(COMPRESSION_KEY, None)
+        self._trial_resume = checkpoint.pop(TRIAL_KEY, None)
+        self._resume_trial()  # setup ran first: choose the compressor before its state is restored
+        if self.reducer is not None:
+            self._restore_compression_state()
+
+    def _resume_trial(self) -> None:
+        """A checkpoint's choice (``compression.name: auto``): reduce with it from now on, with no second trial."""
+        synchronizer = self._view.synchronizer
+        if self._trial_resume is None or self.trial is None or synchronizer is None:
+            return  # nothing saved, or setup has not built the trial yet (it calls this again)
+        saved, self._trial_resume = self._trial_resume, None
+        trial = self.trial
+        trial.load_state_dict(saved)
+        if not trial.decided:
+            return
+        chosen = next((c for c in trial.candidates if c.name == trial.choice), None)
+        if chosen is None:  # strategy.compression.rank changed since: time the candidates again
+            rank_zero_warn(f"static_dist: compression auto: the checkpoint chose {trial.choice!r}, not among this"
+                           f" run's candidates ({', '.join(c.name for c in trial.candidates)}): timing them again")
+            trial.choice = None
+            return
+        use_compressor(synchronizer, chosen.make())
+
+    def _restore_compression_state(self) -> None:
+        saved, self._compression_resume = self._compression_resume, None
+        reducer = self.reducer
+        if saved is None or reducer is None:
+            return
+        view = self._view
+        restore_compression_state(reducer, saved, view.global_rank, view.world_size, view.root_device)
+
+    def teardown(self, failed: bool) -> None:
+        self.trial = None  # a later fit builds its own (and resumes the checkpoint's choice into it)

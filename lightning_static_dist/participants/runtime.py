@@ -1,0 +1,64 @@
+"""The participants that watch the processes rather than the step: the peer watchdog, and the ranks' agreement on
+SIGTERM through Lightning's patched loop (:mod:`~lightning_static_dist.loop` says why the loop is patched).
+
+Example (the strategy builds these in its ``__init__``)::
+
+    watch = PeerWatch(strategy, failed=strategy.has_failed)
+    watch.setup_distributed()       # heartbeats start; a dead neighbour ends this rank with one line
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import lightning.pytorch as pl
+
+from lightning_static_dist import loop as loop_patches
+from lightning_static_dist.participants.base import StepParticipant, StrategyView, syncs_gradients
+from lightning_static_dist.watchdog import PeerWatchdog
+
+
+class PeerWatch(StepParticipant):
+    """A watchdog thread on every rank of a multi-rank run: a dead peer ends this rank even where it cannot raise
+    (blocked in a collective no error reaches). ``failed``: whether this rank is reporting a failure itself."""
+
+    def __init__(self, view: StrategyView, failed: Callable[[], bool]) -> None:
+        self._view = view
+        self._failed = failed
+        self._watchdog: Optional[PeerWatchdog] = None
+
+    def setup_distributed(self) -> None:
+        view = self._view
+        if view.world_size == 1 or self._watchdog is not None:
+            return
+        trainer = view.lightning_module.trainer if view.lightning_module is not None else None
+        self._watchdog = PeerWatchdog(view.global_rank, view.world_size, failed=self._failed,
+                                      step=lambda: trainer.global_step if trainer is not None else -1)
+        self._watchdog.start()
+
+    def teardown(self, failed: bool) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop(clean=not failed)
+            self._watchdog = None
+
+
+class SigtermAgreement(StepParticipant):
+    """Lightning's per-step SIGTERM broadcast, host to host instead of through the device: the loop patch is
+    installed for a multi-rank fit, and the ranks agree at the end of each validation inside it."""
+
+    def __init__(self, view: StrategyView) -> None:
+        self._view = view
+        self._patched: Optional[pl.Trainer] = None
+
+    def after_setup(self, trainer: pl.Trainer) -> None:
+        if syncs_gradients(trainer, self._view):
+            self._patched = trainer if loop_patches.install(trainer, self._view.host_group) else None
+
+    def on_validation_end(self) -> None:
+        if self._patched is not None:  # validation inside fit: the ranks agree on SIGTERM here
+            loop_patches.agree(self._patched)
+
+    def teardown(self, failed: bool) -> None:
+        if self._patched is not None:
+            loop_patches.uninstall(self._patched, drain=not failed)
+            self._patched = None

@@ -1,0 +1,210 @@
+"""``strategy.sync.reduce: reduce_scatter``: each rank keeps and steps its own shard of the parameters and of the
+optimizer state; the whole parameters come back by all-gathers overlapped with the next forward.
+
+This participant builds the sharded synchroniser (whose rounds :class:`~lightning_static_dist.participants.
+gradients.HookSync` then runs like any synchroniser's), waits for the gathers where the forward first needs the
+parameters, and saves and loads the optimizer state in its sharded forms (``strategy.checkpoint.format``).
+
+Example (the strategy builds it in its ``__init__``)::
+
+    sharded = ShardedSync(strategy, hooks, compile, recording)
+    sharded.after_optimizer_step()      # start the all-gathers of the updated shards
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_static_dist.checkpoint import ShardedOptimizerState, consolidate, is_sharded_checkpoint, save_sharded
+from lightning_static_dist.compat import unwrap_optimizer
+from lightning_static_dist.config import ConfigError
+from lightning_static_dist.faults import waiting_in
+from lightning_static_dist.mesh import REPLICATE_DIM, SHARD_DIM
+from lightning_static_dist.participants.base import StepParticipant, StrategyView, syncs_gradients
+from lightning_static_dist.participants.compilation import StaticCompile
+from lightning_static_dist.participants.recording import PhaseRecording
+from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
+
+_PIECES_KEY = "static_dist_optimizer_pieces"  # optimizer_state() in sharded-checkpoint mode: this rank's ranges
+
+#: torch.optim optimizers whose update of an element depends on more than that element's own gradient and state:
+#: stepping flat chunks of the parameters would change their results (reduce_scatter refuses them).
+_NOT_ELEMENTWISE = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafactor", "SparseAdam")
+                         if hasattr(torch.optim, name))
+
+
+class ShardedSync(StepParticipant):
+    """The sharded synchroniser's own part of a step: the gathers, gradient clipping over the shard group, and the
+    sharded optimizer state in checkpoints. ``gradients`` is the participant that runs its rounds; it is handed
+    the synchroniser at setup."""
+
+    def __init__(self, view: StrategyView, gradients: Any, compile: StaticCompile,
+                 recording: PhaseRecording) -> None:
+        self._view = view
+        self._gradients = gradients
+        self._compile = compile
+        self._recording = recording
+        self._gather_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._buckets_at_step_start: Optional[list[int]] = None
+        self._last_sharded_checkpoint: Optional[str] = None
+
+    @property
+    def sharded_sync(self) -> Optional[ShardedGradientSynchronizer]:
+        """While fitting: the synchroniser holding this rank's shards (``None`` otherwise, and once released)."""
+        sync = self._gradients.synchronizer
+        return sync if isinstance(sync, ShardedGradientSynchronizer) and not sync.released else None
+
+    def _sharded_checkpoints(self) -> bool:
+        return self.sharded_sync is not None and self._view.config.checkpoint.format != "full"
+
+    # ------------------------------------------------------------------------------------------------ setup
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        view = self._view
+        if not syncs_gradients(trainer, view):
+            return
+        if view.reduce_scatter():
+            self._attach()
+        elif view.config.checkpoint.format == "sharded":
+            rank_zero_warn("static_dist: strategy.checkpoint.format='sharded' has nothing to shard with"
+                           " strategy.sync.reduce=all_reduce (every rank holds the whole state); checkpoints are full")
+
+    def _attach(self) -> None:
+        """The optimizer is re-pointed at this rank's shards before its first step."""
+        view = self._view
+        mesh = view.device_mesh
+        assert view.model is not None
+        if len(view.optimizers) != 1:
+            raise ConfigError(f"strategy.sync.reduce='reduce_scatter': needs exactly one optimizer, configure_optimizers"
+                              f" returned {len(view.optimizers)}; allowed with several: 'all_reduce'")
+        optimizer = view.optimizers[0]
+        inner = unwrap_optimizer(optimizer)
+        if isinstance(inner, _NOT_ELEMENTWISE):
+            raise ConfigError(f"strategy.sync.reduce='reduce_scatter': {type(inner).__name__} does not update each element"
+                              " on its own (it would see flat chunks, not the parameters' shapes); allowed with it:"
+                              " 'all_reduce'")
+        if getattr(view.precision_plugin, "scaler", None) is not None:
+            raise ConfigError("strategy.sync.reduce='reduce_scatter': the 16-mixed gradient scaler decides per rank on"
+                              " shards; use precision bf16-mixed or 32, or strategy.sync.reduce='all_reduce'")
+        sync_cfg = view.config.sync
+        sync = ShardedGradientSynchronizer(
+            view.model.named_parameters(), view.optimizers[0], shard_group=mesh.get_group(SHARD_DIM),
+            replicate_group=mesh.get_group(REPLICATE_DIM), group=view.dp_group,
+            first_bucket_mb=sync_cfg.first_bucket_mb, bucket_mb=sync_cfg.bucket_mb,
+            check_each_collective=sync_cfg.check == "collective",
+        )
+        sync.bind()
+        sync.attach()
+        sync.recorder = self._recording.recorder
+        self._gradients.synchronizer = sync
+        # gradient clipping by norm must sum over the shard group (the precision plugin would norm one shard)
+        view.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: sync.clip_grad_norm_(clip_val)
+        self._wait_for_parameters_where_needed(sync)
+        replicate, shard = mesh.size(0), mesh.size(1)
+        state_share = f"1/{shard}" if shard > 1 else "all"
+        rank_zero_info(f"static_dist: reduce_scatter over a {replicate} x {shard} mesh ({sync.plan.describe()});"
+                       f" each rank keeps {state_share} of the optimizer state")
+
+    def _wait_for_parameters_where_needed(self, sync: ShardedGradientSynchronizer) -> None:
+        """Wait for a bucket's all-gather where the forward first needs it: in pre-hooks of the repeated blocks (the
+        regions regional compile uses; their hooks run outside the compiled code), the rest at the step's start."""
+        module = self._view.lightning_module
+        assert module is not None
+        compile_cfg = self._compile.config()
+        # the blocks' pre-hooks run outside compiled code only when the blocks are compiled one by one (or eagerly)
+        whole = compile_cfg.enabled and compile_cfg.regional is not True
+        blocks = [] if whole else self._compile.repeated_blocks()
+        inside: set[int] = set()
+        for block in blocks:
+            buckets = sync.buckets_of(block.parameters())
+            inside.update(id(p) for p in block.parameters())
+            self._gather_hooks.append(block.register_forward_pre_hook(
+                lambda *_, b=tuple(buckets): sync.wait_gather(b)))
+        outside = [p for p in module.parameters() if id(p) not in inside]
+        self._buckets_at_step_start = sync.buckets_of(outside) if blocks else None
+
+    # -------------------------------------------------------------------------------------------- a step
+
+    def before_forward(self) -> None:
+        if self.sharded_sync is not None:
+            self.sharded_sync.wait_gather(self._buckets_at_step_start)  # the blocks' buckets: in their pre-hooks
+
+    def before_reading_parameters(self) -> None:
+        if self.sharded_sync is not None:
+            self.sharded_sync.wait_gather()  # the parameters are current only once their gathers are done
+
+    def after_optimizer_step(self) -> None:
+        if self.sharded_sync is not None:
+            self.sharded_sync.start_gather()  # overlapped with whatever runs until the next forward needs them
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def after_model_loaded(self) -> None:
+        if self.sharded_sync is not None:
+            self.sharded_sync.refresh_chunks()  # the optimizer updates the chunks: give them the loaded weights
+
+    def optimizer_state(self, optimizer: Any) -> Optional[dict[str, Any]]:
+        if self._sharded_checkpoints():
+            assert self.sharded_sync is not None
+            return {_PIECES_KEY: self.sharded_sync.piece_tensors()}  # this rank's own ranges: nothing is gathered
+        if self.sharded_sync is not None:
+            return self.sharded_sync.full_optimizer_state()  # collective: the form any world size can load
+        return None
+
+    def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> bool:
+        sync = self.sharded_sync
+        if sync is None:
+            return False
+        state = checkpoint["optimizer_states"][0]
+        if isinstance(state, ShardedOptimizerState):  # read only the ranges this rank's pieces cover
+            sync.load_optimizer_state(state.pieces(sync.wanted_ranges()), state.param_groups)
+        else:
+            sync.load_full_optimizer_state(state)
+        _optimizers_to_device(self._view.optimizers, self._view.root_device)
+        return True
+
+    def write_checkpoint(self, checkpoint: dict[str, Any], path: str) -> bool:
+        """Every rank writes its own optimizer ranges into one ``torch.distributed.checkpoint`` directory."""
+        if not self._sharded_checkpoints():
+            return False
+        sync = self.sharded_sync
+        assert sync is not None
+        rest = dict(checkpoint)
+        model_state = rest.pop("state_dict", {})
+        states = rest.pop("optimizer_states", [])
+        pieces = states[0][_PIECES_KEY] if states else {}
+        meta = {"lightning": rest, "param_groups": sync.full_param_groups(), "shapes": sync.original_shapes(),
+                "has_optimizer": bool(states)}
+        with waiting_in("writing the sharded checkpoint"):
+            save_sharded(path, meta, model_state, pieces, self._view.global_rank)
+        self._last_sharded_checkpoint = path
+        return True
+
+    # -------------------------------------------------------------------------------------------- teardown
+
+    def teardown(self, failed: bool) -> None:
+        for hook in self._gather_hooks:
+            hook.remove()
+        self._gather_hooks = []
+        if self.sharded_sync is not None:
+            self._view.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # the plugin's own clipping again
+            if not failed:
+                self.sharded_sync.release()  # whole parameters and a full-form optimizer after fit (collective)
+                self._consolidate_last_checkpoint()
+
+    def _consolidate_last_checkpoint(self) -> None:
+        """``strategy.checkpoint.consolidate_at_end``: the last sharded checkpoint becomes a plain file, in place."""
+        path, self._last_sharded_checkpoint = self._last_sharded_checkpoint, None
+        if path is None or not self._view.config.checkpoint.consolidate_at_end:
+            return
+        if self._view.is_global_zero and is_sharded_checkpoint(path):
+            consolidate(path, path)
+            rank_zero_info(f"static_dist: consolidated the last sharded checkpoint into a plain file: {path}")
+        self._view.barrier()
