@@ -73,7 +73,8 @@ COMPRESSORS = {
 # ------------------------------------------------------------------------------------------------- measure
 
 
-def _time_collectives(rank: int, world: int, port: int, backend: str, reps: int, queue: Any) -> None:
+def _time_collectives(rank: int, world: int, port: int, backend: str, reps: int, sizes: list[int],
+                      kinds: tuple[str, ...], queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -81,8 +82,8 @@ def _time_collectives(rank: int, world: int, port: int, backend: str, reps: int,
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world)
     out = []
-    for kind in KINDS:
-        for nbytes in SIZES:
+    for kind in kinds:
+        for nbytes in sizes:
             x = torch.ones(nbytes // 4, device=device)
             gathered = torch.empty(world * x.numel(), device=device) if kind == "all_gather" else None
             times = []
@@ -109,10 +110,11 @@ def _time_collectives(rank: int, world: int, port: int, backend: str, reps: int,
     dist.destroy_process_group()
 
 
-def measure(worlds: list[int], backend: str, reps: int) -> list[Sample]:
+def measure(worlds: list[int], backend: str, reps: int, sizes: list[int] = SIZES,
+            kinds: tuple[str, ...] = KINDS) -> list[Sample]:
     samples = []
     for world in worlds:
-        rows = spawn_ranks(_time_collectives, world, backend, reps)
+        rows = spawn_ranks(_time_collectives, world, backend, reps, sizes, kinds)
         samples += [Sample(*row) for row in rows]
         print(f"world {world}: " + ", ".join(f"{k} {n >> 10} KiB {t * 1e3:.2f} ms" for k, n, _, t in rows), flush=True)
     return samples
