@@ -25,7 +25,8 @@ Defined here
     (pytorch/pytorch#186123). The old names still work there, but they warn (``FutureWarning``) on every call, and a
     torch older than 2.13 has only the old names. Retired when the oldest supported torch (``pyproject.toml``) is 2.13:
     call ``torch.distributed``'s functions directly.
-:func:`unwrap_optimizer` (used by ``strategy.py`` and ``compile/regions.py``)
+:func:`unwrap_optimizer` (used by ``participants/sharded.py``, ``participants/embeddings.py`` and
+``compile/regions.py``)
     This reads ``LightningOptimizer._optimizer``, which is the torch optimizer that Lightning's step wrapper holds.
     The strategy checks the optimizer's type and re-points it at shards, and the compiled optimizer step replaces the
     real optimizer's ``step``. The check is duck-typed: it also unwraps Fabric's ``_FabricOptimizer``, and it leaves
@@ -68,14 +69,14 @@ Left where they are (so that this list is the whole inventory)
       ``_get_default_process_group_backend_for_device``, ``_distributed_is_initialized`` and
       ``_sync_ddp_if_available``. With these, setup and ``reduce`` do what ``DDPStrategy`` does, including its
       environment variables and its rank-zero messages. Also ``_optimizers_to_device`` (optimizer state follows the
-      model, as in ``DDPStrategy``) and ``_PATH`` (a type alias). A public Lightning toolkit for third-party
+      model, as in ``DDPStrategy``; ``participants/sharded.py`` too) and ``_PATH`` (a type alias). A public Lightning toolkit for third-party
       strategies would retire these.
     - ``_SubprocessScriptLauncher`` in ``on_exception``: after a collective failure, the launcher that started the
       other local ranks kills them, because Lightning does that only on Ctrl-C. The override of
       ``_configure_launcher``, which Lightning's strategies override too, picks this package's launchers.
     - ``LightningModule._device_mesh``: the same hand-over that ``ModelParallelStrategy`` uses, so that
       ``self.device_mesh`` works inside the module. A public setter would retire it.
-    - ``torch._foreach_norm``: one multi-tensor launch for the non-finite check. The same private ``_foreach`` ops
+    - ``torch._foreach_norm`` (``participants/gradients.py``): one multi-tensor launch for the non-finite check. The same private ``_foreach`` ops
       are ``torch._foreach_mul_`` in ``sync/sharded.py`` (clipping), ``torch._foreach_copy_`` in
       ``compression/compressors.py`` and, behind a ``getattr`` guard, in ``sync/synchronizer.py``. ``torch.optim``
       and ``clip_grad_norm_`` are built on them. Public multi-tensor ops would retire them.

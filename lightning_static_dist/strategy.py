@@ -639,7 +639,7 @@ class StaticDistStrategy(ParallelStrategy):
     ) -> None:
         for participant in self._participants:
             participant.check_in_step()  # no checkpoint of a step whose ranks were out of step
-        if any(participant.write_checkpoint(checkpoint, os.fspath(filepath)) for participant in self._participants):
+        if any(participant.write_checkpoint(checkpoint, filepath) for participant in self._participants):
             return
         for participant in self._participants:
             checkpoint.update(participant.state_dict())  # every rank gets here (Lightning writes on rank 0 only)

@@ -122,7 +122,7 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     ("lightning.fabric.utilities.distributed", "_distributed_is_initialized", "strategy.py: guard clauses"),
     ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available", "strategy.py: reduce as DDPStrategy does"),
     ("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed", "launcher.py: launch as Lightning does"),
-    ("lightning.fabric.utilities.optimizer", "_optimizers_to_device", "strategy.py: optimizer state follows the model"),
+    ("lightning.fabric.utilities.optimizer", "_optimizers_to_device", "strategy.py, participants/sharded.py: optimizer state follows the model"),
     ("lightning.fabric.utilities.types", "_PATH", "strategy.py, fabric.py: a type alias"),
     ("lightning.fabric.strategies.strategy", "_BackwardSyncControl", "fabric.py: no_backward_sync"),
     ("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher._call_children_scripts",
@@ -146,7 +146,7 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     # torch
     ("torch.distributed.distributed_c10d", "_get_default_store", "faults.py: the rendezvous store for the roll call"),
     ("torch.autograd", "Variable._execution_engine.queue_callback", "sync/synchronizer.py: finish at end of backward"),
-    ("torch", "_foreach_norm", "strategy.py: the non-finite check in one launch"),
+    ("torch", "_foreach_norm", "participants/gradients.py: the non-finite check in one launch"),
     ("torch", "_foreach_mul_", "sync/sharded.py: clipping in one launch"),
     ("torch", "_foreach_copy_", "compression/compressors.py: copies in one launch"),
     ("torch.distributed._functional_collectives", "all_reduce", "sync/graph.py: traceable collectives"),

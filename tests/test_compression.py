@@ -250,6 +250,39 @@ def test_each_rank_resumes_with_its_own_residual(tmp_path: Any) -> None:
             assert torch.equal(start["state"]["residuals"][key], tensor), (rank, key)
 
 
+def _fit_twice_in_one_process(rank: int, world: int, tmp: str) -> tuple[int, int]:
+    """Both fits on one trainer and strategy in this rank's process (as a script under torchrun or Lightning's
+    subprocess launcher runs them): the second resumes the first's checkpoint."""
+    from lightning_static_dist.examples.charlm import CharDataModule
+    from lightning_static_dist import StaticDistStrategy
+
+    os.environ["LOCAL_RANK"] = str(rank)  # the process group exists: Lightning joins it instead of launching
+    L.seed_everything(0)
+    strategy = StaticDistStrategy(compression={"name": "topk", "density": 0.25, "min_numel": 256},
+                                  sync={"first_bucket_mb": 0.05, "bucket_mb": 0.2})
+    probe = _Probe(tmp)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=4, logger=False, default_root_dir=tmp,
+        callbacks=[probe, ModelCheckpoint(dirpath=tmp, filename="first")], enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0,
+    )
+    model, data = _tiny_gpt(), CharDataModule(block_size=32, batch_size=8, max_bytes=60_000)
+    trainer.fit(model, datamodule=data)
+    saved = strategy.compressing_reducer.rounds
+    trainer.fit_loop.epoch_loop.max_steps = 6
+    trainer.fit(model, datamodule=data, ckpt_path=os.path.join(tmp, "first.ckpt"))
+    return saved, torch.load(os.path.join(tmp, f"rank{rank}_start.pt"), weights_only=True)["rounds"]
+
+
+def test_a_second_fit_of_the_same_strategy_resumes_the_checkpoint_s_compressor_state(tmp_path: Any) -> None:
+    # Lightning restores a checkpoint before the strategy's setup: the state must reach the second fit's new
+    # reducer, not the first fit's (which it used to, leaving the new one at zero rounds)
+    from _dist import run_ranks
+
+    for saved, resumed in run_ranks(_fit_twice_in_one_process, 2, args=(str(tmp_path),), timeout=300):
+        assert saved == 4 and resumed == 4, (saved, resumed)
+
+
 def test_topk_indices_follow_the_gradients_under_compile(tmp_path: Any) -> None:
     _fit(str(tmp_path), {"name": "topk", "density": 0.01, "min_numel": 256}, steps=6,
          compile_cfg={"enabled": True, "backend": "aot_eager"})

@@ -201,7 +201,7 @@ class StepParticipant:
         """A checkpoint's optimizer state as this rank's optimizer loads it."""
         return state
 
-    def write_checkpoint(self, checkpoint: dict[str, Any], path: str) -> bool:
+    def write_checkpoint(self, checkpoint: dict[str, Any], path: Any) -> bool:
         """Write the checkpoint in this participant's own format; ``True``: written, Lightning's writing is
         skipped (and no participant adds its :meth:`state_dict`)."""
         return False

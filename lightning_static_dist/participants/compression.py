@@ -42,6 +42,7 @@ class CompressionState(StepParticipant):
         """``compression.name: auto``: the trial of the candidates and, once made, its choice."""
         self._trial_resume: Optional[dict[str, Any]] = None
         self._compression_resume: Optional[dict[str, Any]] = None
+        self._attached = False  # this fit's synchroniser is built (a later fit's load must not restore into the last's)
 
     @property
     def reducer(self) -> Optional[CompressingReducer]:
@@ -51,6 +52,7 @@ class CompressionState(StepParticipant):
     def before_attach(self) -> None:
         """The hook-driven synchroniser is built, its hooks not attached yet: start the trial (resuming a
         checkpoint's choice) and give the compressor its saved state."""
+        self._attached = True
         config = self._view.config.compression
         if config.name == "auto":
             self.trial = compression_trial(config, self._view.root_device, self._view.dp_group)
@@ -91,9 +93,12 @@ class CompressionState(StepParticipant):
     def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
         self._compression_resume = checkpoint.pop(COMPRESSION_KEY, None)
         self._trial_resume = checkpoint.pop(TRIAL_KEY, None)
-        self._resume_trial()  # setup ran first: choose the compressor before its state is restored
-        if self.reducer is not None:
-            self._restore_compression_state()
+        # Lightning loads a checkpoint before the strategy's setup: kept until this fit's synchroniser is built
+        # (before_attach restores it). Were setup first, restore now: the trial's choice before the state.
+        if self._attached:
+            self._resume_trial()
+            if self.reducer is not None:
+                self._restore_compression_state()
 
     def _resume_trial(self) -> None:
         """A checkpoint's choice (``compression.name: auto``): reduce with it from now on, with no second trial."""
@@ -123,3 +128,4 @@ class CompressionState(StepParticipant):
 
     def teardown(self, failed: bool) -> None:
         self.trial = None  # a later fit builds its own (and resumes the checkpoint's choice into it)
+        self._attached = False

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Optional
 
+import os
+
 import torch
 
 import lightning.pytorch as pl
@@ -170,10 +172,11 @@ class ShardedSync(StepParticipant):
         _optimizers_to_device(self._view.optimizers, self._view.root_device)
         return True
 
-    def write_checkpoint(self, checkpoint: dict[str, Any], path: str) -> bool:
+    def write_checkpoint(self, checkpoint: dict[str, Any], path: Any) -> bool:
         """Every rank writes its own optimizer ranges into one ``torch.distributed.checkpoint`` directory."""
         if not self._sharded_checkpoints():
             return False
+        path = os.fspath(path)
         sync = self.sharded_sync
         assert sync is not None
         rest = dict(checkpoint)
