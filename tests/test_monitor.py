@@ -208,7 +208,11 @@ def test_graph_report_logs_once_per_optimizer_step_where_lightning_logs(tmp_path
         max_steps=4, accumulate_grad_batches=2, log_every_n_steps=2, logger=CSVLogger(str(tmp_path)),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
     )
-    trainer.fit(Stack())
+    try:
+        trainer.fit(Stack())
+    finally:  # the one-rank group of this process: its store holds MASTER_PORT until destroyed
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     (path,) = glob.glob(os.path.join(str(tmp_path), "lightning_logs", "version_*", "metrics.csv"))
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
