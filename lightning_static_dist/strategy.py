@@ -667,15 +667,12 @@ class StaticDistStrategy(ParallelStrategy):
         """
         if self.world_size == 1:
             return [float(v) for v in values]
-        if self._host_group is None:  # no Gloo group could be made here (loop.host_group warned): through the device
-            flat = torch.tensor(values, dtype=torch.float64, device=self.root_device)
-            torch.distributed.all_reduce(flat, op=ReduceOp.MAX)
-            return flat.tolist()
-        flat = torch.tensor(values, dtype=torch.float64)
+        # where no Gloo group could be made (loop.host_group warned), through the default group and the device
+        device = torch.device("cpu") if self._host_group is not None else self.root_device
+        flat = torch.tensor(values, dtype=torch.float64, device=device)
         with waiting_in("the maximum over ranks of host figures (strategy.host_max)"):
             torch.distributed.all_reduce(flat, op=ReduceOp.MAX, group=self._host_group)
         return flat.tolist()
-
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:

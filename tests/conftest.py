@@ -10,16 +10,13 @@ import os
 from collections.abc import Iterator
 
 import pytest
-
-
-#: what a launch writes; a module-scoped fixture's job (which runs before this fixture saves the environment) would
-#: otherwise hand its MASTER_PORT to every later test of the session
-LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
-                    "LOCAL_WORLD_SIZE")
+from _dist import LAUNCH_VARIABLES
 
 
 @pytest.fixture(autouse=True)
 def _environment_as_pytest_found_it() -> Iterator[None]:
+    # what a launch writes: a module-scoped fixture's job (which runs before this fixture saves the environment)
+    # would otherwise hand its MASTER_PORT to every later test of the session
     for name in LAUNCH_VARIABLES:
         os.environ.pop(name, None)
     saved = dict(os.environ)

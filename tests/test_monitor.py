@@ -60,6 +60,11 @@ def fit(tmp_path: Any, compile_cfg: Any, steps: int = 12, **monitor: Any) -> lis
         enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(Stack())
+    return metrics_rows(tmp_path)
+
+
+def metrics_rows(tmp_path: Any) -> list[dict[str, str]]:
+    """The rows of the one run's CSVLogger ``metrics.csv`` under ``tmp_path``."""
     (path,) = glob.glob(os.path.join(str(tmp_path), "lightning_logs", "version_*", "metrics.csv"))
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
@@ -187,9 +192,7 @@ def test_graph_report_logs_each_rank_s_worst_compile_figures_without_lightning_s
         enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(Stack())
-    (path,) = glob.glob(os.path.join(str(tmp_path), "lightning_logs", "version_*", "metrics.csv"))
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = metrics_rows(tmp_path)
     # the strategy added the GraphReport; its figures are the maximum over ranks (taken over the host group): rank 0
     # logs rank 1's made-up recompiles from step 2 on (Stack's `self.log` also recompiles once, on every rank)
     recompiles = series(rows, "static_dist/recompiles")
@@ -213,9 +216,7 @@ def test_graph_report_logs_once_per_optimizer_step_where_lightning_logs(tmp_path
     finally:  # the one-rank group of this process: its store holds MASTER_PORT until destroyed
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    (path,) = glob.glob(os.path.join(str(tmp_path), "lightning_logs", "version_*", "metrics.csv"))
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = metrics_rows(tmp_path)
     ours = [int(r["step"]) for r in rows if r.get("static_dist/compile_s")]
     theirs = sorted({int(r["step"]) for r in rows if r.get("train_loss")})  # Stack's own self.log, every step
     assert ours == [1, 3] and set(ours) <= set(theirs), (ours, theirs)
