@@ -61,7 +61,7 @@ def worker(contender: str, steps: int, out: str) -> None:
             else:
                 held["params"] = nbytes(pl_module.parameters())
                 held["grads"] = nbytes(p.grad for p in pl_module.parameters() if p.grad is not None)
-            held["bucket_buffers"] = nbytes(b.flat for b in sync._buffers)
+            held["bucket_buffers"] = nbytes(b.flat for b in sync.buffers)
             held["optimizer_state"] = nbytes(v for s in optimizer.state.values() for v in s.values()
                                              if torch.is_tensor(v) and v.dim() > 0)
 

@@ -78,7 +78,7 @@ Left where they are (so that this list is the whole inventory)
       ``self.device_mesh`` works inside the module. A public setter would retire it.
     - ``torch._foreach_norm`` (``participants/gradients.py``): one multi-tensor launch for the non-finite check. The same private ``_foreach`` ops
       are ``torch._foreach_mul_`` in ``sync/sharded.py`` (clipping), ``torch._foreach_copy_`` in
-      ``compression/compressors.py`` and, behind a ``getattr`` guard, in ``sync/synchronizer.py``. ``torch.optim``
+      ``compression/compressors.py`` and, behind a ``getattr`` guard, in ``sync/buffer.py``. ``torch.optim``
       and ``clip_grad_norm_`` are built on them. Public multi-tensor ops would retire them.
 ``launcher.py``
     ``_SubprocessScriptLauncher`` (``launch`` re-implemented around ``_call_children_scripts``), its

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -255,7 +257,7 @@ def test_the_per_collective_check_names_the_disagreement_before_exchanging_data(
 
 
 def _round_check(rank: int, world: int, passes: list[int]) -> Any:
-    from lightning_static_dist.sync.synchronizer import _RoundCheck
+    from lightning_static_dist.sync.round_check import _RoundCheck
 
     check = _RoundCheck(passes[rank], group=None, device=torch.device("cpu"))
     check.settle()
@@ -267,3 +269,89 @@ def test_the_round_check_flags_every_rank_of_a_desynchronised_world_even_one_at_
     # in step (all at pass 70): nothing. Integer sums: exact on any number of ranks
     assert run_ranks(_round_check, 3, args=([1, 2, 3],)) == [(6, 14)] * 3
     assert run_ranks(_round_check, 3, args=([70, 70, 70],)) == [None] * 3
+
+
+# ------------------------------------------------------------------ the contracts, on a one-rank Gloo group
+
+
+@pytest.fixture
+def one_rank_gloo() -> Iterator[None]:
+    assert not dist.is_initialized(), "a test before this one left a process group initialised"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_layers() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+
+
+def test_every_synchroniser_keeps_the_contract_its_participant_relies_on(one_rank_gloo: None) -> None:
+    from lightning_static_dist.sync import GradientSync, RoundSync
+    from lightning_static_dist.sync.graph import GraphGradientSync
+    from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
+
+    model, sharded_model = _two_layers(), _two_layers()
+    optimizer = torch.optim.SGD(sharded_model.parameters(), lr=0.1)
+    hooks = GradientSynchronizer(model.named_parameters())
+    sharded = ShardedGradientSynchronizer(sharded_model.named_parameters(), optimizer, None, None)
+    graph = GraphGradientSync(model)
+    assert all(isinstance(sync, GradientSync) for sync in (hooks, sharded, graph))
+    assert isinstance(hooks, RoundSync) and isinstance(sharded, RoundSync)
+    assert not isinstance(graph, RoundSync)  # its collectives are in the compiled graph: no rounds to end
+
+
+def test_a_reducer_hears_every_phase_of_the_rounds(one_rank_gloo: None) -> None:
+    from lightning_static_dist.sync import MeanAllReduce
+
+    class Phases(MeanAllReduce):
+        def __init__(self) -> None:
+            self.calls: Counter[str] = Counter()
+
+        def gradient_ready(self) -> None:
+            self.calls["gradient_ready"] += 1
+
+        def round_finished(self) -> None:
+            self.calls["round_finished"] += 1
+
+        def abandon_round(self) -> None:
+            self.calls["abandon_round"] += 1
+
+    model, reducer = _two_layers(), Phases()
+    sync = GradientSynchronizer(model.named_parameters(), reducer=reducer)
+    sync.attach()
+    for _ in range(2):
+        model(torch.randn(5, 4)).sum().backward()
+        sync.finish_if_pending()
+    sync.detach()
+    # the first round plans (no bucket yet: its hooks fill nothing); the second fills 4 gradients into buckets
+    assert reducer.calls == {"gradient_ready": 4, "round_finished": 2, "abandon_round": 1}
+
+
+def test_the_sharded_synchroniser_hands_the_pieces_the_average_and_keeps_no_full_gradient(one_rank_gloo: None) -> None:
+    from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
+
+    model, reference = _two_layers(), _two_layers()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = ShardedGradientSynchronizer(model.named_parameters(), optimizer, None, None)
+    sync.bind()
+    sync.attach()
+    x = torch.randn(5, 4)
+    model(x).sum().backward()
+    sync.finish_if_pending()
+    reference(x).sum().backward()
+    expected = list(reference.parameters())
+    for shard in sync.shards:
+        flat = torch.cat([expected[i].grad.reshape(-1) for i in shard.bucket.param_indices])
+        for piece in shard.pieces:
+            torch.testing.assert_close(piece.param.grad, flat[piece.start : piece.end], atol=0, rtol=0)
+    assert all(p.grad is None for p in model.parameters()) and sync.stats.rounds == 1
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"'0.weight' was frozen during fit"):
+        model(x).sum().backward()
+        sync.finish_if_pending()
+    sync.release()
+    assert sync.buffers == () and sync.shards == []

@@ -41,7 +41,7 @@ from lightning_static_dist.compression.base import (
     averaged,
 )
 from lightning_static_dist.sync.plan import GradBucket
-from lightning_static_dist.sync.reducer import MeanAllReduce, PendingReduction
+from lightning_static_dist.sync.reducer import BucketReducer, MeanAllReduce, PendingReduction
 
 
 class _Stream:
@@ -62,7 +62,7 @@ class _Stream:
             self.pending, self.done = None, True
 
 
-class PhasedReduction:
+class PhasedReduction(PendingReduction):
     """A bucket's reduction: streams of phases, issued in an order every rank shares (see the module docstring).
 
     ``work`` is ``None``: no single collective ends it, so the overlap recorder times it until ``wait()`` returns.
@@ -135,7 +135,7 @@ class PhasedReduction:
         return self._flat
 
 
-class CompressingReducer:
+class CompressingReducer(BucketReducer):
     """A :class:`~lightning_static_dist.sync.reducer.BucketReducer` that compresses what its compressor takes.
 
     Example::

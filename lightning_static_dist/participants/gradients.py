@@ -31,7 +31,7 @@ from lightning_static_dist.participants.compression import CompressionState
 from lightning_static_dist.participants.embeddings import EmbeddingShards
 from lightning_static_dist.participants.recording import PhaseRecording
 from lightning_static_dist.participants.sharded import ShardedSync
-from lightning_static_dist.sync import GradientSynchronizer
+from lightning_static_dist.sync import RoundSync
 from lightning_static_dist.sync.graph import GraphGradientSync
 
 
@@ -70,8 +70,12 @@ class HookSync(StepParticipant):
         self._compile = compile
         self._compression = compression
         self._recording = recording
-        self.synchronizer: Optional[GradientSynchronizer] = None
+        self.synchronizer: Optional[RoundSync] = None
         """The synchroniser of the last fit (kept after teardown: its plan and counters stay readable)."""
+
+    def run_rounds_of(self, synchronizer: RoundSync) -> None:
+        """Run the rounds of a synchroniser another participant built (``reduce: reduce_scatter``'s sharded one)."""
+        self.synchronizer = synchronizer
 
     def setup(self, trainer: pl.Trainer) -> None:
         view = self._view

@@ -105,7 +105,7 @@ class ShardedSync(StepParticipant):
         sync.bind()
         sync.attach()
         sync.recorder = self._recording.recorder
-        self._gradients.synchronizer = sync
+        self._gradients.run_rounds_of(sync)
         # gradient clipping by norm must sum over the shard group (the precision plugin would norm one shard)
         view.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: sync.clip_grad_norm_(clip_val)
         self._wait_for_parameters_where_needed(sync)
@@ -153,22 +153,22 @@ class ShardedSync(StepParticipant):
             self.sharded_sync.refresh_chunks()  # the optimizer updates the chunks: give them the loaded weights
 
     def optimizer_state(self, optimizer: Any) -> Optional[dict[str, Any]]:
+        sync = self.sharded_sync
+        if sync is None:
+            return None
         if self._sharded_checkpoints():
-            assert self.sharded_sync is not None
-            return {_PIECES_KEY: self.sharded_sync.piece_tensors()}  # this rank's own ranges: nothing is gathered
-        if self.sharded_sync is not None:
-            return self.sharded_sync.full_optimizer_state()  # collective: the form any world size can load
-        return None
+            return {_PIECES_KEY: sync.state_shard.piece_tensors()}  # this rank's own ranges: nothing is gathered
+        return sync.state_shard.full_optimizer_state()  # collective: the form any world size can load
 
     def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> bool:
         sync = self.sharded_sync
         if sync is None:
             return False
-        state = checkpoint["optimizer_states"][0]
+        state, own = checkpoint["optimizer_states"][0], sync.state_shard
         if isinstance(state, ShardedOptimizerState):  # read only the ranges this rank's pieces cover
-            sync.load_optimizer_state(state.pieces(sync.wanted_ranges()), state.param_groups)
+            own.load_optimizer_state(state.pieces(own.wanted_ranges()), state.param_groups)
         else:
-            sync.load_full_optimizer_state(state)
+            own.load_full_optimizer_state(state)
         _optimizers_to_device(self._view.optimizers, self._view.root_device)
         return True
 
@@ -183,7 +183,8 @@ class ShardedSync(StepParticipant):
         model_state = rest.pop("state_dict", {})
         states = rest.pop("optimizer_states", [])
         pieces = states[0][_PIECES_KEY] if states else {}
-        meta = {"lightning": rest, "param_groups": sync.full_param_groups(), "shapes": sync.original_shapes(),
+        meta = {"lightning": rest, "param_groups": sync.state_shard.full_param_groups(),
+                "shapes": sync.state_shard.original_shapes(),
                 "has_optimizer": bool(states)}
         with waiting_in("writing the sharded checkpoint"):
             save_sharded(path, meta, model_state, pieces, self._view.global_rank)

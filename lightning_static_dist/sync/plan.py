@@ -97,6 +97,11 @@ class BucketPlan:
         return f"{len(self.buckets)} buckets [{sizes}]"
 
 
+def param_specs(params: Sequence[torch.Tensor], indices: Sequence[int]) -> list[ParamSpec]:
+    """What planning needs to know of ``params[i]`` for each ``i`` in ``indices``."""
+    return [ParamSpec(i, params[i].numel(), params[i].dtype, params[i].device) for i in indices]
+
+
 def plan_buckets(
     params: Sequence[ParamSpec],
     first_bucket_bytes: int,

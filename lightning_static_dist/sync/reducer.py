@@ -4,7 +4,9 @@ A :class:`BucketReducer` receives a flat buffer holding this rank's gradients of
 :class:`PendingReduction` at once; ``wait()`` gives back the flat buffer holding the *average* over the group.
 The built-in :class:`MeanAllReduce` is one asynchronous ``all_reduce``; the compressing reducer
 (:mod:`lightning_static_dist.compression.reducer`) runs several collectives per bucket, as long as ``wait()``
-returns the averaged buffer of the same size.
+returns the averaged buffer of the same size. A reducer whose work spans the round hears of the round's phases
+(:meth:`BucketReducer.gradient_ready`, :meth:`~BucketReducer.round_finished`, :meth:`~BucketReducer.abandon_round`):
+declared here, with no-op defaults, so the synchroniser calls them on every reducer.
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ from lightning_static_dist.sync.plan import GradBucket
 
 
 class PendingReduction(Protocol):
-    """A reduction in flight."""
+    """A reduction in flight. Subclass it (a protocol with a default) to inherit ``nbytes = None``."""
+
+    nbytes: Optional[int] = None
+    """This reduction's own count of the payload bytes this rank sends, when only the launch knew it (a compressing
+    reducer chooses per bucket how to send it); ``None``: the reducer's :meth:`BucketReducer.payload_bytes`."""
 
     def wait(self) -> Tensor:
         """Block until the reduction is done; return the averaged flat buffer."""
@@ -29,11 +35,14 @@ class PendingReduction(Protocol):
 class BucketReducer(Protocol):
     """Turns one bucket's local flat gradients into an asynchronous, averaging collective.
 
+    ``launch`` and ``payload_bytes`` are what every reducer implements. The other three are phases of a round that a
+    reducer with work spread over a round takes part in; subclass this protocol to inherit them as no-ops.
+
     Example::
 
-        class MyReducer:
+        class MyReducer(BucketReducer):
             def launch(self, bucket, flat, group):
-                ...  # start the collectives, return an object with wait() -> averaged flat tensor
+                ...  # start the collectives, return a PendingReduction whose wait() gives the averaged flat tensor
                 return pending
 
             def payload_bytes(self, bucket, flat):
@@ -47,14 +56,20 @@ class BucketReducer(Protocol):
         """Bytes this rank puts on the wire for this bucket (the payload, not the algorithm's traffic)."""
         ...
 
-    # Optional, looked up with getattr by the synchroniser: ``round_finished()`` after a round's write-back,
-    # ``abandon_round()`` when a round is given up; a returned reduction may carry ``nbytes`` (its own payload
-    # count, overriding payload_bytes) and ``poll()`` (called once per gradient-ready hook, with the latest
-    # reduction's: work that must start from the hooks, e.g. the sharded synchroniser's replica all-reduces on Gloo;
-    # keep it cheap, it runs once per parameter).
+    def gradient_ready(self) -> None:
+        """Called from every gradient-ready hook of a synchronised round, before the gradient's bucket is filled: work
+        that must start from the hooks (the sharded reducer's replica all-reduces on Gloo). It runs once per
+        parameter: keep it cheap."""
+
+    def round_finished(self) -> None:
+        """Called once a round's averages are written back: what a reducer does once per round."""
+
+    def abandon_round(self) -> None:
+        """Called when the synchroniser gives a round up after an exception: forget what is in flight, wait for
+        nothing (a failed peer may never join it)."""
 
 
-class _PendingWork:
+class _PendingWork(PendingReduction):
     def __init__(self, work: Optional[dist.Work], flat: Tensor) -> None:
         self.work = work
         """The collective's work handle (the overlap recorder reads its completion time)."""
@@ -69,7 +84,7 @@ class _PendingWork:
         return self._flat
 
 
-class MeanAllReduce:
+class MeanAllReduce(BucketReducer):
     """Average with one asynchronous ``all_reduce``: ``ReduceOp.AVG`` on NCCL (no separate division pass over the
     bucket), a sum of pre-divided values elsewhere (Gloo has no ``AVG``).
 

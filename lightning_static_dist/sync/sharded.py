@@ -37,200 +37,61 @@ Differences from DDP to know:
 - at the end of ``fit`` (:meth:`ShardedGradientSynchronizer.release`) every rank holds the full optimizer state
   again, so that the optimizer is usable after ``fit``: a model whose state fits only sharded needs the memory
   for that once.
+
+How it is built. The rounds are run by a :class:`~lightning_static_dist.sync.synchronizer.GradientSynchronizer`
+held here (not inherited), given through ``fix_plan`` a plan made before the first step; this class is that plan's
+:class:`~lightning_static_dist.sync.contracts.BucketLayout` (padded buffers whose averages go to the pieces) and
+owns what is sharded: the gathers, clipping, and the optimizer re-pointed at the pieces. Beside it:
+:mod:`~lightning_static_dist.sync.sharded_mean` (the reducer), :mod:`~lightning_static_dist.sync.shard_layout`
+(buckets as parameter storage, cut into pieces) and :mod:`~lightning_static_dist.sync.sharded_state` (the
+optimizer state in the forms checkpoints hold).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Optional
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
-from lightning_static_dist.checkpoint import FullSource, PieceSource, full_state_from_pieces, range_key, scalar_key
-from lightning_static_dist.compat import all_gather_single, reduce_scatter_single
+from lightning_static_dist.compat import all_gather_single
 from lightning_static_dist.faults import waiting_in
-from lightning_static_dist.sync.plan import BucketPlan, GradBucket, plan_buckets
-from lightning_static_dist.sync.synchronizer import GradientSynchronizer, _BucketBuffer
+from lightning_static_dist.sync.buffer import BucketBuffer
+from lightning_static_dist.sync.contracts import SyncObserver, SyncStats
+from lightning_static_dist.sync.plan import BucketPlan, GradBucket, MiB, param_specs, plan_buckets
+from lightning_static_dist.sync.reducer import BucketReducer
+from lightning_static_dist.sync.shard_layout import NOT_OPTIMIZED, BucketShard, Piece, ordered_by_group, shard_bucket
+from lightning_static_dist.sync.sharded_mean import ShardedMean
+from lightning_static_dist.sync.sharded_state import OptimizerStateShard
+from lightning_static_dist.sync.synchronizer import GradientSynchronizer
 
-NOT_OPTIMIZED = -1
-"""Group of a trainable parameter that no optimizer param group holds: reduced, never stepped."""
-
-
-# ---------------------------------------------------------------------------------------------------- layout
-
-
-@dataclass
-class Piece:
-    """The part of this rank's chunk of a bucket that belongs to one optimizer param group: one optimizer parameter."""
-
-    group: int
-    param: Parameter
-    start: int
-    """Offset of the piece in the bucket's flat (padded) buffer."""
-    end: int
-    names: tuple[str, ...] = ()
-    """The parameters the piece holds elements of."""
+__all__ = ["NOT_OPTIMIZED", "BucketShard", "Piece", "ShardedGradientSynchronizer", "ShardedMean"]
 
 
-@dataclass
-class BucketShard:
-    """One bucket's parameter storage: the full flat buffer every parameter views, and this rank's chunk of it."""
-
-    bucket: GradBucket
-    full: Tensor
-    """Length ``S * chunk_numel``; each parameter of the bucket is a view into it (the padding stays zero)."""
-    chunk: Tensor
-    """This rank's ``1/S`` (a copy when ``S > 1``, what the optimizer updates); the gather's input."""
-    chunk_start: int
-    pieces: list[Piece]
-    work: Optional[dist.Work] = None
-    """The all-gather in flight, if any."""
-
-
-def _ordered_by_group(plan: BucketPlan, group_of: dict[int, int]) -> BucketPlan:
-    """The same buckets with each bucket's parameters stably sorted by optimizer param group (offsets recomputed).
-
-    Sorting inside a bucket changes no launch time (a bucket launches when *all* its gradients are ready) and
-    makes each group one contiguous range, so a rank's chunk meets each group in at most one piece.
-    """
-    buckets, location = [], {}
-    for bucket in plan.buckets:
-        order = sorted(range(len(bucket.param_indices)), key=lambda s: group_of[bucket.param_indices[s]])
-        indices = tuple(bucket.param_indices[s] for s in order)
-        numels = tuple(bucket.numels[s] for s in order)
-        offsets = tuple(sum(numels[:k]) for k in range(len(numels)))
-        for slot, index in enumerate(indices):
-            location[index] = (bucket.index, slot)
-        buckets.append(GradBucket(bucket.index, indices, offsets, numels, bucket.dtype, bucket.device))
-    return BucketPlan(buckets=tuple(buckets), location=location)
-
-
-# ---------------------------------------------------------------------------------------------- the reducer
-
-
-class _ShardPending:
-    """A bucket's reduce-scatter (shard group) -> all-reduce of the chunk (replica group); the usage flags
-    all-reduced over the world beside them."""
-
-    def __init__(self, reducer: ShardedMean, work: Optional[dist.Work], out: Tensor, chunk_numel: int,
-                 tail_work: Optional[dist.Work], tail: Tensor) -> None:
-        self.reducer = reducer
-        self.work = work
-        """The reduce-scatter (the overlap recorder reads its completion)."""
-        self.out = out
-        self.chunk_numel = chunk_numel
-        self.tail_work = tail_work
-        self.tail = tail
-        self.replica_work: Optional[dist.Work] = None
-        self.replica_issued = reducer.replicate_group is None
-        self.poll = reducer.poll
-
-    def issue_replica(self) -> None:
-        if not self.replica_issued:
-            self.replica_issued = True
-            self.replica_work = dist.all_reduce(self.out[: self.chunk_numel], group=self.reducer.replicate_group,
-                                                async_op=True)
-
-    def wait(self) -> Tensor:
-        if self.work is not None:
-            self.work.wait()
-        self.reducer.issue_in_order(until=self)
-        if self.replica_work is not None:
-            self.replica_work.wait()
-        if self.tail_work is not None:  # (with S == 1, `out` is the flat buffer and holds its own tail)
-            self.tail_work.wait()
-            self.out[self.chunk_numel :].copy_(self.tail)
-        return self.out
-
-
-class ShardedMean:
-    """The bucket reducer of ``reduce_scatter``: averages over every rank, leaving this rank its chunk.
-
-    ``launch`` gets the bucket's flat buffer ``[grads (padded to S * c) | usage flags]`` and returns a pending
-    reduction whose ``wait()`` gives ``[averaged chunk (c) | averaged flags]``.
-    The replica all-reduces are issued strictly in bucket order, from the gradient hooks (``poll``) once a
-    reduce-scatter has completed, or at the latest from ``wait``.
-    """
-
-    def __init__(self, shard_group: Optional[dist.ProcessGroup], replicate_group: Optional[dist.ProcessGroup]) -> None:
-        self.shard_group = shard_group
-        self.shard_size = dist.get_world_size(shard_group)
-        self.replicate_group = replicate_group if dist.get_world_size(replicate_group) > 1 else None
-        # Gloo: each group runs on its own threads, so issuing a replica all-reduce the moment its reduce-scatter is
-        # done (a local, timing-dependent decision) cannot deadlock. NCCL warns that collectives on several
-        # communicators must be issued in the same order on every rank: there they are all issued at the end of
-        # backward, in bucket order (the reduce-scatters still overlap backward).
-        self._poll_replicas = self.replicate_group is not None and "nccl" not in dist.get_backend(self.replicate_group)
-        self._in_flight: list[_ShardPending] = []
-
-    def launch(self, bucket: GradBucket, flat: Tensor, group: Optional[dist.ProcessGroup]) -> _ShardPending:
-        world = dist.get_world_size(group)
-        chunk = (flat.numel() - len(bucket.param_indices)) // self.shard_size
-        flat.div_(world)
-        grads, tail = flat[: chunk * self.shard_size], flat[chunk * self.shard_size :]
-        if self.shard_size == 1:  # a 4 x 1 mesh: the chunk is the bucket; one all-reduce over everyone
-            work = dist.all_reduce(flat, group=group, async_op=True) if world > 1 else None
-            pending = _ShardPending(self, work, flat, chunk, None, tail)
-            pending.replica_issued = True
-        else:
-            out = torch.empty(chunk + tail.numel(), dtype=flat.dtype, device=flat.device)
-            work = reduce_scatter_single(out[:chunk], grads, group=self.shard_group, async_op=True)
-            tail_work = dist.all_reduce(tail, group=group, async_op=True)
-            pending = _ShardPending(self, work, out, chunk, tail_work, tail)
-        self._in_flight.append(pending)
-        return pending
-
-    def payload_bytes(self, bucket: GradBucket, flat: Tensor) -> int:
-        return flat.numel() * flat.element_size()
-
-    def poll(self) -> None:
-        """Issue, in bucket order, the replica all-reduce of every chunk whose reduce-scatter has completed."""
-        if not self._poll_replicas:
-            return
-        for pending in self._in_flight:
-            if pending.replica_issued:
-                continue
-            if pending.work is not None and not pending.work.is_completed():
-                return  # later buckets wait their turn: every rank issues the replica group's collectives alike
-            pending.issue_replica()
-
-    def issue_in_order(self, until: _ShardPending) -> None:
-        for pending in self._in_flight:
-            if not pending.replica_issued:
-                if pending.work is not None:
-                    pending.work.wait()
-                pending.issue_replica()
-            if pending is until:
-                return
-
-    def round_finished(self) -> None:
-        self._in_flight.clear()
-
-    def abandon_round(self) -> None:
-        self._in_flight.clear()
-
-
-# ------------------------------------------------------------------------------------------- the synchroniser
-
-
-class _ShardBuffer(_BucketBuffer):
-    """A bucket buffer padded to a multiple of the shard size; the averaged chunk goes to the pieces' ``.grad``."""
+class _ShardBuffer(BucketBuffer):
+    """A bucket buffer padded to a multiple of the shard size; the averaged chunk goes to the pieces' ``.grad``, and
+    a parameter's full-size gradient is dropped as soon as it is handed to the bucket."""
 
     def __init__(self, bucket: GradBucket, params: Sequence[Parameter], shard: BucketShard) -> None:
         super().__init__(bucket, params, padded_numel=shard.full.numel())
         self.shard = shard
+        self._params = params
+
+    def fill(self, slot: int, grad: Optional[Tensor]) -> None:
+        super().fill(slot, grad)
+        # copied into its bucket: the full-size gradient is not kept
+        self._params[self.bucket.param_indices[slot]].grad = None
 
     def unpack(self, averaged: Tensor, params: Sequence[Parameter]) -> None:
         for piece in self.shard.pieces:
             piece.param.grad = averaged[piece.start - self.shard.chunk_start : piece.end - self.shard.chunk_start]
 
 
-class ShardedGradientSynchronizer(GradientSynchronizer):
+class ShardedGradientSynchronizer:
     """Reduce-scatter / all-reduce gradient synchronisation with optimizer state split over the shard group.
 
     Args:
@@ -261,66 +122,121 @@ class ShardedGradientSynchronizer(GradientSynchronizer):
         check_each_collective: bool = False,
     ) -> None:
         reducer = ShardedMean(shard_group, replicate_group)
-        super().__init__(named_parameters, group=group, reducer=reducer, first_bucket_mb=first_bucket_mb,
-                         bucket_mb=bucket_mb, check_each_collective=check_each_collective)
+        self._rounds = GradientSynchronizer(named_parameters, group=group, reducer=reducer,
+                                            first_bucket_mb=first_bucket_mb, bucket_mb=bucket_mb,
+                                            check_each_collective=check_each_collective)
         self.optimizer = optimizer
         self.shard_group = shard_group
         self.shard_size = reducer.shard_size
         self.shard_rank = dist.get_rank(shard_group)
-        self._original_groups = [list(g["params"]) for g in optimizer.param_groups]
-        self._original_index = {id(p): i for i, p in enumerate(p for params in self._original_groups for p in params)}
-        """id(parameter) -> its index in the optimizer's own numbering (what a full-form state dict is keyed by)."""
-        where = {id(p): g for g, params in enumerate(self._original_groups) for p in params}
-        group_of = {i: where.get(id(p), NOT_OPTIMIZED) for i, p in enumerate(self._params)}
+        params, names = self._rounds.parameters, self._rounds.parameter_names
+        original_groups = [list(g["params"]) for g in optimizer.param_groups]
+        where = {id(p): g for g, group_params in enumerate(original_groups) for p in group_params}
+        group_of = {i: where.get(id(p), NOT_OPTIMIZED) for i, p in enumerate(params)}
         # a static plan: the optimizer must hold the shards before the first step (no usage-based adoption)
-        trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
-        plan = plan_buckets(self._specs(trainable), self._first_bucket_bytes, self._bucket_bytes)
-        self._plan = _ordered_by_group(plan, group_of)
-        self._first_round_done = True
-        self.shards = [self._shard_bucket(bucket, group_of) for bucket in self._plan.buckets]
-        self._buffers = [self._make_buffer(bucket) for bucket in self._plan.buckets]
+        trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        plan = plan_buckets(param_specs(params, trainable), int(first_bucket_mb * MiB), int(bucket_mb * MiB))
+        plan = ordered_by_group(plan, group_of)
+        self.shards = [shard_bucket(bucket, params, names, group_of, self.shard_size, self.shard_rank)
+                       for bucket in plan.buckets]
+        self.state_shard = OptimizerStateShard(optimizer, original_groups, self.shards, params, shard_group)
+        """This rank's optimizer state in the forms checkpoints hold it (full, or this rank's own ranges)."""
         self._bound = False
         self.released = False
         """True after :meth:`release`: the parameters and the optimizer are whole again; nothing is sharded."""
-        self._trainable = [p.requires_grad for p in self._params]
-        self._reset_round()
-
-    # -------------------------------------------------------------------------------------------- layout
-
-    def _shard_bucket(self, bucket: GradBucket, group_of: dict[int, int]) -> BucketShard:
-        chunk_numel = math.ceil(bucket.numel / self.shard_size)
-        full = torch.zeros(chunk_numel * self.shard_size, dtype=bucket.dtype, device=bucket.device)
-        ranges: list[tuple[int, int, int]] = []
-        for index, offset, numel in zip(bucket.param_indices, bucket.offsets, bucket.numels):
-            param = self._params[index]
-            full[offset : offset + numel].copy_(param.detach().reshape(-1))
-            param.data = full[offset : offset + numel].view(param.shape)  # the parameter now lives in the bucket
-            group = group_of[index]
-            if ranges and ranges[-1][0] == group:
-                ranges[-1] = (group, ranges[-1][1], offset + numel)
-            else:
-                ranges.append((group, offset, offset + numel))
-        start = self.shard_rank * chunk_numel
-        chunk = full[start : start + chunk_numel]
-        if self.shard_size > 1:
-            chunk = chunk.clone()  # the gather writes `full`; the optimizer updates this
-        pieces = []
-        for group, lo, hi in ranges:
-            lo, hi = max(lo, start), min(hi, start + chunk_numel)
-            if lo < hi:
-                names = tuple(self._names[i] for i, o, n in zip(bucket.param_indices, bucket.offsets, bucket.numels)
-                              if o < hi and o + n > lo)
-                pieces.append(Piece(group, Parameter(chunk[lo - start : hi - start]), lo, hi, names))
-        return BucketShard(bucket, full, chunk, start, pieces)
-
-    def _make_buffer(self, bucket: GradBucket) -> _BucketBuffer:
-        return _ShardBuffer(bucket, self._params, self.shards[bucket.index])
+        self._trainable = [p.requires_grad for p in params]
+        self._rounds.fix_plan(plan, self)
 
     def pieces(self, optimized_only: bool = True) -> Iterator[Piece]:
         for shard in self.shards:
             for piece in shard.pieces:
                 if piece.group != NOT_OPTIMIZED or not optimized_only:
                     yield piece
+
+    # ------------------------------------------------------------------------------- the rounds (RoundSync)
+
+    @property
+    def plan(self) -> BucketPlan:
+        """The bucket plan, fixed at construction (each bucket's parameters ordered by optimizer param group)."""
+        return self._rounds.plan
+
+    @property
+    def stats(self) -> SyncStats:
+        return self._rounds.stats
+
+    @property
+    def reducer(self) -> BucketReducer:
+        return self._rounds.reducer
+
+    @property
+    def parameters(self) -> Sequence[Parameter]:
+        return self._rounds.parameters
+
+    @property
+    def parameter_names(self) -> Sequence[str]:
+        return self._rounds.parameter_names
+
+    @property
+    def buffers(self) -> Sequence[BucketBuffer]:
+        return self._rounds.buffers
+
+    @property
+    def recorder(self) -> Optional[SyncObserver]:
+        return self._rounds.recorder
+
+    @recorder.setter
+    def recorder(self, recorder: Optional[SyncObserver]) -> None:
+        self._rounds.recorder = recorder
+
+    @property
+    def ready_groups(self) -> Optional[Mapping[int, int]]:
+        """Kept for the :class:`~lightning_static_dist.sync.contracts.RoundSync` readers; a fixed plan ignores it."""
+        return self._rounds.ready_groups
+
+    @ready_groups.setter
+    def ready_groups(self, groups: Optional[Mapping[int, int]]) -> None:
+        self._rounds.ready_groups = groups
+
+    def attach(self) -> None:
+        self._rounds.attach()
+
+    def detach(self) -> None:
+        self._rounds.detach()
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        return self._rounds.no_sync()
+
+    def finish(self) -> None:
+        self._rounds.finish()
+
+    def finish_if_pending(self) -> None:
+        self._rounds.finish_if_pending()
+
+    def abandon_round(self) -> None:
+        self._rounds.abandon_round()
+
+    def check_pending_rounds(self) -> None:
+        self._rounds.check_pending_rounds()
+
+    # ----------------------------------------------------------- the fixed plan's layout (BucketLayout)
+
+    def make_buffer(self, bucket: GradBucket) -> BucketBuffer:
+        """The bucket's padded buffer: its averaged chunk goes to this rank's pieces."""
+        return _ShardBuffer(bucket, self._rounds.parameters, self.shards[bucket.index])
+
+    def check_round(self) -> None:
+        """Raise, naming it, if a parameter was frozen or unfrozen since the plan split them between the ranks."""
+        for name, param, planned in zip(self._rounds.parameter_names, self._rounds.parameters, self._trainable):
+            if param.requires_grad != planned:
+                raise RuntimeError(
+                    f"static_dist: {name!r} was {'unfrozen' if param.requires_grad else 'frozen'} during fit;"
+                    " reduce_scatter splits the trainable parameters between ranks once, before the first step."
+                    " Freeze or unfreeze before fit (a new fit plans again), or use strategy.sync.reduce='all_reduce'"
+                )
+
+    def round_done(self) -> None:
+        for param in self._rounds.parameters:
+            param.grad = None  # (the averages are the pieces'; a full-size gradient left here would only hold memory)
 
     # ---------------------------------------------------------------------------------------- the optimizer
 
@@ -337,114 +253,12 @@ class ShardedGradientSynchronizer(GradientSynchronizer):
         """Give the optimizer its original parameters back, with its state in full form (collective)."""
         if not self._bound:
             return
-        full = self.full_optimizer_state()
-        for group, params in zip(self.optimizer.param_groups, self._original_groups):
+        full = self.state_shard.full_optimizer_state()
+        for group, params in zip(self.optimizer.param_groups, self.state_shard.original_groups):
             group["params"] = params
         self.optimizer.state.clear()
         self.optimizer.load_state_dict(full)
         self._bound = False
-
-    def full_optimizer_state(self) -> dict[str, Any]:
-        """The optimizer's ``state_dict()`` as an unsharded optimizer over the original parameters would give it.
-
-        Every rank of the shard group contributes its :meth:`piece_tensors` (replica groups hold the same ones) and
-        the whole is assembled the way a sharded checkpoint is consolidated. Collective over the shard group (every
-        rank of it calls this: Lightning dumps checkpoints on every rank); the state comes back on the CPU.
-        """
-        pieces = {name: t.detach().to("cpu", copy=True) for name, t in self.piece_tensors().items()}
-        if self.shard_size > 1:
-            everyone: list[Any] = [None] * self.shard_size
-            dist.all_gather_object(everyone, pieces, group=self.shard_group)
-            pieces = {name: t for rank in everyone for name, t in rank.items()}
-        state = full_state_from_pieces(PieceSource(pieces), self.original_shapes())
-        return {"state": state, "param_groups": self.full_param_groups()}
-
-    def load_full_optimizer_state(self, full: dict[str, Any]) -> None:
-        """Load a full-form optimizer state (any world size or mesh wrote it, or an unsharded run): cut this rank's
-        pieces out of it."""
-        numels = {i: p.numel() for i, p in enumerate(self._originals())}
-        self.load_optimizer_state(FullSource(full["state"], numels), full["param_groups"])
-
-    def load_optimizer_state(self, source: Any, param_groups: list[dict[str, Any]]) -> None:
-        """Cut this rank's pieces out of ``source`` (a :class:`~lightning_static_dist.checkpoint.FullSource` or
-        :class:`~lightning_static_dist.checkpoint.PieceSource`) and load them with the saved group options."""
-        if len(param_groups) != len(self._original_groups):
-            raise ValueError(f"static_dist: the checkpoint's optimizer has {len(param_groups)} param groups,"
-                             f" this one {len(self._original_groups)}")
-        index = self._original_index
-        owner = {id(piece.param): (shard, piece) for shard in self.shards for piece in shard.pieces}
-        piece_state: dict[int, dict[str, Any]] = {}
-        flat_index = 0
-        groups = []
-        for g, group in enumerate(self.optimizer.param_groups):
-            ids = []
-            for param in group["params"]:
-                shard, piece = owner[id(param)]
-                entry = self._cut_piece(shard, piece, source, index)
-                if entry:
-                    piece_state[flat_index] = entry
-                ids.append(flat_index)
-                flat_index += 1
-            options = {k: v for k, v in param_groups[g].items() if k != "params"}
-            groups.append({**options, "params": ids})
-        self.optimizer.load_state_dict({"state": piece_state, "param_groups": groups})
-
-    def _overlaps(self, shard: BucketShard, piece: Piece) -> Iterator[tuple[Parameter, int, int, int]]:
-        """``(parameter, offset in the bucket, lo, hi)`` for each parameter the piece holds elements ``lo..hi`` of
-        (bucket coordinates)."""
-        for param_index, offset, numel in zip(shard.bucket.param_indices, shard.bucket.offsets, shard.bucket.numels):
-            lo, hi = max(offset, piece.start), min(offset + numel, piece.end)
-            if lo < hi:
-                yield self._params[param_index], offset, lo, hi
-
-    def _cut_piece(self, shard: BucketShard, piece: Piece, source: Any, index: dict[int, int]) -> dict[str, Any]:
-        entry: dict[str, Any] = {}
-        for param, offset, lo, hi in self._overlaps(shard, piece):
-            i = index[id(param)]
-            for key, elementwise in source.keys(i).items():
-                if not elementwise:
-                    entry.setdefault(key, source.scalar(i, key))
-                    continue
-                values = source.elements(i, key, lo - offset, hi - offset)
-                if key not in entry:
-                    entry[key] = torch.zeros(piece.end - piece.start, dtype=values.dtype, device=piece.param.device)
-                entry[key][lo - piece.start : hi - piece.start].copy_(values)
-        return entry
-
-    def _originals(self) -> list[Parameter]:
-        return [p for params in self._original_groups for p in params]
-
-    def wanted_ranges(self) -> list[tuple[int, int, int]]:
-        """``(original parameter index, lo, hi)`` of every element this rank's optimizer state covers."""
-        index = self._original_index
-        return [(index[id(param)], lo - offset, hi - offset)
-                for shard in self.shards for piece in shard.pieces if piece.group != NOT_OPTIMIZED
-                for param, offset, lo, hi in self._overlaps(shard, piece)]
-
-    def piece_tensors(self) -> dict[str, Tensor]:
-        """This rank's optimizer state as ranges of the flattened original parameters (for a sharded checkpoint)."""
-        index = self._original_index
-        out: dict[str, Tensor] = {}
-        for shard in self.shards:
-            for piece in shard.pieces:
-                state = self.optimizer.state.get(piece.param) if piece.group != NOT_OPTIMIZED else None
-                for param, offset, lo, hi in self._overlaps(shard, piece) if state else ():
-                    i = index[id(param)]
-                    for key, value in state.items():
-                        if torch.is_tensor(value) and value.dim() > 0 and value.numel() == piece.param.numel():
-                            out[range_key(i, key, lo - offset, hi - offset)] = value[lo - piece.start : hi - piece.start]
-                        else:
-                            out[scalar_key(i, key)] = value if torch.is_tensor(value) else torch.tensor(value)
-        return out
-
-    def full_param_groups(self) -> list[dict[str, Any]]:
-        """The optimizer's param groups in full form: options, and the original parameters' indices."""
-        index = self._original_index
-        return [{**{k: v for k, v in group.items() if k != "params"}, "params": [index[id(p)] for p in params]}
-                for group, params in zip(self.optimizer.param_groups, self._original_groups)]
-
-    def original_shapes(self) -> dict[int, torch.Size]:
-        return {i: p.shape for i, p in enumerate(self._originals())}
 
     # -------------------------------------------------------------------------------------- gathers, clipping
 
@@ -468,9 +282,9 @@ class ShardedGradientSynchronizer(GradientSynchronizer):
 
     def buckets_of(self, params: Iterable[Parameter]) -> list[int]:
         """The buckets holding any of ``params`` (to wait for before a module's forward)."""
-        position = {id(p): i for i, p in enumerate(self._params)}
-        found = {self._plan.location[position[id(p)]][0] for p in params
-                 if id(p) in position and position[id(p)] in self._plan.location}
+        position = {id(p): i for i, p in enumerate(self.parameters)}
+        location = self.plan.location
+        found = {location[position[id(p)]][0] for p in params if id(p) in position and position[id(p)] in location}
         return sorted(found)
 
     def refresh_chunks(self) -> None:
@@ -498,34 +312,15 @@ class ShardedGradientSynchronizer(GradientSynchronizer):
             torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
         return total
 
-    # --------------------------------------------------------------------------------------------- a round
-
-    def _on_grad_ready(self, index: int, param: Parameter) -> None:
-        super()._on_grad_ready(index, param)
-        if self._sync_enabled and index in self._plan.location:
-            param.grad = None  # copied into its bucket: the full-size gradient is not kept
-
-    def finish(self) -> None:
-        for name, param, planned in zip(self._names, self._params, self._trainable):
-            if self._sync_enabled and param.requires_grad != planned:
-                self.abandon_round()
-                raise RuntimeError(
-                    f"static_dist: {name!r} was {'unfrozen' if param.requires_grad else 'frozen'} during fit;"
-                    " reduce_scatter splits the trainable parameters between ranks once, before the first step."
-                    " Freeze or unfreeze before fit (a new fit plans again), or use strategy.sync.reduce='all_reduce'"
-                )
-        super().finish()
-        if self._sync_enabled:
-            for param in self._params:
-                param.grad = None  # parameters whose gradient the hooks did not see (packed by finish)
+    # ---------------------------------------------------------------------------------------------- teardown
 
     def release(self) -> None:
         """After training: wait for the gathers, give every parameter its own storage, the optimizer its original
         parameters and full state. Collective (the state is gathered)."""
         self.wait_gather()
         self.unbind()
-        for param in self._params:
+        for param in self.parameters:
             param.data = param.data.clone()
-        self.shards = []  # the flat buffers, chunks and pieces: nothing views them any more
-        self._buffers = []
+        self.shards.clear()  # the flat buffers, chunks and pieces (the state shard's list too): nothing views them
+        self._rounds.free_buffers()
         self.released = True

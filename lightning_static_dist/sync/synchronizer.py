@@ -46,51 +46,37 @@ the plan is rebuilt — identically on every rank, from the same reduced mask �
 one-off bucket in that same round. No hang, no dropped gradient. The first round is this same path with an empty
 plan, so usage is decided collectively before the first bucket is planned.
 
+A plan fixed up front (:meth:`GradientSynchronizer.fix_plan`) skips that: the sharded synchroniser runs its rounds
+through this class with its own plan and buffers (:class:`~lightning_static_dist.sync.contracts.BucketLayout`).
+
 Assumption: ``requires_grad`` of every parameter is the same on every rank (true when it is set by the same code).
+
+Beside this module: the bucket buffer (:mod:`~lightning_static_dist.sync.buffer`), the ranks' step checks
+(:mod:`~lightning_static_dist.sync.round_check`) and what a round expects of its reducer and its observer
+(:mod:`~lightning_static_dist.sync.reducer`, :mod:`~lightning_static_dist.sync.contracts`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_static_dist.faults import waiting_in
-from lightning_static_dist.fingerprint import RankMismatchError
-from lightning_static_dist.overlap.recorder import StepRecorder
-from lightning_static_dist.sync.plan import BucketPlan, GradBucket, MiB, ParamSpec, plan_buckets
+from lightning_static_dist.sync.buffer import BucketBuffer
+from lightning_static_dist.sync.contracts import BucketLayout, SyncObserver, SyncStats
+from lightning_static_dist.sync.plan import BucketPlan, GradBucket, MiB, param_specs, plan_buckets
 from lightning_static_dist.sync.reducer import BucketReducer, MeanAllReduce, PendingReduction, all_reduce_sum
+from lightning_static_dist.sync.round_check import _RoundCheck, desynchronised, next_collective_mismatch
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SyncStats:
-    """Counters a user (and the run summary) can read: what the synchroniser did so far on this rank."""
-
-    rounds: int = 0
-    """Synchronised backward passes."""
-    skipped_rounds: int = 0
-    """Backward passes under :meth:`GradientSynchronizer.no_sync` (gradient accumulation)."""
-    collectives: int = 0
-    """Collectives launched (bucket reductions and usage masks)."""
-    bytes_sent: int = 0
-    """Payload bytes this rank put on the wire, over all rounds."""
-    last_round_bytes: int = 0
-    """Payload bytes of the most recent synchronised round."""
-    last_round_dense_bytes: int = 0
-    """What the most recent round would have sent uncompressed (``compression_ratio`` = this / ``last_round_bytes``)."""
-    plan_rebuilds: int = 0
-    """Times the bucket plan changed after the first round (parameter usage changed)."""
 
 
 class GradientSynchronizer:
@@ -141,7 +127,9 @@ class GradientSynchronizer:
         self._check_each_collective = check_each_collective
         self._reduce_dtype = reduce_dtype
         self._plan = BucketPlan(buckets=(), location={})
-        self._buffers: list[_BucketBuffer] = []
+        self._buffers: list[BucketBuffer] = []
+        self._layout: Optional[BucketLayout] = None
+        """With a plan fixed up front (:meth:`fix_plan`): who makes its buffers and checks its rounds."""
         self._ready_order: list[int] = []
         """Gradient-ready order the plan follows: rank 0's observation of the first synchronised backward."""
         self._first_round_done = False
@@ -154,7 +142,7 @@ class GradientSynchronizer:
         self._pass_number = 0
         self.backward_passes = 0
         """Backward passes that produced a gradient here, with or without synchronisation (same on every rank)."""
-        self.recorder: Optional[StepRecorder] = None
+        self.recorder: Optional[SyncObserver] = None
         """Set by the overlap monitor: marks buckets ready, issued and waited."""
         self.usage_counts: dict[str, int] = {}
         """Ranks that produced a gradient, per parameter outside the plan, from the latest usage check."""
@@ -207,7 +195,31 @@ class GradientSynchronizer:
             handle.remove()
         self._hooks.clear()
         self.abandon_round()
-        self._buffers = []  # one copy of the gradients: freed; plan and stats stay readable
+        self.free_buffers()
+
+    def free_buffers(self) -> None:
+        """Drop the bucket buffers (one copy of the gradients); the plan and the counters stay readable, and the next
+        :meth:`attach` makes the buffers again."""
+        self._buffers = []
+
+    @property
+    def buffers(self) -> Sequence[BucketBuffer]:
+        """The bucket buffers of the current plan (empty before the first round and after :meth:`free_buffers`)."""
+        return tuple(self._buffers)
+
+    def fix_plan(self, plan: BucketPlan, layout: BucketLayout) -> None:
+        """Reduce with ``plan`` in every round from now on, in the buffers ``layout`` makes; between rounds.
+
+        The plan is not made from the first round's usage, so it must cover every trainable parameter, and the
+        layout's :meth:`~BucketLayout.check_round` must stop a round that it no longer fits (a parameter unfrozen
+        since would otherwise be adopted into a rebuilt plan). The sharded synchroniser fixes its plan this way: the
+        optimizer holds the buckets' shards before the first step, so the plan cannot wait for the first round.
+        """
+        self._plan = plan
+        self._layout = layout
+        self._first_round_done = True
+        self._buffers = [self._make_buffer(bucket) for bucket in plan.buckets]
+        self._reset_round()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -222,9 +234,7 @@ class GradientSynchronizer:
         """Forget the round after an exception, without waiting: a failed peer may never join what is in flight."""
         self._finish_queued = self._finished_by_engine = False
         self._in_pass = self._pass_counted = False
-        abandon = getattr(self._reducer, "abandon_round", None)
-        if abandon is not None:
-            abandon()
+        self._reducer.abandon_round()
         self._round_checks.clear()
         self._reset_round()
 
@@ -237,9 +247,6 @@ class GradientSynchronizer:
         self._next_to_launch = 0
         self._round_bytes = 0
         self._round_dense_bytes = 0
-        self._poll: Optional[Callable[[], None]] = None
-        """A reduction's ``poll``, called from the gradient hooks: the sharded synchroniser's starts its replica
-        all-reduces on Gloo (the compressing reducer checks its phases at bucket launches instead)."""
         self._observed_order = []
 
     def _on_grad_ready(self, index: int, param: Parameter) -> None:
@@ -262,8 +269,7 @@ class GradientSynchronizer:
         if location is None:  # not planned yet: finish() finds its gradient and decides with every rank
             self._observed_order.append(index)
             return
-        if self._poll is not None:
-            self._poll()  # start the next phase of multi-phase reductions whose current one is done
+        self._reducer.gradient_ready()  # (the sharded reducer starts its replica all-reduces from here on Gloo)
         bucket_index, slot = location
         buffer = self._buffers[bucket_index]
         buffer.fill(slot, param.grad)
@@ -277,18 +283,18 @@ class GradientSynchronizer:
             self._pending[self._next_to_launch] = self._launch(self._buffers[self._next_to_launch], self._next_to_launch)
             self._next_to_launch += 1
 
-    def _launch(self, buffer: _BucketBuffer, record_as: int) -> PendingReduction:
+    def _launch(self, buffer: BucketBuffer, record_as: int) -> PendingReduction:
         buffer.pack(self._params)
         flat = buffer.seal(self._pass_number)
         if self._check_each_collective:
-            self._check_collective(record_as, buffer)
+            mismatch = next_collective_mismatch(record_as, buffer, self._group)
+            if mismatch is not None:
+                self.abandon_round()
+                raise mismatch
         dense = flat.numel() * flat.element_size()
         pending = self._reducer.launch(buffer.bucket, flat, self._group)
         # a compressing reducer knows its payload only once it has chosen how to send this bucket
-        nbytes = getattr(pending, "nbytes", None)
-        if nbytes is None:
-            nbytes = self._reducer.payload_bytes(buffer.bucket, flat)
-        self._poll = getattr(pending, "poll", None) or self._poll
+        nbytes = pending.nbytes if pending.nbytes is not None else self._reducer.payload_bytes(buffer.bucket, flat)
         self._round_bytes += nbytes
         self._round_dense_bytes += dense
         self.stats.collectives += 1
@@ -333,6 +339,12 @@ class GradientSynchronizer:
         if not self._sync_enabled:
             self.stats.skipped_rounds += 1
             return
+        if self._layout is not None:
+            try:
+                self._layout.check_round()
+            except BaseException:
+                self.abandon_round()
+                raise
         # 1. planned buckets: fill the slots no hook filled (unused on this rank), launch in plan order
         for bucket_index, buffer in enumerate(self._buffers):
             unfilled = buffer.unfilled()
@@ -361,10 +373,10 @@ class GradientSynchronizer:
         self.stats.bytes_sent += self._round_bytes
         self.stats.last_round_bytes = self._round_bytes
         self.stats.last_round_dense_bytes = self._round_dense_bytes
-        round_finished = getattr(self._reducer, "round_finished", None)
-        if round_finished is not None:
-            round_finished()
+        self._reducer.round_finished()
         self._reset_round()
+        if self._layout is not None:
+            self._layout.round_done()
 
     def _read_round_checks(self, keep: int = 1) -> None:
         """Stop on a backward-pass mismatch seen in an earlier round: read every verdict but the newest ``keep``.
@@ -378,43 +390,12 @@ class GradientSynchronizer:
             with waiting_in("the ranks' backward-pass check"):
                 sums = check.sums()
             if sums is not None:
-                self._stop_desynchronised(*sums, check.own_pass)
+                self.abandon_round()
+                raise desynchronised(*sums, check.own_pass, self._group)
 
     def check_pending_rounds(self) -> None:
         """Read the verdicts of the rounds not checked yet, waiting for them (the end of fit, before a checkpoint)."""
         self._read_round_checks(keep=0)
-
-    def _check_collective(self, record_as: int, buffer: _BucketBuffer) -> None:
-        """``sync.check: collective`` (debugging): before each bucket's collective, every rank compares what it is
-        about to send — bucket, size, dtype, backward pass — in one small blocking all-gather."""
-        world = dist.get_world_size(self._group)
-        mine = torch.tensor([record_as, buffer.bucket.numel, len(buffer.bucket.param_indices), buffer.sealed_pass],
-                            dtype=torch.int64, device=buffer.flat.device)
-        everyone = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(everyone, mine, group=self._group)
-        rows = [tuple(t.tolist()) for t in everyone]
-        if len(set(rows)) > 1:
-            self.abandon_round()
-            listing = "; ".join(f"rank {r}: bucket {b}, {n} values, {p} parameters, backward pass {k}"
-                                for r, (b, n, p, k) in enumerate(rows))
-            raise RankMismatchError(f"static_dist: ranks disagree on the next gradient collective — {listing}")
-
-    def _stop_desynchronised(self, total: int, total_sq: int, own_pass: int) -> None:
-        """Every rank sees the same sums: each stops on its own, naming what it knows (no collective: the ranks are
-        out of step, so a collective to compare them could pair with anything). ``total``: the sum of the ranks'
-        pass numbers modulo :data:`_ROUND_MODULUS`."""
-        self.abandon_round()
-        rank, world = dist.get_rank(self._group), dist.get_world_size(self._group)
-        own_mod = own_pass % _ROUND_MODULUS
-        listing = f"rank {rank} at backward pass {own_pass}, the mean over the {world} ranks {own_pass - own_mod + total / world:g}"
-        if world == 2:  # the other rank's number follows from the sum
-            other = own_pass + (total - 2 * own_mod)
-            ranks = sorted([(rank, own_pass), (1 - rank, other)])
-            listing = ", ".join(f"rank {r} at backward pass {n}" for r, n in ranks)
-        raise RankMismatchError(
-            f"static_dist: ranks are in different steps — {listing} — seen in the step check of a synchronised round"
-            " (a rank skipped a step, ran an extra backward, or took another data-dependent branch)"
-        )
 
     def _check_device(self) -> torch.device:
         """Where the step check's integers live: the gradients' device (NCCL reduces CUDA tensors only)."""
@@ -439,7 +420,7 @@ class GradientSynchronizer:
     def _adopt(self, newcomers: list[int]) -> None:
         """Reduce the newcomers' gradients in a one-off bucket this round, then rebuild the plan with them."""
         if newcomers:
-            one_off = plan_buckets(self._specs(newcomers), self._bucket_bytes, self._bucket_bytes)
+            one_off = plan_buckets(param_specs(self._params, newcomers), self._bucket_bytes, self._bucket_bytes)
             for i, bucket in enumerate(one_off.buckets):
                 buffer = self._make_buffer(bucket)
                 for slot, index in enumerate(bucket.param_indices):
@@ -459,8 +440,8 @@ class GradientSynchronizer:
         mine = (self._observed_order, {i: pieces[id(p)] for i, p in enumerate(self._params) if id(p) in pieces})
         observed, groups = _from_rank_zero(mine, self._group)
         self._ready_order = self._ready_order + [i for i in observed if i not in self._ready_order]
-        self._plan = plan_buckets(self._specs(members), self._first_bucket_bytes, self._bucket_bytes, self._ready_order,
-                                  groups=groups)
+        self._plan = plan_buckets(param_specs(self._params, members), self._first_bucket_bytes, self._bucket_bytes,
+                                  self._ready_order, groups=groups)
         self._buffers = [self._make_buffer(bucket) for bucket in self._plan.buckets]
         self.attach()  # parameters whose requires_grad was switched on since the last attach
         skipped = [self._names[i] for i, p in enumerate(self._params) if i not in self._plan.location and p.requires_grad]
@@ -469,14 +450,13 @@ class GradientSynchronizer:
             + (f"; unused so far: {', '.join(skipped)}" if skipped else "")
         )
 
-    def _make_buffer(self, bucket: GradBucket) -> _BucketBuffer:
-        buffer = _BucketBuffer(bucket, self._params, dtype=self._reduce_dtype)
+    def _make_buffer(self, bucket: GradBucket) -> BucketBuffer:
+        if self._layout is not None:
+            return self._layout.make_buffer(bucket)
+        buffer = BucketBuffer(bucket, self._params, dtype=self._reduce_dtype)
         # in place (no copy back) when the bucket holds the gradients in their own dtype
         buffer.alias_grads = buffer.flat.dtype == bucket.dtype
         return buffer
-
-    def _specs(self, indices: Sequence[int]) -> list[ParamSpec]:
-        return [ParamSpec(i, self._params[i].numel(), self._params[i].dtype, self._params[i].device) for i in indices]
 
 
 def _from_rank_zero(values: Any, group: Optional[dist.ProcessGroup]) -> Any:
@@ -486,158 +466,3 @@ def _from_rank_zero(values: Any, group: Optional[dist.ProcessGroup]) -> Any:
     holder = [values]
     dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return holder[0]
-
-
-_ROUND_MODULUS = 1 << 20  # pass numbers in the step check: sums of their squares stay exact in int64 for any world
-
-
-class _BucketBuffer:
-    """A bucket's flat buffer — its gradients and one usage flag per parameter — with slot views.
-
-    The views are made once per plan. A round marks slots ready (:meth:`fill`, host-only), copies the bucket's
-    gradients in with one multi-tensor copy once all are ready (:meth:`pack`), and — unless ``alias_grads`` made the
-    gradients views of their slots — copies the averages back with one more (:meth:`unpack`).
-    """
-
-    def __init__(self, bucket: GradBucket, params: Sequence[Parameter], padded_numel: Optional[int] = None,
-                 dtype: Optional[torch.dtype] = None) -> None:
-        self.bucket = bucket
-        self.grad_numel = bucket.numel if padded_numel is None else padded_numel
-        """Where the gradients end and the flags start: the bucket's size, or that padded (zeros) for sharding."""
-        self.flat = torch.zeros(self.grad_numel + len(bucket.param_indices), dtype=dtype or bucket.dtype,
-                                device=bucket.device)
-        self.views = self._slot_views(self.flat, params)
-        self.alias_grads = False
-        """Make each used parameter's ``.grad`` its slot's view when packing (the collective then averages in place)."""
-        self.sealed_pass = 0
-        self.used: list[bool] = []
-        self.reset()
-
-    def _slot_views(self, flat: Tensor, params: Sequence[Parameter]) -> list[Tensor]:
-        b = self.bucket
-        return [flat[o : o + n].view(params[i].shape) for i, o, n in zip(b.param_indices, b.offsets, b.numels)]
-
-    def reset(self) -> None:
-        self.grads: list[Optional[Tensor]] = [None] * len(self.bucket.param_indices)
-        self.filled = [False] * len(self.bucket.param_indices)
-        self.remaining = len(self.bucket.param_indices)
-
-    def unfilled(self) -> list[int]:
-        return [slot for slot, filled in enumerate(self.filled) if not filled]
-
-    def fill(self, slot: int, grad: Optional[Tensor]) -> None:
-        """Mark one parameter's local gradient (``None``: it has none, zeros are sent) ready for its slot."""
-        if self.filled[slot]:
-            raise RuntimeError(
-                "static_dist: a gradient became ready twice in one round (backward called twice without a"
-                " synchronisation in between?). Use manual_backward once per step, or accumulate under no_sync."
-            )
-        self.grads[slot] = grad
-        self.filled[slot] = True
-        self.remaining -= 1
-
-    def pack(self, params: Sequence[Parameter]) -> None:
-        """Copy the bucket's gradients into the flat buffer: one multi-tensor copy (a cast, with a reduce dtype)."""
-        self.used = [g is not None for g in self.grads]
-        dst = [v for v, g in zip(self.views, self.grads) if g is not None]
-        src = [g for g in self.grads if g is not None]
-        if src:
-            _foreach_copy(dst, src)
-        for slot, grad in enumerate(self.grads):
-            if grad is None:
-                self.views[slot].zero_()
-            elif self.alias_grads:
-                params[self.bucket.param_indices[slot]].grad = self.views[slot]
-        self.grads = [None] * len(self.grads)  # the references the hooks handed over: freed now
-
-    def seal(self, round_number: int) -> Tensor:
-        """Write the usage flags (device ops only); return the flat buffer to reduce."""
-        self.sealed_pass = round_number
-        flags = self.flat[self.grad_numel :]
-        flags.fill_(1.0)
-        for slot, used in enumerate(self.used):
-            if not used:  # a parameter with no gradient on this rank (rare): one small op each, no host-to-device copy
-                flags[slot].zero_()
-        return self.flat
-
-    def unpack(self, averaged: Tensor, params: Sequence[Parameter]) -> None:
-        """Give every parameter some rank used its averaged gradient: already in place (``alias_grads``), or copied.
-
-        The averaged usage flags are read on the host only when a parameter of this bucket got no gradient on this
-        rank: otherwise this rank used them all, so every parameter was used somewhere."""
-        in_place = self.alias_grads and averaged is self.flat
-        views = self.views if averaged is self.flat else self._slot_views(averaged, params)
-        if all(self.used):
-            used_anywhere = self.used
-        else:
-            used_anywhere = (averaged[self.grad_numel :] > 0).tolist()
-        dst, src = [], []
-        for slot, index in enumerate(self.bucket.param_indices):
-            if not used_anywhere[slot]:
-                continue  # no rank produced a gradient: leave it as it is (None), like single-process training
-            param = params[index]
-            if in_place:
-                param.grad = views[slot]  # (already, unless this rank had no gradient for it)
-            elif param.grad is None:  # no gradient here, one elsewhere
-                param.grad = views[slot].to(param.dtype, copy=True)
-            else:
-                dst.append(param.grad)
-                src.append(views[slot])
-        if src:
-            _foreach_copy(dst, src)
-
-
-def _foreach_copy(dst: list[Tensor], src: list[Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all ``i`` in one multi-tensor launch where this torch has it."""
-    foreach_copy = getattr(torch, "_foreach_copy_", None)
-    if foreach_copy is not None:
-        foreach_copy(dst, src)
-        return
-    for d, s in zip(dst, src):
-        d.copy_(s)
-
-
-class _RoundCheck:
-    """One round's step check: the sums over the ranks of their backward-pass numbers and of their squares, reduced
-    with one small asynchronous integer all-reduce and read on the host when the synchroniser asks.
-
-    ``world * sum(p**2) == sum(p)**2`` exactly when every rank is at the same pass (Cauchy-Schwarz), and integers
-    add exactly on any number of ranks.
-
-    Example::
-
-        check = _RoundCheck(own_pass=7, group=None, device=torch.device("cpu"))
-        check.settle()        # after the round's buckets were waited for
-        check.sums()          # None, or (sum of passes, sum of squares) when the ranks were at different passes
-    """
-
-    def __init__(self, own_pass: int, group: Optional[dist.ProcessGroup], device: torch.device) -> None:
-        self.own_pass = own_pass
-        self._world = dist.get_world_size(group)
-        p = own_pass % _ROUND_MODULUS
-        values = torch.empty(2, dtype=torch.int64, device=device)
-        values[0].fill_(p)  # fills, not a copy from the host: nothing waits
-        values[1].fill_(p * p)
-        self._values = values
-        self._work = dist.all_reduce(values, group=group, async_op=True) if self._world > 1 else None
-        self._host: Optional[Tensor] = None
-        self._event: Optional[torch.cuda.Event] = None
-
-    def settle(self) -> None:
-        """Order the host copy after the all-reduce (a stream wait on CUDA) and start it."""
-        if self._work is not None:
-            self._work.wait()
-        self._host = torch.empty(2, dtype=torch.int64, pin_memory=self._values.is_cuda)
-        self._host.copy_(self._values, non_blocking=True)
-        if self._values.is_cuda:
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def sums(self) -> Optional[tuple[int, int]]:
-        """``(sum of passes, sum of squares)`` if the ranks were at different passes, else ``None``; waits for the
-        copy only if it has not reached the host yet."""
-        assert self._host is not None, "settle() first"
-        if self._event is not None and not self._event.query():
-            self._event.synchronize()
-        total, total_sq = self._host.tolist()
-        return None if self._world * total_sq == total * total else (total, total_sq)
