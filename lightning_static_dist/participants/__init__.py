@@ -1,7 +1,7 @@
 """The step participants: each feature's part of the strategy's hooks (:mod:`.base` says what a phase is).
 
-The strategy calls every phase on all of them in one fixed order (see ``StaticDistStrategy``'s class docstring):
-a new feature is a new participant in that list, not an edit of each hook.
+The strategy calls every phase on all of them in one fixed order (:class:`~.roster.Participants` lists it and says
+why): a new feature is a new participant in that list, not an edit of each hook.
 """
 
 from lightning_static_dist.participants.base import StepParticipant, StrategyView
@@ -10,6 +10,7 @@ from lightning_static_dist.participants.compression import CompressionState
 from lightning_static_dist.participants.embeddings import EmbeddingShards
 from lightning_static_dist.participants.gradients import BufferBroadcast, GraphSync, HookSync, NonfiniteCheck
 from lightning_static_dist.participants.recording import PhaseRecording
+from lightning_static_dist.participants.roster import Participants
 from lightning_static_dist.participants.runtime import PeerWatch, SigtermAgreement
 from lightning_static_dist.participants.sharded import ShardedSync
 
@@ -20,6 +21,7 @@ __all__ = [
     "GraphSync",
     "HookSync",
     "NonfiniteCheck",
+    "Participants",
     "PeerWatch",
     "PhaseRecording",
     "ShardedSync",

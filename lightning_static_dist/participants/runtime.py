@@ -3,7 +3,7 @@ SIGTERM through Lightning's patched loop (:mod:`~lightning_static_dist.loop` say
 
 Example (the strategy builds these in its ``__init__``)::
 
-    watch = PeerWatch(strategy, failed=strategy._has_failed)
+    watch = PeerWatch(strategy, failed=strategy.has_failed)
     watch.setup_distributed()       # heartbeats start; a dead neighbour ends this rank with one line
 """
 

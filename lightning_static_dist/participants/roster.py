@@ -1,0 +1,119 @@
+"""One strategy's step participants, built in their one order, and how their answers to a phase combine.
+
+The strategy's hooks call a phase on every participant in :attr:`Participants.ordered`. Most phases only act; the
+checkpoint phases answer, and the answers combine here (each participant folds the state the one before it
+returned; the first participant to claim a file or an optimizer's state wins), so that the strategy reads as
+Lightning's lifecycle and nothing else.
+
+Example (what ``StaticDistStrategy.__init__`` does)::
+
+    participants = Participants(strategy, failed=strategy.has_failed)
+    for participant in participants.ordered:
+        participant.before_forward()
+    state = participants.model_state_dict(state)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+from lightning_static_dist.participants.base import StepParticipant, StrategyView
+from lightning_static_dist.participants.compilation import StaticCompile
+from lightning_static_dist.participants.compression import CompressionState
+from lightning_static_dist.participants.embeddings import EmbeddingShards
+from lightning_static_dist.participants.gradients import BufferBroadcast, GraphSync, HookSync, NonfiniteCheck
+from lightning_static_dist.participants.recording import PhaseRecording
+from lightning_static_dist.participants.runtime import PeerWatch, SigtermAgreement
+from lightning_static_dist.participants.sharded import ShardedSync
+
+
+class Participants:
+    """The participants of one strategy, named (for what the strategy hands out: ``strategy.synchronizer`` is
+    ``participants.hooks.synchronizer``) and in the one order every hook calls them (a participant whose feature is
+    off does nothing; at most one of the three synchronisers is active in a fit)::
+
+        BufferBroadcast   sync.broadcast_buffers: rank 0's buffers before each training forward
+        ShardedSync       sync.reduce=reduce_scatter: builds the sharded synchroniser; gathers; sharded checkpoints
+        HookSync          sync.mode=hooks: builds the synchroniser; runs the rounds of either synchroniser
+        GraphSync         sync.mode=graph: the averaging identity; the graph check before the first backward
+        StaticCompile     compile: compiles at setup (after the synchroniser: its plan follows the graph's pieces)
+        NonfiniteCheck    sync.nonfinite: after the gradients are averaged
+        EmbeddingShards   embedding: shard, prefetch, gather before forward, release after backward and step
+        SigtermAgreement  Lightning's SIGTERM check over the host group (loop.py)
+        PeerWatch         the peer watchdog
+        CompressionState  compression: the auto trial, and the compressor's state in checkpoints
+        PhaseRecording    the overlap monitor's recorder: marks forward, backward and optimizer phases
+
+    The order keeps what must come first first: the buffers before the embeddings' gather before the recorder's
+    forward; the gradients synchronised, then checked, then the embeddings released; the sharded synchroniser
+    released at teardown before the hook synchroniser frees its buffers; the recorder last, so that a phase it
+    marks begins after the waits of the others. ``after_backward`` (the recorder ends backward) runs before
+    ``finish_gradients`` (the waits), so the recorder never counts waiting as compute.
+
+    Args:
+        view: the strategy, as the participants read it.
+        failed: whether this rank is reporting a failure itself (the peer watchdog's thread asks).
+    """
+
+    def __init__(self, view: StrategyView, failed: Callable[[], bool]) -> None:
+        self.recording = PhaseRecording()
+        self.compile = StaticCompile(view)
+        self.compression = CompressionState(view)
+        self.embeddings = EmbeddingShards(view, self.recording)
+        self.hooks = HookSync(view, self.embeddings, self.compile, self.compression, self.recording)
+        self.sharded = ShardedSync(view, self.hooks, self.compile, self.recording)
+        self.graph = GraphSync(view, self.compile)
+        self.nonfinite = NonfiniteCheck(view, self.sharded)
+        self.ordered: tuple[StepParticipant, ...] = (
+            BufferBroadcast(view), self.sharded, self.hooks, self.graph, self.compile, self.nonfinite,
+            self.embeddings, SigtermAgreement(view), PeerWatch(view, failed=failed), self.compression,
+            self.recording,
+        )
+
+    # ----------------------------------------------------------------------------- the checkpoint phases' answers
+
+    def model_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Lightning's model state dict as saved (a collective where weights are gathered: every rank calls it)."""
+        for participant in self.ordered:
+            state = participant.model_state_dict(state)
+        return state
+
+    def model_state_to_load(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint's model state dict as this rank's model loads it."""
+        for participant in self.ordered:
+            state = participant.model_state_to_load(state)
+        return state
+
+    def optimizer_state(self, optimizer: Any, lightning_state: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        """The optimizer's state as saved: a participant's own form where one holds it, else ``lightning_state``'s
+        as the participants would have it saved."""
+        for participant in self.ordered:
+            own = participant.optimizer_state(optimizer)
+            if own is not None:
+                return own
+        state = lightning_state(optimizer)
+        for participant in self.ordered:
+            state = participant.optimizer_state_to_save(optimizer, state)
+        return state
+
+    def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> bool:
+        """Whether a participant loaded the checkpoint's optimizer states in its own form (Lightning's is skipped)."""
+        return any(participant.load_optimizer_states(checkpoint) for participant in self.ordered)
+
+    def optimizer_state_to_load(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint's optimizer state as this rank's optimizer loads it."""
+        for participant in self.ordered:
+            state = participant.optimizer_state_to_load(optimizer, state)
+        return state
+
+    def write_checkpoint(self, checkpoint: dict[str, Any], path: Any) -> bool:
+        """Whether a participant wrote the checkpoint in its own format (Lightning's writing is skipped)."""
+        return any(participant.write_checkpoint(checkpoint, path) for participant in self.ordered)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The entries every participant adds to a checkpoint (a collective: every rank calls it)."""
+        entries: dict[str, Any] = {}
+        for participant in self.ordered:
+            entries.update(participant.state_dict())
+        return entries

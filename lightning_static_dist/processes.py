@@ -1,0 +1,294 @@
+"""``DataParallelProcesses``: the processes, ranks, process groups and collectives of a data-parallel Lightning
+strategy, below the step lifecycle :class:`~lightning_static_dist.strategy.StaticDistStrategy` adds.
+
+What Lightning's ``DDPStrategy`` and ``ModelParallelStrategy`` each hold beside their step: how the ranks start (the
+launchers), the process group (bound to the rank's device for NCCL), the data-parallel ``DeviceMesh``, a Gloo group
+for figures held on the host, Lightning's collectives (``barrier``, ``broadcast``, ``reduce``) and a failed rank's
+one-line diagnosis.
+
+Example (the strategy is the class users meet; this part of it, used from a hook)::
+
+    breaks, recompiles = strategy.host_max([len(report.graph_breaks), len(report.recompiles)])
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+
+from lightning_static_dist import loop as loop_patches
+from lightning_static_dist.compat import destroy_process_groups_at_exit, mark_run_failed
+from lightning_static_dist.config import ConfigError, StrategyConfig
+from lightning_static_dist.ddp_arguments import device_backend
+from lightning_static_dist.faults import diagnose, is_collective_failure, record_nccl_flight, waiting_in
+from lightning_static_dist.launcher import StaticDistLauncher, StaticDistSpawnLauncher
+from lightning_static_dist.mesh import build_dp_mesh, resolve_mesh_shape
+
+log = logging.getLogger(__name__)
+
+#: backends whose communicator is created eagerly on the rank's device when the process group is bound to it
+_DEVICE_BOUND_BACKENDS = ("nccl", "xccl", "hccl")
+
+
+def binds_device(backend: str, device: torch.device) -> bool:
+    """Whether the process group starts bound to the rank's device (``device_id``): for the accelerator's own
+    collective library (NCCL, XCCL, HCCL), so that the mesh's groups are split from one eagerly created
+    communicator. Any other backend is not bound — Gloo carrying CUDA tensors in particular: ``DeviceMesh`` would
+    then split its groups, and ``split_group`` cannot copy Gloo's options (``TypeError: cannot pickle ...
+    _Options`` on torch 2.11). ``backend`` was validated by ``ddp_arguments.check_process_group_backend``."""
+    return device.type != "cpu" and device_backend(backend, device.type) in _DEVICE_BOUND_BACKENDS
+
+
+class DataParallelProcesses(ParallelStrategy):
+    """A Lightning strategy's processes, ranks, groups and collectives, for data parallelism over a ``DeviceMesh``
+    that covers the world.
+
+    Args:
+        config: the validated ``strategy`` block (its ``timeout_s`` and ``mesh`` are read here).
+        start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"``,
+            ``"forkserver"``.
+        process_group_backend: a backend registered with ``torch.distributed``, or ``device:backend`` pairs;
+            ``None``: NCCL on CUDA, Gloo on CPU.
+        num_nodes: as with ``DDPStrategy``, replaced by ``Trainer(num_nodes=...)``.
+    """
+
+    def __init__(
+        self,
+        accelerator: Optional[pl.accelerators.Accelerator],
+        parallel_devices: Optional[list[torch.device]],
+        cluster_environment: Optional[ClusterEnvironment],
+        checkpoint_io: Optional[CheckpointIO],
+        precision_plugin: Optional[Precision],
+        *,
+        config: StrategyConfig,
+        start_method: str,
+        process_group_backend: Optional[str],
+        num_nodes: int,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
+            raise ConfigError(f"num_nodes={num_nodes!r}: must be an integer >= 1")
+        self._config = config
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._num_nodes = num_nodes
+        self._mesh: Optional[DeviceMesh] = None
+        self._host_group: Optional[torch.distributed.ProcessGroup] = None
+        self._failed = False
+        self.failure: Optional[str] = None
+        """One line saying which rank stopped participating, and where, after a communication failure."""
+
+    @property
+    def config(self) -> StrategyConfig:
+        """The validated strategy configuration (``strategy.config.sync.bucket_mb`` ...)."""
+        return self._config
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The data-parallel mesh, built in :meth:`setup_environment` from the world that actually started."""
+        if self._mesh is None:
+            raise RuntimeError("The device mesh is built when the processes start: access it in or after `setup`.")
+        return self._mesh
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning asks this of strategies it does not know (sampler insertion, `self.log(sync_dist=True)`)
+        return True
+
+    # ------------------------------------------------------------------------------------- processes and ranks
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        # Lightning's connector sets it from Trainer(num_nodes=...); a different constructor value would be lost silently
+        if num_nodes != self._num_nodes and self._num_nodes != 1:
+            rank_zero_warn(f"static_dist: num_nodes={self._num_nodes} given to the strategy is replaced by the Trainer's"
+                           f" num_nodes={num_nodes} (as with DDPStrategy: set it on the Trainer)")
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        """The backend given, else the default for this rank's device (NCCL on CUDA, Gloo on CPU) once the devices are
+        known (``DDPStrategy``'s reads ``None`` until its process group starts)."""
+        if self._process_group_backend is None and self.parallel_devices:
+            return _get_default_process_group_backend_for_device(self.root_device)
+        return self._process_group_backend
+
+    @property
+    def dp_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        """Every data-parallel rank: the mesh covers the world."""
+        return _group.WORLD if self._mesh is not None else None
+
+    @property
+    def host_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        """A Gloo group over every rank for figures held on the host (``None`` on one rank, or where none could be
+        made)."""
+        return self._host_group
+
+    def reduce_scatter(self) -> bool:
+        """``strategy.sync.reduce`` resolved against the mesh that started (``auto``: reduce_scatter if dp_shard > 1)."""
+        reduce = self._config.sync.reduce
+        if reduce == "auto":
+            return self._mesh is not None and self._mesh.size(1) > 1
+        return reduce == "reduce_scatter" and self.world_size > 1
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        # in the launching process, before any rank starts: a mesh that cannot fit the world is a config error
+        resolve_mesh_shape(self._config.mesh, self.num_nodes * self.num_processes)
+        if self._start_method == "popen":
+            self._launcher = StaticDistLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = StaticDistSpawnLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.setup_distributed()
+        if self.lightning_module is not None:
+            # the same hand-over ModelParallelStrategy uses: `self.device_mesh` inside the LightningModule
+            self.lightning_module._device_mesh = self._mesh
+
+    def setup_distributed(self) -> None:
+        """Initialise the process group and build the data-parallel mesh over it."""
+        log.debug(f"{self.__class__.__name__}: setting up distributed...")
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        record_nccl_flight(self._process_group_backend, self.root_device,
+                           trainer.default_root_dir if trainer is not None else os.getcwd())
+        _init_dist_connection(
+            self.cluster_environment,
+            self._process_group_backend,
+            timeout=timedelta(seconds=self._config.timeout_s),
+            device_id=self.root_device if binds_device(self._process_group_backend, self.root_device) else None,
+        )
+        destroy_process_groups_at_exit()  # at exit, while the interpreter is whole; not after a failure
+        self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
+        if self.world_size > 1 and self._host_group is None:  # once per strategy: every later stage reuses it
+            self._host_group = loop_patches.host_group(timedelta(seconds=self._config.timeout_s))
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def has_failed(self) -> bool:
+        """Whether this rank is reporting a failure itself (the peer watchdog's thread reads it)."""
+        return self._failed
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        mark_run_failed()  # the exit-time teardown must not wait for peers that may be gone
+        self._failed = True
+        if self.world_size > 1 and is_collective_failure(exception):
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            step = trainer.global_step if trainer is not None else -1
+            self.failure = diagnose(exception, self.global_rank, self.world_size, step)
+            print(self.failure, file=sys.stderr, flush=True)
+            if isinstance(self._launcher, _SubprocessScriptLauncher):
+                # Lightning kills the other ranks only on Ctrl-C; a stuck rank would outlive the job
+                self._launcher.kill(signal.SIGKILL)
+
+    # ------------------------------------------------------------------------------------------ collectives
+
+    def host_max(self, values: Sequence[float]) -> list[float]:
+        """The maximum over ranks of figures held on the host, through the host (Gloo) group: no device tensor, so
+        no GPU synchronisation (a device all-reduce read back with ``.item()`` waits for the GPU's queue). A
+        collective: every rank calls it."""
+        if self.world_size == 1:
+            return [float(v) for v in values]
+        # where no Gloo group could be made (loop.host_group warned), through the default group and the device
+        device = torch.device("cpu") if self._host_group is not None else self.root_device
+        flat = torch.tensor(values, dtype=torch.float64, device=device)
+        with waiting_in("the maximum over ranks of host figures (strategy.host_max)"):
+            torch.distributed.all_reduce(flat, op=ReduceOp.MAX, group=self._host_group)
+        return flat.tolist()
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if "nccl" in torch.distributed.get_backend() and self.root_device.type == "cuda":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        objects = [obj]
+        torch.distributed.broadcast_object_list(objects, src, group=_group.WORLD)
+        return objects[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        """Reduce a tensor over all processes (``"mean"`` by default, ``"sum"``, or a ``ReduceOp``).
+
+        Non-tensors are returned unchanged, as in every Lightning strategy.
+        """
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
