@@ -1,6 +1,7 @@
 """Static compilation: compiled training equals eager, gradients stay early when the whole step is cut at the buckets
-and under regional compile, no recompiles, eager fallback, fullgraph errors, cross-rank checks, graph mode, the
-new default against Lightning's ``ddp``, and ``trainer.fit(torch.compile(model))``."""
+and under regional compile, no recompiles, eager fallback, fullgraph errors, the new default and graph mode against
+Lightning's ``ddp``, and ``trainer.fit(torch.compile(model))``. Graph mode's own checks are in test_graph.py; the
+cross-rank comparison that stops ranks with different models is in test_fingerprint.py."""
 
 from __future__ import annotations
 
@@ -16,12 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning as L
-from _dist import reference_ddp, run_ranks
+from _dist import reference_ddp
 from lightning_static_dist.examples.charlm import Block, CharDataModule, CharGPT
 from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.compile import CompileFailure, compile_regions, find_regions
 from lightning_static_dist.config import CompileConfig, ConfigError
-from lightning_static_dist.fingerprint import first_difference
 
 
 def tiny_gpt(n_layer: int = 3) -> CharGPT:
@@ -328,12 +328,6 @@ def test_device_transfers_inside_a_graph_are_reported() -> None:
     assert len(report.placement) == 1 and "test_compile.py" in report.placement[0]
 
 
-def test_first_difference() -> None:
-    assert first_difference([["a", "b"], ["a", "b"]]) is None
-    assert first_difference([["a", "b"], ["a", "c"]]) == "rank 0 has 'b' where rank 1 has 'c' (line 2)"
-    assert first_difference([["a"], ["a", "x"]]) == "rank 0 has '<nothing>' where rank 1 has 'x' (line 2)"
-
-
 # ---------------------------------------------------------------------------------------------- 2 ranks
 
 
@@ -360,27 +354,6 @@ def test_static_dist_compiled_equals_eager_and_accepts_torch_compile(tmp_path: A
     for key in eager:
         torch.testing.assert_close(compiled[key], eager[key], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(user[key], eager[key], atol=1e-4, rtol=1e-4)
-
-
-def _mismatched_models(rank: int, world: int) -> str:
-    from lightning_static_dist.fingerprint import RankMismatchError, check_same_on_all_ranks, describe_parameters
-
-    model = nn.Linear(4, 4 if rank == 0 else 5)  # rank 1 built another model
-    started = time.perf_counter()
-    try:
-        check_same_on_all_ranks("the model's parameters", describe_parameters(model))
-    except RankMismatchError as err:
-        return f"{time.perf_counter() - started:.1f}s {err}"
-    return "no error"
-
-
-@pytest.mark.multiprocess
-def test_ranks_with_different_models_stop_at_once_with_the_difference() -> None:
-    for result in run_ranks(_mismatched_models, 2, timeout=60):
-        seconds, message = result.split(" ", 1)
-        assert float(seconds.rstrip("s")) < 10
-        assert "ranks disagree on the model's parameters" in message
-        assert "rank 0 has 'param weight (4, 4)" in message and "rank 1 has 'param weight (5, 4)" in message
 
 
 # ------------------------------------------------------------------ the default compile and graph mode vs ddp
@@ -449,102 +422,6 @@ def test_the_compiled_step_trains_to_lightning_ddp_weights(tmp_path: Any, mode: 
         # every micro-batch averaged inside its own backward: 4 steps x 2; inductor buckets the traced all-reduces
         assert facts["graph_rounds"] == 8, facts
         assert ("bucket_all_reduces_fx" in facts["summary"]) == (backend == "inductor"), facts["summary"]
-
-
-class RankBranch(L.LightningModule):
-    """Rank 0 uses a branch that rank 1 never touches: fine for hooks, not for a static traced graph."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        h = self.a(batch[0])
-        if self.global_rank == 0:
-            h = self.b(h)
-        return h.square().mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self) -> Any:
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=4)
-
-
-def _trainer(strategy: Any, max_steps: int = 3) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-
-
-@pytest.mark.multiprocess
-def test_graph_mode_stops_ranks_that_compiled_different_graphs_before_any_collective() -> None:
-    strategy = StaticDistStrategy(start_method="spawn", sync={"mode": "graph"},
-                                  compile={"enabled": True, "backend": "aot_eager"}, timeout_s=60)
-    with pytest.raises(Exception, match=r"sync.mode=graph needs every rank to compile the same graphs .* ranks disagree"
-                                        r" on what they compiled .*strategy.sync.mode=hooks"):
-        _trainer(strategy).fit(RankBranch())
-
-
-class Dense(RankBranch):
-    """Both layers on every rank (defined here, so spawned ranks import this module and its test backend)."""
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.b(self.a(batch[0])).square().mean()
-
-
-@pytest.mark.multiprocess
-def test_graph_mode_needs_compile_and_an_eager_fallback_still_averages(tmp_path: Any) -> None:
-    with pytest.raises(Exception, match=r"strategy.sync.mode='graph': .* needs strategy.compile.enabled=true"):
-        _trainer(StaticDistStrategy(start_method="spawn", sync={"mode": "graph"})).fit(Dense())
-    # a backend that cannot compile: the step runs eagerly, each parameter read still averaged (one collective
-    # per read), and the compile report says so — slow, never silent
-    facts_path = str(tmp_path / "facts.json")
-    failing = StaticDistStrategy(start_method="spawn", sync={"mode": "graph"},
-                                 compile={"enabled": True, "backend": "lsd_test_failing"})
-    trainer = _trainer(failing)
-    trainer.callbacks.append(CompileFacts(facts_path))
-    L.seed_everything(0)
-    model = Dense()
-    trainer.fit(model)
-    L.seed_everything(0)
-    reference = Dense()
-    _trainer(reference_ddp()).fit(reference)
-    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
-        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
-    with open(facts_path) as f:
-        facts = json.load(f)
-    assert "cannot compile anything" in facts["fallbacks"]["<training_step>"] and facts["graph_rounds"] == 3
-
-
-def _graph_sync_on_blocks(rank: int, world: int) -> dict[str, Any]:
-    from lightning_static_dist.sync.graph import GraphGradientSync
-
-    model = nested_gpt()
-    classes = [type(block) for block in model.trunk.h]
-    sync = GraphGradientSync(model)
-    sync.attach()
-    report = compile_regions(model, CompileConfig(enabled=True, backend="aot_eager", regional=True))
-    model.training_step(next(iter(model.train_dataloader())), 0).backward()
-    facts = {"one_class": len({type(block) for block in model.trunk.h}) == 1, "graphs": len(report.graphs),
-             "recompiles": report.recompiles, "weight_is_parameter": isinstance(model.head.weight, nn.Parameter)}
-    model.unused.requires_grad_(False)  # (through parameters(): `model.unused.weight` is the identity's output)
-    try:
-        sync.check_trainable()
-    except RuntimeError as err:
-        facts["frozen"] = str(err)
-    sync.detach()
-    facts["restored"] = [type(block) for block in model.trunk.h] == classes and isinstance(model.head.weight, nn.Parameter)
-    return facts
-
-
-@pytest.mark.multiprocess
-def test_graph_mode_keeps_one_class_per_block_kind_and_refuses_freezing_during_fit() -> None:
-    (facts,) = run_ranks(_graph_sync_on_blocks, 1)
-    # identical blocks share one swapped class: dynamo compiles them once, with no recompile per block
-    assert facts["one_class"] and facts["graphs"] == 1 and facts["recompiles"] == [], facts
-    assert not facts["weight_is_parameter"]  # a read goes through the averaging identity
-    assert "'unused.weight' was frozen during fit" in facts["frozen"] and facts["restored"], facts
 
 
 @pytest.mark.parametrize("regional", [True, "auto"])

@@ -1,0 +1,104 @@
+"""Fit the tiny char GPT on CPU ranks over a ``dp_replicate x dp_shard`` mesh and record, per rank, what sharding
+left behind (optimizer-state bytes, kept gradients, param groups, gathers in flight, the model after fit).
+
+Shared by test_sharded.py, test_checkpoint.py and test_mesh.py: ``static`` builds the strategy with small buckets,
+``fit`` trains and returns rank 0's weights with every rank's record, ``assert_same`` compares two runs' weights.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_static_dist import StaticDistStrategy
+from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
+
+
+STEPS = 12
+CLIP = 0.05  # small enough that every step clips: the global norm must be the whole model's
+
+
+def tiny_gpt() -> CharGPT:
+    torch.manual_seed(0)
+    return CharGPT(vocab_size=256, n_layer=2, n_embd=32, n_head=2, block_size=16, warmup_steps=0, weight_decay=0.1)
+
+
+class _Record(L.Callback):
+    """Per rank at the last step: optimizer-state bytes, whether full gradients were kept, the bucket plan."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.in_flight_at_batch_start: list[int] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        sync = getattr(trainer.strategy, "sharded_sync", None)
+        if sync is not None:  # gathers issued after the last optimizer step and not waited for yet
+            self.in_flight_at_batch_start.append(sum(shard.work is not None for shard in sync.shards))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step != trainer.max_steps:
+            return
+        optimizer = trainer.optimizers[0]
+        state_bytes = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+                          if torch.is_tensor(v) and v.dim() > 0)
+        sync = getattr(trainer.strategy, "sharded_sync", None)
+        record = {
+            "state_bytes": state_bytes,
+            "param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
+            "full_grads_kept": any(p.grad is not None for p in pl_module.parameters()),
+            "groups": [len(g["params"]) for g in optimizer.param_groups],
+            "sharded": sync is not None,
+            "in_flight": self.in_flight_at_batch_start,
+            "recompiles": len(report.recompiles) if (report := getattr(trainer.strategy, "compile_report", None)) else None,
+        }
+        torch.save(record, os.path.join(self.directory, f"record_rank{trainer.global_rank}.pt"))
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:  # after the strategy's teardown
+        path = os.path.join(self.directory, f"record_rank{trainer.global_rank}.pt")
+        record = torch.load(path)
+        params = list(pl_module.parameters())
+        optimizer = trainer.optimizers[0]
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        record["after_fit"] = {
+            "own_storages": len({p.untyped_storage().data_ptr() for p in params}) == len(params),
+            "optimizer_holds_model": held == {id(p) for p in params},
+            "full_state": all(optimizer.state[p]["exp_avg"].shape == p.shape for p in params),
+        }
+        torch.save(record, path)
+
+
+def fit(tmp: str, devices: int, strategy: Any, steps: int = STEPS, ckpt_path: Optional[str] = None,
+        save_at: Optional[int] = None, after: Any = None, extra_callbacks: tuple = (),
+        **trainer_kwargs: Any) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    os.makedirs(tmp, exist_ok=True)
+    L.seed_everything(0)
+    model = tiny_gpt()
+    callbacks: list[Any] = [_Record(tmp), *extra_callbacks]
+    if save_at is not None:
+        callbacks.append(ModelCheckpoint(dirpath=tmp, filename="step{step}", every_n_train_steps=save_at,
+                                         save_top_k=-1, save_on_train_epoch_end=False))
+    options = dict(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                   callbacks=callbacks, enable_checkpointing=save_at is not None, enable_progress_bar=False,
+                   enable_model_summary=False, limit_val_batches=0, gradient_clip_val=CLIP, default_root_dir=tmp)
+    trainer = L.Trainer(**{**options, **trainer_kwargs})
+    trainer.fit(model, datamodule=CharDataModule(block_size=16, batch_size=4, max_bytes=40_000), ckpt_path=ckpt_path)
+    if after is not None:
+        after(model, trainer)
+    records = [torch.load(os.path.join(tmp, f"record_rank{r}.pt")) for r in range(devices)]
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, records
+
+
+def static(replicate: int, shard: int, reduce: str = "auto", **kwargs: Any) -> StaticDistStrategy:
+    # small buckets: several per model, so pieces, padding and group boundaries fall inside buckets
+    return StaticDistStrategy(start_method="spawn", mesh={"dp_replicate": replicate, "dp_shard": shard},
+                              sync={"reduce": reduce, "first_bucket_mb": 0.01, "bucket_mb": 0.03}, **kwargs)
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=2e-5, rtol=1e-4, msg=key)
