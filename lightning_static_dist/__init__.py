@@ -12,15 +12,13 @@ only: Lightning behaves as without the import until a ``StaticDistStrategy`` is 
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_static_dist.config import (
-    CompileConfig,
-    CompressionConfig,
-    ConfigError,
-    EmbeddingConfig,
-    MeshConfig,
-    StrategyConfig,
-    SyncConfig,
-)
+from lightning_static_dist.compile.config import CompileConfig
+from lightning_static_dist.compression.config import CompressionConfig
+from lightning_static_dist.config import ConfigError
+from lightning_static_dist.embedding import EmbeddingConfig
+from lightning_static_dist.mesh import MeshConfig
+from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.sync.config import SyncConfig
 from lightning_static_dist.callbacks import GraphReport, RunSummary
 from lightning_static_dist.compile import CompileReport, inductor_distributed, register_inductor_distributed
 from lightning_static_dist.compression.guard import CompressionGuard

@@ -23,15 +23,42 @@ import shutil
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_static_dist.config.check import check_fields
+
 META_FILE = "lightning_meta.pt"
 MODEL = "model/"
 OPTIM = "optim/"
+
+
+@dataclass
+class CheckpointConfig:
+    """``strategy.checkpoint``: how checkpoints hold state that ``reduce_scatter`` splits between ranks.
+
+    Example::
+
+        StaticDistStrategy(checkpoint={"format": "sharded", "consolidate_at_end": True})
+    """
+
+    KEY = "strategy.checkpoint"
+
+    format: Literal["auto", "full", "sharded"] = "auto"
+    """``sharded``: a ``torch.distributed.checkpoint`` directory in which each rank writes its own optimizer-state
+    ranges (nothing is gathered; any world size or mesh resumes from it). ``full``: one Lightning file with the
+    optimizer state gathered to the form an unsharded run writes. ``auto``: ``sharded`` with ``reduce_scatter``,
+    else ``full`` (nothing is split then)."""
+    consolidate_at_end: bool = True
+    """At the end of ``fit``, turn the last sharded checkpoint into a plain Lightning file in place (the same path);
+    any other one: ``lsd-consolidate DIR OUT.ckpt``."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 def is_sharded_checkpoint(path: Any) -> bool:

@@ -111,7 +111,7 @@ Left where they are (so that this list is the whole inventory)
 ``watchdog.py``
     ``sys._current_frames`` (a documented CPython function) shows where the main thread is. Its ``os._exit(1)``
     comes from a background thread; it is not the exit teardown above.
-``config.py``
+``compile/config.py``
     ``torch._dynamo.list_backends`` validates ``compile.backend``. The public ``torch.compiler.list_backends`` would
     retire it.
 ``compile/`` (``torch._dynamo`` and ``torch._inductor`` are its subject, so most of it is private by nature)

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch.distributed
 
-from lightning_static_dist.config import ConfigError, StrategyConfig
+from lightning_static_dist.config import ConfigError
 
 #: the strategy key each DDP argument stands for (``section.field`` inside a section)
 STANDS_FOR = {"timeout": "timeout_s", "bucket_cap_mb": "sync.bucket_mb", "broadcast_buffers": "sync.broadcast_buffers"}
@@ -142,22 +142,3 @@ def device_backend(backend: str, device_type: str) -> Optional[str]:
 
 #: How a strategy may start its processes (``start_method``).
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
-
-
-def strategy_config(args: DDPArguments, sections: Mapping[str, Any], timeout_s: Optional[float], start_method: str,
-                    process_group_backend: Optional[str]) -> tuple[StrategyConfig, list[str]]:
-    """The validated ``strategy`` block a strategy's keyword arguments describe, and the lines to say once: DDP's
-    arguments merged in (:func:`translate`), the sections and the timeout checked (:class:`StrategyConfig`), then the
-    start method and the process-group backend — each a one-line :class:`ConfigError` naming the key.
-
-    Example::
-
-        config, notes = strategy_config(DDPArguments(bucket_cap_mb=10), {"compression": {"name": "bf16"}}, None,
-                                        "popen", None)
-    """
-    sync, timeout_s, notes = translate(args, sections.get("sync"), timeout_s)
-    config = StrategyConfig(**{**sections, "sync": sync}, timeout_s=1800.0 if timeout_s is None else timeout_s)
-    if start_method not in START_METHODS:
-        raise ConfigError(f"start_method={start_method!r}: allowed: {', '.join(map(repr, START_METHODS))}")
-    check_process_group_backend(process_group_backend)
-    return config, notes

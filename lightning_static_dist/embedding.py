@@ -26,16 +26,51 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_static_dist.compat import all_gather_single, reduce_scatter_single
-from lightning_static_dist.config import EmbeddingConfig
+from lightning_static_dist.config.check import check_fields, fail
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class EmbeddingConfig:
+    """``strategy.embedding``: shard embeddings across data-parallel ranks, with the all-gather hoisted.
+
+    Each rank keeps 1/N of the rows of each sharded embedding (its weight, gradient and optimizer state); the full
+    weight is all-gathered asynchronously before the forward and its gradient reduce-scattered in backward. Tied
+    uses (``head.weight = wte.weight``) share one gather. See :mod:`lightning_static_dist.embedding`.
+
+    Example::
+
+        StaticDistStrategy(embedding={"shard": "auto", "min_rows": 8192, "prefetch": "after_optimizer"})
+    """
+
+    KEY = "strategy.embedding"
+
+    shard: Union[bool, Literal["auto"]] = False
+    """``auto``: embeddings (``nn.Embedding``/``nn.EmbeddingBag``) with at least ``min_rows`` rows; ``true``: every
+    embedding; ``false``: none. Ignored at world size 1."""
+    min_rows: int = 8192
+    """With ``shard: auto``, the smallest embedding that gets sharded."""
+    prefetch: Literal["batch_start", "after_optimizer"] = "after_optimizer"
+    """When the all-gather is issued: right after the previous optimizer step (default: it then overlaps the end of
+    the step, the loader and the batch transfer), or in the batch-start hook (little runs between that hook and the
+    forward, so most of the gather is exposed; the embed-shard benchmark measures both). The first step issues it
+    before its forward either way."""
+    gather_once_per_step: bool = True
+    """With gradient accumulation: keep the gathered weight across micro-batches (one gather per step); false
+    frees it after every backward and gathers again (less memory, one gather per micro-batch)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.min_rows < 1:
+            fail(f"{self.KEY}.min_rows", self.min_rows, "must be an integer >= 1")
 
 
 class GatherRows(torch.autograd.Function):

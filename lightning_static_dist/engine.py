@@ -29,7 +29,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_static_dist.compression import CompressingReducer, LowPrecisionCompressor, build_compressor
 from lightning_static_dist.compression.auto import Candidate, CompressionTrial
 from lightning_static_dist.compression.base import Compressor
-from lightning_static_dist.config import CompressionConfig, SyncConfig
+from lightning_static_dist.compression.config import CompressionConfig
+from lightning_static_dist.sync.config import SyncConfig
 from lightning_static_dist.faults import waiting_in
 from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_parameters
 from lightning_static_dist.sync import GradientSynchronizer

@@ -46,17 +46,12 @@ from lightning.fabric.utilities.types import _PATH
 
 from lightning_static_dist.compile import CompileReport, compile_optimizer_step, compile_regions
 from lightning_static_dist.compression import CompressingReducer
-from lightning_static_dist.config import (
-    CheckpointConfig,
-    CompileConfig,
-    CompressionConfig,
-    ConfigError,
-    EmbeddingConfig,
-    MeshConfig,
-    StrategyConfig,
-    SyncConfig,
-)
-from lightning_static_dist.ddp_arguments import DDPArguments, strategy_config, yield_to
+from lightning_static_dist.checkpoint import CheckpointConfig
+from lightning_static_dist.compile.config import CompileConfig
+from lightning_static_dist.compression.config import CompressionConfig
+from lightning_static_dist.config import ConfigError
+from lightning_static_dist.ddp_arguments import DDPArguments, yield_to
+from lightning_static_dist.embedding import EmbeddingConfig
 from lightning_static_dist.engine import (
     COMPRESSION_KEY,
     broadcast_buffers,
@@ -70,12 +65,14 @@ from lightning_static_dist.engine import (
     start_from_rank_zero,
 )
 from lightning_static_dist.launcher import exit_without_native_teardown
-from lightning_static_dist.mesh import build_dp_mesh, resolve_mesh_shape
+from lightning_static_dist.mesh import MeshConfig, build_dp_mesh, resolve_mesh_shape
 from lightning_static_dist.overlap.intervals import step_metrics
 from lightning_static_dist.overlap.monitor import METRICS, RankAggregate, aggregate_over_ranks
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.overlap.timeline import StepTimeline
+from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.sync import GradientSynchronizer
+from lightning_static_dist.sync.config import SyncConfig
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +103,7 @@ class StaticDistFabricStrategy(DDPStrategy):
     process starts); one model per strategy is synchronised (the first one set up with trainable parameters).
 
     Args:
-        compile: ``strategy.compile`` (:class:`~lightning_static_dist.config.CompileConfig`): the model set up is
+        compile: ``strategy.compile`` (:class:`~lightning_static_dist.compile.config.CompileConfig`): the model set up is
             compiled by the strategy, cut at the gradient buckets (pass the model uncompiled).
         mesh: ``strategy.mesh``; sync: ``strategy.sync``; compression: ``strategy.compression``;
             embedding: ``strategy.embedding``; checkpoint: ``strategy.checkpoint`` (as ``StaticDistStrategy``).
@@ -166,7 +163,8 @@ class StaticDistFabricStrategy(DDPStrategy):
                            broadcast_buffers=broadcast_buffers)
         sections = dict(compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding,
                         checkpoint=checkpoint)
-        self._config, notes = strategy_config(ddp, sections, timeout_s, start_method, process_group_backend)
+        self._config, notes = StrategyConfig.from_arguments(ddp, sections, timeout_s, start_method,
+                                                                   process_group_backend)
         _refuse_what_fabric_lacks(self._config)
         if isinstance(monitor_every_n_steps, bool) or not isinstance(monitor_every_n_steps, int) or monitor_every_n_steps < 0:
             raise ConfigError(f"monitor_every_n_steps={monitor_every_n_steps!r}: must be an integer >= 0 (0: never)")

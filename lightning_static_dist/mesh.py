@@ -17,13 +17,48 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_static_dist.config import ConfigError, MeshConfig
+from lightning_static_dist.config.check import ConfigError, check_fields, fail
 
 log = logging.getLogger(__name__)
 
 #: Names of the mesh dimensions: replica groups (all-reduce across them) and shard groups (reduce-scatter inside).
 REPLICATE_DIM = "dp_replicate"
 SHARD_DIM = "dp_shard"
+
+
+@dataclass
+class MeshConfig:
+    """``strategy.mesh``: the shape of the data-parallel ``DeviceMesh``, built at run time from the actual world.
+
+    ``dp_replicate * dp_shard`` must equal the world size; ``-1`` infers one of them. Ranks ``r * dp_shard ..
+    r * dp_shard + dp_shard - 1`` form shard group ``r`` (neighbours: the same node, where the fast links are).
+    With ``dp_shard > 1`` and ``strategy.sync.reduce: reduce_scatter`` (its default then) each shard group splits
+    the optimizer state between its ranks.
+
+    Example::
+
+        StaticDistStrategy(mesh={"dp_replicate": 2, "dp_shard": -1})
+    """
+
+    KEY = "strategy.mesh"
+
+    dp_replicate: int = -1
+    """Replica groups (gradient shards all-reduced across them); -1: world size / dp_shard."""
+    dp_shard: int = 1
+    """Ranks splitting one replica's optimizer state (gradients reduce-scattered among them); -1: world size /
+    dp_replicate."""
+    shard_across_nodes: bool = False
+    """Allow a shard group to span several hosts (its reduce-scatter and all-gather then cross the slow links);
+    false stops such a job at start-up, listing each rank's host."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for name in ("dp_replicate", "dp_shard"):
+            value = getattr(self, name)
+            if value != -1 and value < 1:
+                fail(f"{self.KEY}.{name}", value, "must be -1 (infer) or an integer >= 1")
+        if self.dp_replicate == -1 and self.dp_shard == -1:
+            fail(f"{self.KEY}.dp_shard", self.dp_shard, "at most one of dp_replicate and dp_shard may be -1")
 
 
 class TopologyError(RuntimeError):

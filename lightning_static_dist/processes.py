@@ -47,7 +47,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
 from lightning_static_dist import loop as loop_patches
 from lightning_static_dist.compat import destroy_process_groups_at_exit, mark_run_failed
-from lightning_static_dist.config import ConfigError, StrategyConfig
+from lightning_static_dist.config import ConfigError
+from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.ddp_arguments import device_backend
 from lightning_static_dist.faults import diagnose, is_collective_failure, record_nccl_flight, waiting_in
 from lightning_static_dist.launcher import StaticDistLauncher, StaticDistSpawnLauncher

@@ -41,28 +41,26 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_static_dist.checkpoint import CheckpointConfig
 from lightning_static_dist.checkpoint import ShardedOptimizerState, is_sharded_checkpoint, load_sharded
 from lightning_static_dist.compat import allow_compiled_models_in_trainer
 from lightning_static_dist.compile import CompileReport
+from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compression import CompressingReducer
 from lightning_static_dist.compression.auto import CompressionTrial
-from lightning_static_dist.config import (
-    CheckpointConfig,
-    CompileConfig,
-    CompressionConfig,
-    EmbeddingConfig,
-    MeshConfig,
-    StrategyConfig,
-    SyncConfig,
-)
-from lightning_static_dist.ddp_arguments import DDPArguments, strategy_config, yield_to
+from lightning_static_dist.compression.config import CompressionConfig
+from lightning_static_dist.ddp_arguments import DDPArguments, yield_to
+from lightning_static_dist.embedding import EmbeddingConfig
 from lightning_static_dist.embedding import EmbeddingSharder
 from lightning_static_dist.engine import compressing_reducer_of, register_names, start_from_rank_zero
 from lightning_static_dist.fingerprint import RankMismatchError
+from lightning_static_dist.mesh import MeshConfig
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.participants import Participants
 from lightning_static_dist.processes import DataParallelProcesses
+from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.sync import RoundSync
+from lightning_static_dist.sync.config import SyncConfig
 from lightning_static_dist.sync.graph import GraphGradientSync
 from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
 
@@ -79,12 +77,12 @@ class StaticDistStrategy(DataParallelProcesses):
     process starts.
 
     Args:
-        compile: ``strategy.compile`` (:class:`~lightning_static_dist.config.CompileConfig`).
-        mesh: ``strategy.mesh`` (:class:`~lightning_static_dist.config.MeshConfig`).
-        sync: ``strategy.sync`` (:class:`~lightning_static_dist.config.SyncConfig`).
-        compression: ``strategy.compression`` (:class:`~lightning_static_dist.config.CompressionConfig`).
-        embedding: ``strategy.embedding`` (:class:`~lightning_static_dist.config.EmbeddingConfig`).
-        checkpoint: ``strategy.checkpoint`` (:class:`~lightning_static_dist.config.CheckpointConfig`).
+        compile: ``strategy.compile`` (:class:`~lightning_static_dist.compile.config.CompileConfig`).
+        mesh: ``strategy.mesh`` (:class:`~lightning_static_dist.mesh.MeshConfig`).
+        sync: ``strategy.sync`` (:class:`~lightning_static_dist.sync.config.SyncConfig`).
+        compression: ``strategy.compression`` (:class:`~lightning_static_dist.compression.config.CompressionConfig`).
+        embedding: ``strategy.embedding`` (:class:`~lightning_static_dist.embedding.EmbeddingConfig`).
+        checkpoint: ``strategy.checkpoint`` (:class:`~lightning_static_dist.checkpoint.CheckpointConfig`).
         timeout_s: timeout of every collective, in seconds (default 1800; or ``timeout``, DDP's ``timedelta``).
         process_group_backend: a backend registered with ``torch.distributed`` (``"nccl"``, ``"gloo"``, ``"xccl"``
             ...) or ``device:backend`` pairs (``"cpu:gloo,cuda:nccl"``), checked here; by default NCCL on CUDA and
@@ -150,7 +148,8 @@ class StaticDistStrategy(DataParallelProcesses):
                            broadcast_buffers, ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper, model_averaging_period)
         sections = dict(compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding,
                         checkpoint=checkpoint)
-        config, notes = strategy_config(ddp, sections, timeout_s, start_method, process_group_backend)
+        config, notes = StrategyConfig.from_arguments(ddp, sections, timeout_s, start_method,
+                                                             process_group_backend)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
                          config=config, start_method=start_method, process_group_backend=process_group_backend,
                          num_nodes=num_nodes)

@@ -21,7 +21,9 @@ LAYERS: dict[str, int] = {
     "strategy": 1, "fabric": 1,
     # what a front end runs a step with (the engine both share, the strategy's processes and groups, Lightning's
     # loop patch, the watchdog, launchers, callbacks, reports)
-    "engine": 2, "processes": 2, "loop": 2, "watchdog": 2, "launcher": 2, "callbacks": 2, "report_plot": 2, "sweep_report": 2,
+    "engine": 2, "processes": 2,
+    # the strategy block: every feature's section (each defined beside its feature), checked together
+    "strategy_config": 2, "loop": 2, "watchdog": 2, "launcher": 2, "callbacks": 2, "report_plot": 2, "sweep_report": 2,
     # each feature's part of the strategy's hooks (the step participants)
     "participants": 2,
     # the features

@@ -21,7 +21,8 @@ from _dist import reference_ddp
 from lightning_static_dist.examples.charlm import Block, CharDataModule, CharGPT
 from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.compile import CompileFailure, compile_regions, find_regions
-from lightning_static_dist.config import CompileConfig, ConfigError
+from lightning_static_dist.compile.config import CompileConfig
+from lightning_static_dist.config import ConfigError
 
 
 def tiny_gpt(n_layer: int = 3) -> CharGPT:

@@ -29,7 +29,8 @@ from lightning_static_dist.compression import (
 )
 from lightning_static_dist.compression.auto import Candidate, CompressionTrial, choose
 from lightning_static_dist.compression.base import PerParameterState, all_reduce, flat_float, scatter_into
-from lightning_static_dist.config import CompressionConfig, ConfigError
+from lightning_static_dist.compression.config import CompressionConfig
+from lightning_static_dist.config import ConfigError
 
 pytestmark = pytest.mark.multiprocess
 

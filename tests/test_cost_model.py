@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_static_dist.compression import build_compressor
-from lightning_static_dist.config import CompressionConfig
+from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.overlap.cost_model import (
     Link,
     Sample,

@@ -16,7 +16,7 @@ import lightning as L
 from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_static_dist import StaticDistStrategy
-from lightning_static_dist.config import EmbeddingConfig
+from lightning_static_dist.embedding import EmbeddingConfig
 from lightning_static_dist.embedding import find_embeddings
 
 pytestmark = pytest.mark.multiprocess

@@ -140,7 +140,7 @@ def test_regional_inductor_compile_on_gpu_matches_eager() -> None:
 
     from lightning_static_dist.examples.charlm import CharGPT
     from lightning_static_dist.compile import compile_regions
-    from lightning_static_dist.config import CompileConfig
+    from lightning_static_dist.compile.config import CompileConfig
 
     torch.manual_seed(0)
     eager = CharGPT(n_layer=3, n_embd=64, n_head=4, block_size=32, warmup_steps=0).cuda()

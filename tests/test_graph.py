@@ -18,7 +18,7 @@ from _dist import reference_ddp, run_ranks
 from test_compile import CompileFacts, nested_gpt
 from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.compile import compile_regions
-from lightning_static_dist.config import CompileConfig
+from lightning_static_dist.compile.config import CompileConfig
 
 
 class RankBranch(L.LightningModule):

@@ -25,7 +25,7 @@ from lightning_static_dist.compile.report import (
     _device_transfers,
     _structure,
 )
-from lightning_static_dist.config import CompileConfig
+from lightning_static_dist.compile.config import CompileConfig
 
 log = logging.getLogger(__name__)
 

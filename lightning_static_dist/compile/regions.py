@@ -32,7 +32,8 @@ from lightning_static_dist.compat import unwrap_optimizer
 from lightning_static_dist.compile.backends import RecordingBackend
 from lightning_static_dist.compile.report import CompileFailure, CompileReport, _capture_dynamo_logs, failure_reason
 from lightning_static_dist.compile.split import BucketGraphSplitter
-from lightning_static_dist.config import CompileConfig, ConfigError
+from lightning_static_dist.compile.config import CompileConfig
+from lightning_static_dist.config import ConfigError
 
 log = logging.getLogger(__name__)
 

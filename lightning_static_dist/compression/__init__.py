@@ -16,7 +16,8 @@ from lightning_static_dist.compression.compressors import (
 )
 from lightning_static_dist.compression.guard import CompressionGuard
 from lightning_static_dist.compression.reducer import CompressingReducer, PhasedReduction
-from lightning_static_dist.config import CompressionConfig, ConfigError, import_object
+from lightning_static_dist.compression.config import CompressionConfig
+from lightning_static_dist.config import ConfigError, import_object
 
 __all__ = [
     "CompressingReducer",

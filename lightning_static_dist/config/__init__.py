@@ -1,19 +1,24 @@
-"""Typed configuration, validated once, at the edge.
+"""The one checker of typed configuration, validated once, at the edge.
 
-- :mod:`~lightning_static_dist.config.check`: the one checker — a value against an annotation, a dataclass against
-  its fields — and :class:`ConfigError`, whose message is one line naming the full key, the bad value and what is
-  allowed. The callbacks' configs (``RunSummary.Config``, ``OverlapMonitor.Config`` ...) use it too, beside their
-  classes.
-- :mod:`~lightning_static_dist.config.sections`: the strategy's sections (``strategy.compile``, ``strategy.sync``
-  ...) and :class:`StrategyConfig`, which holds them.
-
-The run file (``lsd-train CONFIG.yaml``) is loaded beside the command line, by :mod:`lightning_static_dist.runfile`.
+:mod:`~lightning_static_dist.config.check` checks a value against an annotation and a dataclass against its fields;
+:class:`ConfigError`'s message is one line naming the full key, the bad value and what is allowed. Every options
+dataclass uses it, each beside its owner: the strategy's sections (``CompileConfig`` in ``compile/config.py``,
+``SyncConfig`` in ``sync/config.py`` ..., held together by :mod:`lightning_static_dist.strategy_config`), the
+callbacks' ``Config``s, and the run file (:mod:`lightning_static_dist.runfile`, beside the command line).
 
 Example::
 
-    from lightning_static_dist.config import StrategyConfig
+    from lightning_static_dist.config import check_fields, fail
 
-    cfg = StrategyConfig.from_dict({"sync": {"bucket_mb": 10}, "timeout_s": 600})
+    @dataclass
+    class MyOptions:
+        KEY = "callbacks.my_callback"
+        every_n_steps: int = 1
+
+        def __post_init__(self) -> None:
+            check_fields(self)
+            if self.every_n_steps < 1:
+                fail(f"{self.KEY}.every_n_steps", self.every_n_steps, "must be an integer >= 1")
 """
 
 from lightning_static_dist.config.check import (
@@ -25,27 +30,9 @@ from lightning_static_dist.config.check import (
     import_object,
     section_from_dict,
 )
-from lightning_static_dist.config.sections import (
-    COMPRESSORS,
-    CheckpointConfig,
-    CompileConfig,
-    CompressionConfig,
-    EmbeddingConfig,
-    MeshConfig,
-    StrategyConfig,
-    SyncConfig,
-)
 
 __all__ = [
-    "COMPRESSORS",
-    "CheckpointConfig",
-    "CompileConfig",
-    "CompressionConfig",
     "ConfigError",
-    "EmbeddingConfig",
-    "MeshConfig",
-    "StrategyConfig",
-    "SyncConfig",
     "check_fields",
     "check_kwargs_against",
     "check_value",

@@ -48,7 +48,7 @@ import torch.distributed as dist
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_static_dist.config import StrategyConfig
+from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.overlap.recorder import StepRecorder
 
 

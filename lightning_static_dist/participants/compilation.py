@@ -30,7 +30,8 @@ from lightning_static_dist.compile import (
     graph_mode_patches,
     is_compiled,
 )
-from lightning_static_dist.config import CompileConfig, ConfigError
+from lightning_static_dist.compile.config import CompileConfig
+from lightning_static_dist.config import ConfigError
 from lightning_static_dist.engine import bucket_split, check_same_graphs
 from lightning_static_dist.participants.base import StepParticipant, StrategyView
 

@@ -1,0 +1,77 @@
+"""``strategy.compile``: the options of static compilation, beside the code they steer.
+
+Each section is a dataclass with a docstring on every field; its ``__post_init__`` validates it with the
+package's one checker (:mod:`lightning_static_dist.config.check`): a bad value raises a one-line ``ConfigError``
+naming the full key, the value and what is allowed.
+
+Example::
+
+    CompileConfig(enabled=True, backend="aot_eager")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from lightning_static_dist.config.check import check_fields, fail
+
+
+@dataclass
+class CompileConfig:
+    """``strategy.compile``: static compilation of the LightningModule inside the strategy.
+
+    By default the whole ``training_step`` — forward and loss — is traced as one graph; at world size > 1 that graph
+    is cut where the gradient buckets end, each piece one autograd node, so the synchroniser's collectives go out
+    during backward. A model passed as ``torch.compile(model)`` is compiled this way too, with its backend.
+
+    Example::
+
+        StaticDistStrategy(compile={"enabled": True, "backend": "inductor", "regional": "auto"})
+    """
+
+    KEY = "strategy.compile"
+
+    enabled: bool = False
+    """Compile the LightningModule inside the strategy."""
+    backend: str = "inductor"
+    """Any registered dynamo backend: ``inductor``, ``aot_eager`` (debugging), ``inductor_distributed`` ..."""
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    """The inductor mode (only with ``backend: inductor``)."""
+    fullgraph: bool = False
+    """Fail on any graph break, naming its location, instead of splitting the graph."""
+    dynamic: bool = False
+    """false: static shapes; a train loader whose last batch is short has that batch dropped (with a warning)
+    instead of recompiling for it."""
+    regional: Union[bool, Literal["auto"]] = "auto"
+    """``auto``: the LightningModule's whole ``training_step`` — forward and loss — as one graph, cut at the gradient
+    buckets at world size > 1 (with ``sync.mode: graph``: uncut, the collectives inside it); ``true``: each block
+    of the model's largest ``nn.ModuleList``/``nn.Sequential`` of repeated blocks compiled on its own (an error when
+    there is none); ``false``: the whole ``training_step``, never cut (every gradient then becomes ready at the end
+    of backward)."""
+    around_blocks: bool = False
+    """With ``regional: true``: compile ``training_step`` around the blocks too, each block call a boundary of
+    that graph, so the blocks keep their own graphs and gradients still become ready block by block. What gets
+    compiled is the code of ``training_step`` around the call that runs the blocks — typically the loss (a language
+    model's cross-entropy over its vocabulary is a large share of the step); a ``forward`` that runs the blocks in a
+    loop stays eager around them. Opt-in: ``training_step`` code then runs under dynamo — a branch on ``batch_idx``
+    recompiles, many ``self.log`` calls can reach dynamo's recompile limit (those frames then run eagerly); the
+    compile report shows both. Not applied with manual optimization. Never ``fullgraph``."""
+    fallback: Literal["eager", "error"] = "eager"
+    """A region that fails to compile: run it eagerly (logged once, counted) or raise."""
+    optimizer: bool = False
+    """Also compile ``optimizer.step()``."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        import torch._dynamo
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if self.backend not in backends:
+            fail(f"{self.KEY}.backend", self.backend, f"not a registered dynamo backend; allowed: {', '.join(sorted(backends))}")
+        if self.mode != "default" and self.backend != "inductor":
+            fail(f"{self.KEY}.mode", self.mode, f"a mode needs backend 'inductor' (backend is {self.backend!r}); allowed with it: 'default'")
+        if self.around_blocks and self.regional is not True:
+            fail(f"{self.KEY}.around_blocks", self.around_blocks,
+                  f"compiles around blocks compiled one by one, which needs {self.KEY}.regional=true"
+                  f" (it is {self.regional!r}); allowed otherwise: false")

@@ -1,0 +1,137 @@
+"""The ``strategy`` block: every feature's section (each defined beside its feature) and the collective timeout,
+checked together for the combinations no section can check alone.
+
+Where each section lives::
+
+    strategy.compile       lightning_static_dist.compile.config.CompileConfig
+    strategy.mesh          lightning_static_dist.mesh.MeshConfig
+    strategy.sync          lightning_static_dist.sync.config.SyncConfig
+    strategy.compression   lightning_static_dist.compression.config.CompressionConfig
+    strategy.embedding     lightning_static_dist.embedding.EmbeddingConfig
+    strategy.checkpoint    lightning_static_dist.checkpoint.CheckpointConfig
+
+All of them are also importable from the package root (``from lightning_static_dist import SyncConfig``).
+
+Example::
+
+    cfg = StrategyConfig.from_dict({"sync": {"bucket_mb": 10}, "timeout_s": 600})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lightning_static_dist.checkpoint import CheckpointConfig
+from lightning_static_dist.compile.config import CompileConfig
+from lightning_static_dist.compression.config import CompressionConfig
+from lightning_static_dist.config.check import ConfigError, check_value, fail, section_from_dict
+from lightning_static_dist.ddp_arguments import START_METHODS, DDPArguments, check_process_group_backend, translate
+from lightning_static_dist.embedding import EmbeddingConfig
+from lightning_static_dist.mesh import MeshConfig
+from lightning_static_dist.sync.config import SyncConfig
+
+__all__ = [
+    "CheckpointConfig",
+    "CompileConfig",
+    "CompressionConfig",
+    "EmbeddingConfig",
+    "MeshConfig",
+    "StrategyConfig",
+    "SyncConfig",
+]
+
+
+@dataclass
+class StrategyConfig:
+    """The ``strategy`` block: one field per section plus the collective timeout.
+
+    Example::
+
+        cfg = StrategyConfig.from_dict({"sync": {"bucket_mb": 10}, "timeout_s": 600})
+    """
+
+    KEY = "strategy"
+
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    """Static compilation."""
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    """The data-parallel DeviceMesh."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """Gradient synchronisation."""
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    """Gradient compression."""
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    """Sharded embeddings."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint format for sharded optimizer state."""
+    timeout_s: float = 1800.0
+    """Timeout of every collective, in seconds (process-group timeout)."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.name != "timeout_s":
+                setattr(self, f.name, section_from_dict(typing.get_type_hints(StrategyConfig)[f.name], getattr(self, f.name)))
+        check_value(f"{self.KEY}.timeout_s", self.timeout_s, float)
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            fail(f"{self.KEY}.timeout_s", self.timeout_s, "must be a finite number of seconds > 0")
+        self.timeout_s = float(self.timeout_s)
+        if self.embedding.shard is not False and self.sync.mode == "graph":
+            fail(f"{self.KEY}.embedding.shard", self.embedding.shard,
+                  "sharded embeddings need strategy.sync.mode=hooks (mode is 'graph'); allowed with graph: false")
+        if self.sync.reduce == "reduce_scatter" or self.mesh.dp_shard != 1:  # -1 may resolve to > 1
+            self._check_sharded()
+        if self.compression.name != "none" and self.sync.mode == "graph":
+            fail(f"{self.KEY}.compression.name", self.compression.name,
+                  "compression runs in the synchroniser's buckets; it needs strategy.sync.mode=hooks (mode is 'graph')")
+        if self.compression.name != "none" and self.sync.reduce_dtype != "fp32":
+            fail(f"{self.KEY}.sync.reduce_dtype", self.sync.reduce_dtype,
+                  f"a compressor chooses what goes on the wire (compression.name is {self.compression.name!r});"
+                  " allowed with compression: 'fp32'")
+
+    def _check_sharded(self) -> None:
+        """What ``reduce_scatter`` cannot be combined with yet, named before any process starts."""
+        if self.sync.reduce == "all_reduce":
+            return  # a 2-D mesh with all_reduce: plain replication over the whole world
+        if self.sync.mode == "graph":
+            fail(f"{self.KEY}.sync.reduce", self.sync.reduce,
+                  "graph mode traces all-reduces only; with strategy.sync.mode=graph allowed: 'all_reduce'")
+        if self.compression.name != "none":
+            fail(f"{self.KEY}.compression.name", self.compression.name,
+                  "the compressors are written for all_reduce buckets; with strategy.sync.reduce=reduce_scatter"
+                  " allowed: 'none'")
+        if self.sync.reduce_dtype != "fp32":
+            fail(f"{self.KEY}.sync.reduce_dtype", self.sync.reduce_dtype,
+                  "reduce_scatter reduces the parameters' own buckets; with strategy.sync.reduce=reduce_scatter"
+                  " allowed: 'fp32'")
+        if self.embedding.shard is True:
+            fail(f"{self.KEY}.embedding.shard", self.embedding.shard,
+                  "reduce_scatter already splits every parameter's optimizer state, embeddings included;"
+                  " allowed with it: 'auto' (off) or false")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StrategyConfig:
+        return section_from_dict(cls, data)
+
+    @classmethod
+    def from_arguments(cls, args: DDPArguments, sections: Mapping[str, Any], timeout_s: Optional[float],
+                       start_method: str, process_group_backend: Optional[str]) -> tuple[StrategyConfig, list[str]]:
+        """The validated block a strategy's keyword arguments describe, and the lines to say once: DDP's arguments
+        merged in (:func:`~lightning_static_dist.ddp_arguments.translate`), the sections and the timeout checked,
+        then the start method and the process-group backend — each a one-line ``ConfigError`` naming the key.
+
+        Example::
+
+            config, notes = StrategyConfig.from_arguments(DDPArguments(bucket_cap_mb=10),
+                                                          {"compression": {"name": "bf16"}}, None, "popen", None)
+        """
+        sync, timeout_s, notes = translate(args, sections.get("sync"), timeout_s)
+        config = cls(**{**sections, "sync": sync}, timeout_s=1800.0 if timeout_s is None else timeout_s)
+        if start_method not in START_METHODS:
+            raise ConfigError(f"start_method={start_method!r}: allowed: {', '.join(map(repr, START_METHODS))}")
+        check_process_group_backend(process_group_backend)
+        return config, notes

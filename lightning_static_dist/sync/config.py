@@ -1,0 +1,72 @@
+"""``strategy.sync``: the options of gradient synchronisation, beside the synchronisers they steer.
+
+Each section is a dataclass with a docstring on every field; its ``__post_init__`` validates it with the
+package's one checker (:mod:`lightning_static_dist.config.check`): a bad value raises a one-line ``ConfigError``
+naming the full key, the value and what is allowed.
+
+Example::
+
+    SyncConfig(bucket_mb=10, first_bucket_mb=0.5)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_static_dist.config.check import check_fields, fail
+
+
+@dataclass
+class SyncConfig:
+    """``strategy.sync``: how gradients are synchronised across the mesh's ``dp`` group.
+
+    Parameters are grouped into flat buckets in the order backward produced their gradients in the first step
+    (rank 0's observation, shared); each bucket launches its asynchronous collective as soon as its last gradient
+    is ready, in plan order.
+
+    Example::
+
+        StaticDistStrategy(sync={"bucket_mb": 10, "first_bucket_mb": 0.5})
+    """
+
+    KEY = "strategy.sync"
+
+    mode: Literal["hooks", "graph"] = "hooks"
+    """``hooks``: bucketed async collectives launched from post-accumulate-grad hooks (any model, any usage).
+    ``graph``: each parameter read in the forward passes through an identity whose backward is a functional
+    all-reduce, so the collectives are traced into the compiled backward graph and inductor buckets them and
+    schedules them against compute; needs ``compile`` and every rank to use every trainable parameter on every
+    step (the ranks' graphs are compared before the first backward)."""
+    reduce: Literal["auto", "all_reduce", "reduce_scatter"] = "auto"
+    """``all_reduce``: every rank gets the whole averaged gradient and keeps the whole optimizer state.
+    ``reduce_scatter``: each bucket is reduce-scattered over the mesh's ``dp_shard`` group and all-reduced over
+    ``dp_replicate``; each rank steps only its shard (optimizer state / ``dp_shard``) and the updated shards are
+    all-gathered back, overlapped with the next forward. ``auto``: ``reduce_scatter`` when ``dp_shard > 1``."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The dtype gradients are averaged in, like FSDP2's ``MixedPrecisionPolicy(reduce_dtype=...)``: ``fp32`` (their
+    own dtype, exact) or ``bf16`` (half the bytes: one cast into a persistent bf16 bucket, one all-reduce, one copy
+    back; the sum is rounded to bf16). Not a compressor: no error feedback, no phases."""
+    bucket_mb: float = 100.0
+    """Capacity of each bucket after the first, in MiB."""
+    first_bucket_mb: float = 1.0
+    """Capacity of the first bucket, in MiB: small, so the first collective starts early in backward."""
+    broadcast_buffers: bool = True
+    """Broadcast module buffers (BatchNorm statistics ...) from rank 0 before every training forward, like DDP."""
+    check: Literal["pass", "collective"] = "pass"
+    """How ranks check they are in step: ``pass`` (a small integer all-reduce per round compares their backward-pass
+    numbers, read two rounds later: nothing waits) or, to debug, ``collective`` (a small blocking all-gather before
+    every bucket's collective comparing bucket, size and pass: names the first disagreement before any mismatched
+    data is exchanged; slow)."""
+    nonfinite: Literal["off", "warn", "skip", "error"] = "off"
+    """After each synchronised backward, check the averaged gradients for NaN/Inf (one flag all-reduced, so every
+    rank decides alike): ``warn`` and step anyway, ``skip`` the optimizer step on every rank, ``error`` naming the
+    first offending parameter. ``off``: no check, like DDP. Not applied with a gradient scaler (16-mixed), which
+    skips such steps itself."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for name in ("bucket_mb", "first_bucket_mb"):
+            value = getattr(self, name)
+            if not 0 < value <= 4096:
+                fail(f"{self.KEY}.{name}", value, "must be a number of MiB in (0, 4096]")
