@@ -331,6 +331,40 @@ def test_a_reducer_hears_every_phase_of_the_rounds(one_rank_gloo: None) -> None:
     assert reducer.calls == {"gradient_ready": 4, "round_finished": 2, "abandon_round": 1}
 
 
+def test_a_reducer_without_the_round_phases_is_refused_where_it_is_plugged_in(one_rank_gloo: None) -> None:
+    from lightning_static_dist.sync import MeanAllReduce
+
+    class LaunchOnly:  # a duck-typed reducer: neither BucketReducer's phases nor a PendingReduction with nbytes
+        def launch(self, bucket: Any, flat: torch.Tensor, group: Any) -> Any:
+            return MeanAllReduce().launch(bucket, flat, group)
+
+        def payload_bytes(self, bucket: Any, flat: torch.Tensor) -> int:
+            return flat.numel() * flat.element_size()
+
+    model = _two_layers()
+    with pytest.raises(TypeError, match="LaunchOnly lacks gradient_ready, round_finished, abandon_round; subclass"):
+        GradientSynchronizer(model.named_parameters(), reducer=LaunchOnly())  # type: ignore[arg-type]
+    sync = GradientSynchronizer(model.named_parameters())
+    with pytest.raises(TypeError, match="LaunchOnly lacks"):
+        sync.reducer = LaunchOnly()  # type: ignore[assignment]
+
+    class WithPhases(LaunchOnly):  # the phases defined by hand; its pending results still have no nbytes
+        def gradient_ready(self) -> None: ...
+
+        def round_finished(self) -> None: ...
+
+        def abandon_round(self) -> None: ...
+
+    sync.reducer = WithPhases()  # type: ignore[assignment]
+    sync.attach()
+    for _ in range(2):
+        model(torch.randn(5, 4)).sum().backward()
+        sync.finish_if_pending()
+    sync.detach()
+    # the reducer's own count stands in for the missing nbytes: its payload is the buckets' dense bytes
+    assert sync.stats.rounds == 2 and sync.stats.last_round_bytes == sync.stats.last_round_dense_bytes > 0
+
+
 def test_the_sharded_synchroniser_hands_the_pieces_the_average_and_keeps_no_full_gradient(one_rank_gloo: None) -> None:
     from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
 

@@ -69,6 +69,26 @@ class BucketReducer(Protocol):
         nothing (a failed peer may never join it)."""
 
 
+#: what the synchroniser calls on every reducer (the last three are phases :class:`BucketReducer` declares as no-ops)
+REDUCER_METHODS = ("launch", "payload_bytes", "gradient_ready", "round_finished", "abandon_round")
+
+
+def check_reducer(reducer: BucketReducer) -> BucketReducer:
+    """``reducer``, if it has every method the synchroniser calls; else a ``TypeError`` naming the missing ones, where
+    the reducer is plugged in rather than inside a gradient hook (where it would break backward, or hide the error
+    a round was being given up for).
+
+    Example::
+
+        check_reducer(MeanAllReduce())    # returned as is
+    """
+    missing = [name for name in REDUCER_METHODS if not callable(getattr(reducer, name, None))]
+    if missing:
+        raise TypeError(f"static_dist: the bucket reducer {type(reducer).__name__} lacks {', '.join(missing)};"
+                        " subclass lightning_static_dist.sync.BucketReducer to inherit the round phases as no-ops")
+    return reducer
+
+
 class _PendingWork(PendingReduction):
     def __init__(self, work: Optional[dist.Work], flat: Tensor) -> None:
         self.work = work

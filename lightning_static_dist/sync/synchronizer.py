@@ -73,7 +73,7 @@ from lightning_static_dist.faults import waiting_in
 from lightning_static_dist.sync.buffer import BucketBuffer
 from lightning_static_dist.sync.contracts import BucketLayout, SyncObserver, SyncStats
 from lightning_static_dist.sync.plan import BucketPlan, GradBucket, MiB, param_specs, plan_buckets
-from lightning_static_dist.sync.reducer import BucketReducer, MeanAllReduce, PendingReduction, all_reduce_sum
+from lightning_static_dist.sync.reducer import BucketReducer, MeanAllReduce, PendingReduction, all_reduce_sum, check_reducer
 from lightning_static_dist.sync.round_check import _RoundCheck, desynchronised, next_collective_mismatch
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class GradientSynchronizer:
                 self._names.append(name)
                 self._params.append(param)
         self._group = group
-        self._reducer: BucketReducer = reducer if reducer is not None else MeanAllReduce()
+        self._reducer: BucketReducer = check_reducer(reducer) if reducer is not None else MeanAllReduce()
         self._first_bucket_bytes = int(first_bucket_mb * MiB)
         self._bucket_bytes = int(bucket_mb * MiB)
         self._check_each_collective = check_each_collective
@@ -178,7 +178,7 @@ class GradientSynchronizer:
     def reducer(self, reducer: BucketReducer) -> None:
         if any(p is not None for p in self._pending):
             raise RuntimeError("static_dist: the bucket reducer cannot change while a round is in flight")
-        self._reducer = reducer
+        self._reducer = check_reducer(reducer)
 
     def attach(self) -> None:
         """Register the gradient-ready hooks on every parameter that requires grad."""
@@ -294,7 +294,9 @@ class GradientSynchronizer:
         dense = flat.numel() * flat.element_size()
         pending = self._reducer.launch(buffer.bucket, flat, self._group)
         # a compressing reducer knows its payload only once it has chosen how to send this bucket
-        nbytes = pending.nbytes if pending.nbytes is not None else self._reducer.payload_bytes(buffer.bucket, flat)
+        # (a pending result that does not subclass PendingReduction has no ``nbytes``: the reducer's own count then)
+        nbytes = getattr(pending, "nbytes", None)
+        nbytes = nbytes if nbytes is not None else self._reducer.payload_bytes(buffer.bucket, flat)
         self._round_bytes += nbytes
         self._round_dense_bytes += dense
         self.stats.collectives += 1
