@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch.distributed as dist
 from _dist import LAUNCH_VARIABLES
 
 
@@ -23,3 +24,14 @@ def _environment_as_pytest_found_it() -> Iterator[None]:
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture
+def one_rank_gloo() -> Iterator[None]:
+    """A one-rank Gloo process group for the test (in this process; no store to share, no port)."""
+    assert not dist.is_initialized(), "a test before this one left a process group initialised"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -15,28 +15,16 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_static_dist import compat
 
 COMPAT_FILE = compat.__file__
 
 # ------------------------------------------------------------------------------------------ collective names
-
-
-@pytest.fixture
-def one_rank_gloo() -> Iterator[None]:
-    assert not dist.is_initialized(), "a test before this one left a process group initialised"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_collective_shims_gather_and_scatter_on_a_one_rank_gloo_group(one_rank_gloo: None) -> None:

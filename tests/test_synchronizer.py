@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -272,16 +271,6 @@ def test_the_round_check_flags_every_rank_of_a_desynchronised_world_even_one_at_
 
 
 # ------------------------------------------------------------------ the contracts, on a one-rank Gloo group
-
-
-@pytest.fixture
-def one_rank_gloo() -> Iterator[None]:
-    assert not dist.is_initialized(), "a test before this one left a process group initialised"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _two_layers() -> nn.Module:
