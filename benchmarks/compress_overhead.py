@@ -51,7 +51,7 @@ def _rank(rank: int, world: int, port: int, src: str, layers: int, steps: int, q
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from lightning_static_dist.compression import CompressingReducer, build_compressor
-    from lightning_static_dist.compression.config import CompressionConfig
+    from lightning_static_dist import CompressionConfig
     from lightning_static_dist.sync import GradientSynchronizer
 
     torch.set_num_threads(1)

@@ -174,7 +174,7 @@ def ready_times(buckets: list[list[torch.Size]], compute_s: float) -> tuple[list
 def predict(buckets: list[list[torch.Size]], compute_s: float, encode_s: dict[str, float], worlds: list[int],
             links: dict[str, Link]) -> dict[str, Any]:
     from lightning_static_dist.compression import build_compressor
-    from lightning_static_dist.compression.config import CompressionConfig
+    from lightning_static_dist import CompressionConfig
 
     ready, backward_end = ready_times(buckets, compute_s)
     wires: dict[str, dict[int, list[Any]]] = {}

@@ -164,7 +164,7 @@ class StaticDistFabricStrategy(DDPStrategy):
         sections = dict(compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding,
                         checkpoint=checkpoint)
         self._config, notes = StrategyConfig.from_arguments(ddp, sections, timeout_s, start_method,
-                                                                   process_group_backend)
+                                                            process_group_backend)
         _refuse_what_fabric_lacks(self._config)
         if isinstance(monitor_every_n_steps, bool) or not isinstance(monitor_every_n_steps, int) or monitor_every_n_steps < 0:
             raise ConfigError(f"monitor_every_n_steps={monitor_every_n_steps!r}: must be an integer >= 0 (0: never)")

@@ -41,8 +41,12 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_static_dist.checkpoint import CheckpointConfig
-from lightning_static_dist.checkpoint import ShardedOptimizerState, is_sharded_checkpoint, load_sharded
+from lightning_static_dist.checkpoint import (
+    CheckpointConfig,
+    ShardedOptimizerState,
+    is_sharded_checkpoint,
+    load_sharded,
+)
 from lightning_static_dist.compat import allow_compiled_models_in_trainer
 from lightning_static_dist.compile import CompileReport
 from lightning_static_dist.compile.config import CompileConfig
@@ -50,8 +54,7 @@ from lightning_static_dist.compression import CompressingReducer
 from lightning_static_dist.compression.auto import CompressionTrial
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.ddp_arguments import DDPArguments, yield_to
-from lightning_static_dist.embedding import EmbeddingConfig
-from lightning_static_dist.embedding import EmbeddingSharder
+from lightning_static_dist.embedding import EmbeddingConfig, EmbeddingSharder
 from lightning_static_dist.engine import compressing_reducer_of, register_names, start_from_rank_zero
 from lightning_static_dist.fingerprint import RankMismatchError
 from lightning_static_dist.mesh import MeshConfig
@@ -148,8 +151,7 @@ class StaticDistStrategy(DataParallelProcesses):
                            broadcast_buffers, ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper, model_averaging_period)
         sections = dict(compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding,
                         checkpoint=checkpoint)
-        config, notes = StrategyConfig.from_arguments(ddp, sections, timeout_s, start_method,
-                                                             process_group_backend)
+        config, notes = StrategyConfig.from_arguments(ddp, sections, timeout_s, start_method, process_group_backend)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
                          config=config, start_method=start_method, process_group_backend=process_group_backend,
                          num_nodes=num_nodes)

@@ -10,7 +10,8 @@ Where each section lives::
     strategy.embedding     lightning_static_dist.embedding.EmbeddingConfig
     strategy.checkpoint    lightning_static_dist.checkpoint.CheckpointConfig
 
-All of them are also importable from the package root (``from lightning_static_dist import SyncConfig``).
+All but ``CheckpointConfig`` are also importable from the package root
+(``from lightning_static_dist import SyncConfig``).
 
 Example::
 

@@ -139,7 +139,7 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     ("torch", "_foreach_copy_", "compression/compressors.py: copies in one launch"),
     ("torch.distributed._functional_collectives", "all_reduce", "sync/graph.py: traceable collectives"),
     ("torch._dynamo", "lookup_backend", "compile/: the user's backend by name"),
-    ("torch._dynamo", "list_backends", "config.py, compile/: backend names"),
+    ("torch._dynamo", "list_backends", "compile/config.py, compile/: backend names"),
     ("torch._dynamo", "register_backend", "compile/backends.py: inductor_distributed"),
     ("torch._dynamo", "disable", "compile/regions.py: boundary regions"),
     ("torch._dynamo.exc", "TorchDynamoException", "compile/regions.py: eager fallback"),
