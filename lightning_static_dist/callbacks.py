@@ -207,6 +207,11 @@ class RunSummary(Callback):
             "bytes_per_round": (graph_bytes or (stats.last_round_bytes if stats else 0)) if synced else None,
             "bucket_plan": sync.plan.describe() if sync is not None else None,
         }
+        simulation = getattr(trainer.strategy, "simulation", None)
+        if simulation is not None:  # one process stood for the world: say so where every figure is read
+            link = simulation.link
+            self.summary["simulated_world_size"] = simulation.world_size
+            self.summary["simulated_link"] = link.describe() if link is not None else "free (no data crossed a link)"
         log_dir = trainer.log_dir  # a collective under distributed strategies: every rank must ask
         if trainer.is_global_zero:
             say(trainer, format_summary(self.summary))

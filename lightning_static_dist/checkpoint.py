@@ -94,7 +94,9 @@ class PieceSource:
         source.elements(0, "exp_avg", 1, 3)   # tensor([1., 0.])
     """
 
-    def __init__(self, tensors: Mapping[str, Tensor]) -> None:
+    def __init__(self, tensors: Mapping[str, Tensor], missing_as_zeros: bool = False) -> None:
+        self.missing_as_zeros = missing_as_zeros
+        """Elements no piece holds read as zeros instead of raising (a simulated world: only rank 0's pieces exist)."""
         self.ranges: dict[tuple[int, str], list[tuple[int, int, Tensor]]] = defaultdict(list)
         self.scalars: dict[tuple[int, str], Tensor] = {}
         for name, tensor in tensors.items():
@@ -117,14 +119,14 @@ class PieceSource:
 
     def elements(self, index: int, key: str, lo: int, hi: int) -> Tensor:
         pieces = self.ranges[(index, key)]
-        out = torch.empty(hi - lo, dtype=pieces[0][2].dtype)
+        out = (torch.zeros if self.missing_as_zeros else torch.empty)(hi - lo, dtype=pieces[0][2].dtype)
         covered = 0
         for a, b, tensor in pieces:
             s, e = max(a, lo), min(b, hi)
             if s < e:
                 out[s - lo : e - lo].copy_(tensor.reshape(-1)[s - a : e - a])
                 covered += e - s
-        if covered < hi - lo:
+        if covered < hi - lo and not self.missing_as_zeros:
             raise ValueError(f"static_dist: the checkpoint holds {covered} of elements {lo}..{hi} of parameter {index}'s"
                              f" optimizer state {key!r} (a rank's pieces are missing?)")
         return out

@@ -29,6 +29,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_static_dist.compression import CompressingReducer, LowPrecisionCompressor, build_compressor
 from lightning_static_dist.compression.auto import Candidate, CompressionTrial
 from lightning_static_dist.compression.base import Compressor
+from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.sync.config import SyncConfig
 from lightning_static_dist.faults import waiting_in
@@ -57,8 +58,13 @@ def broadcast_buffers(buffers: list[torch.Tensor], group: Optional[dist.ProcessG
         broadcast_tensors(buffers, group=group)
 
 
-def bucket_split(sync: SyncConfig) -> tuple[int, int]:
-    """Where the compiled step is cut: the bucket capacities in bytes (first bucket, every later one)."""
+def compile_split(compile: CompileConfig, sync: SyncConfig, world_size: int) -> Optional[tuple[int, int]]:
+    """Where the compiled step is cut: the bucket capacities in bytes (first bucket, every later one), or ``None``
+    (uncut): at world size 1 (nothing to overlap), for the blocks compiled one by one or the whole step asked for
+    uncut (``regional`` true or false), in graph mode (the collectives are inside the graph), and with
+    ``sync.schedule: after_backward`` (every bucket is issued once backward ends: a cut would only cost)."""
+    if compile.regional != "auto" or world_size < 2 or sync.mode == "graph" or sync.schedule == "after_backward":
+        return None
     return int(sync.first_bucket_mb * MiB), int(sync.bucket_mb * MiB)
 
 
@@ -81,6 +87,7 @@ def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], sync: 
         check_each_collective=sync.check == "collective",
         reduce_dtype=torch.bfloat16 if sync.reduce_dtype == "bf16" else None,
     )
+    synchronizer.launch_during_backward = sync.schedule != "after_backward"  # (auto: its trial switches it)
     if compression.name == "auto":
         return synchronizer  # exact until the trial (compression_trial) picks
     compressor = build_compressor(compression)

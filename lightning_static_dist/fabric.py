@@ -55,7 +55,7 @@ from lightning_static_dist.embedding import EmbeddingConfig
 from lightning_static_dist.engine import (
     COMPRESSION_KEY,
     broadcast_buffers,
-    bucket_split,
+    compile_split,
     build_synchronizer,
     check_same_graphs,
     compressing_reducer_of,
@@ -87,6 +87,8 @@ def _refuse_what_fabric_lacks(config: StrategyConfig) -> None:
         (sync.nonfinite != "off", "sync.nonfinite", sync.nonfinite, "'off'"),
         (config.embedding.shard is not False, "embedding.shard", config.embedding.shard, "false"),
         (config.compression.name == "auto", "compression.name", config.compression.name, "a compressor by its name"),
+        (sync.schedule == "auto", "sync.schedule", sync.schedule, "'overlap' or 'after_backward'"),
+        (config.simulate.enabled, "simulate.world_size", config.simulate.world_size, "null"),
     )
     for hit, key, value, allowed in refused:
         if hit:
@@ -330,9 +332,7 @@ class StaticDistFabricStrategy(DDPStrategy):
         config, sync = self._config.compile, self._config.sync
         if not config.enabled:
             return
-        split = None
-        if config.regional == "auto" and self.world_size > 1:
-            split = bucket_split(sync)
+        split = compile_split(config, sync, self.world_size)
         self._compile_report = compile_regions(module, config, self._compile_report, split=split)
         self._graphs_checked = False
         if self._synchronizer is not None and self._compile_report.splitter is not None:

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_static_dist.faults import waiting_in
+from lightning_static_dist.simulate import is_simulated
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,8 @@ def host_group(timeout: Optional[timedelta] = None) -> Optional[dist.ProcessGrou
     when no Gloo group can be made here (if that happens on some ranks only, they disagree on the loop: the job
     then stops at the first step's broadcast, as a rank that cannot reach the others would anyway)."""
     if "gloo" in dist.get_backend():  # "gloo", or "cpu:gloo,cuda:nccl": CPU tensors already go through Gloo
+        return dist.group.WORLD
+    if is_simulated():  # the simulated world's group serves host tensors too (a Gloo group would wait for N ranks)
         return dist.group.WORLD
     try:
         return dist.new_group(backend="gloo", timeout=timeout)

@@ -43,7 +43,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_static_dist import loop as loop_patches
 from lightning_static_dist.compat import destroy_process_groups_at_exit, mark_run_failed
@@ -53,6 +53,10 @@ from lightning_static_dist.ddp_arguments import device_backend
 from lightning_static_dist.faults import diagnose, is_collective_failure, record_nccl_flight, waiting_in
 from lightning_static_dist.launcher import StaticDistLauncher, StaticDistSpawnLauncher
 from lightning_static_dist.mesh import build_dp_mesh, resolve_mesh_shape
+from lightning_static_dist.simulate import BACKEND as SIMULATED_BACKEND
+from lightning_static_dist.simulate import init_simulated_world, set_link
+from lightning_static_dist.simulate.config import SimulateConfig
+from lightning_static_dist.simulate.link import check_available as check_link_available
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,25 @@ def binds_device(backend: str, device: torch.device) -> bool:
     then split its groups, and ``split_group`` cannot copy Gloo's options (``TypeError: cannot pickle ...
     _Options`` on torch 2.11). ``backend`` was validated by ``ddp_arguments.check_process_group_backend``."""
     return device.type != "cpu" and device_backend(backend, device.type) in _DEVICE_BOUND_BACKENDS
+
+
+def nccl_options(backend: str, comm_sms: Optional[int]) -> dict[str, Any]:
+    """``init_process_group`` keywords for ``strategy.sync.comm_sms``: NCCL's options with ``config.max_ctas`` (the
+    CTAs, hence SMs, one collective may use); nothing for another backend, or where this torch has no such field.
+    Only for ``backend == "nccl"``: options for one backend cannot be given to a ``device:backend`` list."""
+    if comm_sms is None or backend != "nccl":
+        return {}
+    options_type = getattr(torch.distributed, "ProcessGroupNCCL", None)
+    options = options_type.Options() if options_type is not None else None
+    if options is None or not hasattr(getattr(options, "config", None), "max_ctas"):
+        rank_zero_warn(f"static_dist: strategy.sync.comm_sms={comm_sms}: this torch's NCCL options have no max_ctas;"
+                       " not applied")
+        return {}
+    options.config.max_ctas = comm_sms
+    least = getattr(options.config, "min_ctas", None)
+    if isinstance(least, int) and least > comm_sms:  # (unset, it reads as a negative sentinel: left alone)
+        options.config.min_ctas = comm_sms
+    return {"pg_options": options}
 
 
 class DataParallelProcesses(ParallelStrategy):
@@ -120,6 +143,11 @@ class DataParallelProcesses(ParallelStrategy):
         return self._config
 
     @property
+    def simulation(self) -> Optional[SimulateConfig]:
+        """``strategy.simulate`` when this run simulates a world (``None`` otherwise)."""
+        return self._config.simulate if self._config.simulate.enabled else None
+
+    @property
     def device_mesh(self) -> DeviceMesh:
         """The data-parallel mesh, built in :meth:`setup_environment` from the world that actually started."""
         if self._mesh is None:
@@ -155,10 +183,15 @@ class DataParallelProcesses(ParallelStrategy):
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
+    def _ranks_in_world(self) -> int:
+        """The world's size: every node's processes, or the simulated world's ranks."""
+        simulation = self.simulation
+        return simulation.world_size if simulation is not None else self.num_nodes * self.num_processes
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        return {"num_replicas": self._ranks_in_world(), "rank": self.global_rank}
 
     @property
     def process_group_backend(self) -> Optional[str]:
@@ -189,12 +222,26 @@ class DataParallelProcesses(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self._check_simulation()
         # in the launching process, before any rank starts: a mesh that cannot fit the world is a config error
-        resolve_mesh_shape(self._config.mesh, self.num_nodes * self.num_processes)
+        resolve_mesh_shape(self._config.mesh, self._ranks_in_world())
         if self._start_method == "popen":
             self._launcher = StaticDistLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = StaticDistSpawnLauncher(self, start_method=self._start_method)
+
+    def _check_simulation(self) -> None:
+        """A simulated world is one process on one device: anything else is refused before the run starts."""
+        simulation = self.simulation
+        if simulation is None:
+            return
+        key = f"strategy.simulate.world_size={simulation.world_size}"
+        if self.num_processes > 1 or self.num_nodes > 1:
+            raise ConfigError(f"{key}: one process stands for every rank; allowed: Trainer(devices=1, num_nodes=1)"
+                              f" (got devices={self.num_processes}, num_nodes={self.num_nodes})")
+        if simulation.link is not None and self.parallel_devices and self.parallel_devices[0].type != "cuda":
+            raise ConfigError(f"strategy.simulate.link: an emulated link holds GPU SMs (the device is"
+                              f" {self.parallel_devices[0].type}); allowed on CPU: strategy.simulate.link=null")
 
     @override
     def setup_environment(self) -> None:
@@ -212,25 +259,43 @@ class DataParallelProcesses(ParallelStrategy):
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
+        if self.simulation is not None:
+            self._process_group_backend = SIMULATED_BACKEND
         assert self.cluster_environment is not None
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        record_nccl_flight(self._process_group_backend, self.root_device,
-                           trainer.default_root_dir if trainer is not None else os.getcwd())
-        _init_dist_connection(
-            self.cluster_environment,
-            self._process_group_backend,
-            timeout=timedelta(seconds=self._config.timeout_s),
-            device_id=self.root_device if binds_device(self._process_group_backend, self.root_device) else None,
-        )
+        timeout = timedelta(seconds=self._config.timeout_s)
+        if self.simulation is not None:
+            self._start_simulated_world(self.simulation, timeout)
+        else:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            record_nccl_flight(self._process_group_backend, self.root_device,
+                               trainer.default_root_dir if trainer is not None else os.getcwd())
+            _init_dist_connection(
+                self.cluster_environment,
+                self._process_group_backend,
+                timeout=timeout,
+                device_id=self.root_device if binds_device(self._process_group_backend, self.root_device) else None,
+                **nccl_options(self._process_group_backend, self._config.sync.comm_sms),
+            )
         destroy_process_groups_at_exit()  # at exit, while the interpreter is whole; not after a failure
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
         if self.world_size > 1 and self._host_group is None:  # once per strategy: every later stage reuses it
             self._host_group = loop_patches.host_group(timedelta(seconds=self._config.timeout_s))
 
+    def _start_simulated_world(self, simulation: SimulateConfig, timeout: timedelta) -> None:
+        """The default group as rank 0 of the simulated world (its backend registered with torch.distributed)."""
+        if simulation.link is not None:
+            check_link_available(self.root_device)
+        if not torch.distributed.is_initialized():  # (a later stage of the same process finds it there)
+            init_simulated_world(self.world_size, timeout)
+        set_link(simulation.link, self._config.sync.comm_sms)
+        rank_zero_info(f"static_dist: simulated world of {simulation.world_size} identical ranks in this one process"
+                       f" ({'link: ' + simulation.link.describe() if simulation.link else 'free links'}); no data"
+                       " crosses a link")
+
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+            self.cluster_environment.set_world_size(self._ranks_in_world())
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     def has_failed(self) -> bool:

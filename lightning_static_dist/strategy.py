@@ -61,6 +61,7 @@ from lightning_static_dist.mesh import MeshConfig
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.participants import Participants
 from lightning_static_dist.processes import DataParallelProcesses
+from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.sync import RoundSync
 from lightning_static_dist.sync.config import SyncConfig
@@ -86,6 +87,8 @@ class StaticDistStrategy(DataParallelProcesses):
         compression: ``strategy.compression`` (:class:`~lightning_static_dist.compression.config.CompressionConfig`).
         embedding: ``strategy.embedding`` (:class:`~lightning_static_dist.embedding.EmbeddingConfig`).
         checkpoint: ``strategy.checkpoint`` (:class:`~lightning_static_dist.checkpoint.CheckpointConfig`).
+        simulate: ``strategy.simulate`` (:class:`~lightning_static_dist.simulate.config.SimulateConfig`): this one
+            process as rank 0 of N identical ranks (``Trainer(devices=1)``), a dry run of an N-rank configuration.
         timeout_s: timeout of every collective, in seconds (default 1800; or ``timeout``, DDP's ``timedelta``).
         process_group_backend: a backend registered with ``torch.distributed`` (``"nccl"``, ``"gloo"``, ``"xccl"``
             ...) or ``device:backend`` pairs (``"cpu:gloo,cuda:nccl"``), checked here; by default NCCL on CUDA and
@@ -132,6 +135,7 @@ class StaticDistStrategy(DataParallelProcesses):
         compression: Union[CompressionConfig, dict[str, Any], None] = None,
         embedding: Union[EmbeddingConfig, dict[str, Any], None] = None,
         checkpoint: Union[CheckpointConfig, dict[str, Any], None] = None,
+        simulate: Union[SimulateConfig, dict[str, Any], None] = None,
         timeout_s: Optional[float] = None,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -150,7 +154,7 @@ class StaticDistStrategy(DataParallelProcesses):
         ddp = DDPArguments(timeout, find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb,
                            broadcast_buffers, ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper, model_averaging_period)
         sections = dict(compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding,
-                        checkpoint=checkpoint)
+                        checkpoint=checkpoint, simulate=simulate)
         config, notes = StrategyConfig.from_arguments(ddp, sections, timeout_s, start_method, process_group_backend)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
                          config=config, start_method=start_method, process_group_backend=process_group_backend,
@@ -207,6 +211,11 @@ class StaticDistStrategy(DataParallelProcesses):
     def compression_trial(self) -> Optional[CompressionTrial]:
         """``strategy.compression.name: auto``: the trial of the candidates and, once made, its choice."""
         return self._parts.compression.trial
+
+    @property
+    def schedule_trial(self) -> Optional[CompressionTrial]:
+        """``strategy.sync.schedule: auto``: the trial of the two schedules and, once made, its choice."""
+        return self._parts.schedule.trial
 
     @property
     def compressing_reducer(self) -> Optional[CompressingReducer]:

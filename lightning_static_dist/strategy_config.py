@@ -9,6 +9,7 @@ Where each section lives::
     strategy.compression   lightning_static_dist.compression.config.CompressionConfig
     strategy.embedding     lightning_static_dist.embedding.EmbeddingConfig
     strategy.checkpoint    lightning_static_dist.checkpoint.CheckpointConfig
+    strategy.simulate      lightning_static_dist.simulate.config.SimulateConfig
 
 All but ``CheckpointConfig`` are also importable from the package root
 (``from lightning_static_dist import SyncConfig``).
@@ -34,6 +35,7 @@ from lightning_static_dist.config.check import ConfigError, check_value, fail, s
 from lightning_static_dist.ddp_arguments import START_METHODS, DDPArguments, check_process_group_backend, translate
 from lightning_static_dist.embedding import EmbeddingConfig
 from lightning_static_dist.mesh import MeshConfig
+from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.sync.config import SyncConfig
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "CompressionConfig",
     "EmbeddingConfig",
     "MeshConfig",
+    "SimulateConfig",
     "StrategyConfig",
     "SyncConfig",
 ]
@@ -70,6 +73,8 @@ class StrategyConfig:
     """Sharded embeddings."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint format for sharded optimizer state."""
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)
+    """A simulated world: one process as rank 0 of N identical ranks (off by default)."""
     timeout_s: float = 1800.0
     """Timeout of every collective, in seconds (process-group timeout)."""
 
@@ -89,6 +94,14 @@ class StrategyConfig:
         if self.compression.name != "none" and self.sync.mode == "graph":
             fail(f"{self.KEY}.compression.name", self.compression.name,
                   "compression runs in the synchroniser's buckets; it needs strategy.sync.mode=hooks (mode is 'graph')")
+        if self.sync.schedule == "auto" and self.compression.name == "auto":
+            fail(f"{self.KEY}.sync.schedule", self.sync.schedule,
+                 "two trials would time each other's steps (compression.name is 'auto'); allowed with it:"
+                 " 'overlap' or 'after_backward'")
+        if self.sync.schedule != "overlap" and self.sync.reduce == "reduce_scatter":
+            fail(f"{self.KEY}.sync.schedule", self.sync.schedule,
+                 "the sharded synchroniser issues its buckets during backward; with strategy.sync.reduce="
+                 "reduce_scatter allowed: 'overlap'")
         if self.compression.name != "none" and self.sync.reduce_dtype != "fp32":
             fail(f"{self.KEY}.sync.reduce_dtype", self.sync.reduce_dtype,
                   f"a compressor chooses what goes on the wire (compression.name is {self.compression.name!r});"

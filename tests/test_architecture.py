@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "sync": 3, "compile": 3, "compression": 3, "embedding": 3, "mesh": 3,
     # the leaves
     "overlap": 4, "checkpoint": 4, "config": 4, "ddp_arguments": 4, "faults": 4, "fingerprint": 4, "compat": 4,
+    "simulate": 4,
     "examples": 4,
 }
 

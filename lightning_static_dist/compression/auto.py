@@ -29,7 +29,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_static_dist.compression.base import Compressor
 from lightning_static_dist.faults import waiting_in
 
 MIN_GAIN = 0.05
@@ -47,10 +46,11 @@ def choose(step_s: Mapping[str, float], exact: str = "none", min_gain: float = M
 
 @dataclass
 class Candidate:
-    """One contender: its name in the log and the compressor it reduces with (``None``: exact fp32)."""
+    """One contender: its name in the log and what it runs with (a compressor, ``None``: exact fp32; or whatever
+    another trial's candidates are, ``sync.schedule: auto``'s launch switch)."""
 
     name: str
-    make: Callable[[], Optional[Compressor]]
+    make: Callable[[], Any]
 
 
 @dataclass
@@ -65,6 +65,8 @@ class CompressionTrial:
     trial_steps: int
     device: torch.device
     group: Optional[dist.ProcessGroup] = None
+    min_gain: float = MIN_GAIN
+    """The fraction of the first candidate's time another must save to be chosen (0: the fastest wins)."""
     step_s: dict[str, float] = field(default_factory=dict)
     """The slowest rank's seconds per step of each candidate timed so far."""
     choice: Optional[str] = None
@@ -100,7 +102,7 @@ class CompressionTrial:
                 self._step_start = self._now()
             return self.candidates[index] if offset == 0 else "keep"
         self.step_s = self._slowest_rank(self.step_s)
-        self.choice = choose(self.step_s, exact=self.candidates[0].name)
+        self.choice = choose(self.step_s, exact=self.candidates[0].name, min_gain=self.min_gain)
         if self.choice == self.candidates[-1].name:
             return "keep"  # it is reducing already: its state (PowerSGD's residuals) carries on
         return next(c for c in self.candidates if c.name == self.choice)
@@ -122,7 +124,7 @@ class CompressionTrial:
         times = torch.tensor([step_s[name] for name in names], dtype=torch.float64,
                              device=self.device if self.device.type == "cuda" else "cpu")
         if dist.is_initialized():
-            with waiting_in("the all-reduce of compression auto's step times"):
+            with waiting_in("the all-reduce of an auto trial's step times"):
                 dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group)
         return dict(zip(names, times.tolist()))
 

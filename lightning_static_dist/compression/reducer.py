@@ -41,7 +41,7 @@ from lightning_static_dist.compression.base import (
     averaged,
 )
 from lightning_static_dist.sync.plan import GradBucket
-from lightning_static_dist.sync.reducer import BucketReducer, MeanAllReduce, PendingReduction
+from lightning_static_dist.sync.reducer import BucketReducer, MeanAllReduce, PendingReduction, runs_on_device_streams
 
 
 class _Stream:
@@ -178,7 +178,7 @@ class CompressingReducer(BucketReducer):
         if self._group is not group:
             self._phase_groups = []
         self._group = group
-        self._later_phases_at_wait = "nccl" in dist.get_backend(group)
+        self._later_phases_at_wait = runs_on_device_streams(group)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         while len(self._phase_groups) < phases:
             self._phase_groups.append(group if not self._phase_groups else dist.new_group(ranks))

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.overlap.recorder import StepRecorder
@@ -73,6 +74,11 @@ class StrategyView(Protocol):
 
     @property
     def device_mesh(self) -> Any: ...
+
+    @property
+    def simulation(self) -> Any:
+        """``strategy.simulate`` when the world is simulated, else ``None``."""
+        ...
 
     @property
     def dp_group(self) -> Optional[dist.ProcessGroup]: ...
@@ -104,6 +110,20 @@ def syncs_gradients(trainer: pl.Trainer, view: StrategyView) -> bool:
     """Whether this setup builds gradient synchronisation: while fitting, on more than one rank (one rank has
     nothing to average: no buckets, no copies)."""
     return trainer.state.fn == TrainerFn.FITTING and view.world_size > 1
+
+
+def advance_trial(trial: Any, view: StrategyView, apply: Any, label: str) -> None:
+    """One batch start of an ``auto`` trial (``compression.name`` or ``sync.schedule``): the candidate for the coming
+    step applied with ``apply(candidate)``, and the choice printed (``label``) the step it is made."""
+    synchronizer = view.synchronizer
+    if trial is None or trial.decided or synchronizer is None:
+        return
+    assert view.lightning_module is not None
+    candidate = trial.before_step(view.lightning_module.trainer.global_step)
+    if candidate != "keep":
+        apply(candidate)
+    if trial.decided:
+        rank_zero_info(f"static_dist: {label}: {trial.describe()}")
 
 
 class StepParticipant:

@@ -32,7 +32,7 @@ from lightning_static_dist.compile import (
 )
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.config import ConfigError
-from lightning_static_dist.engine import bucket_split, check_same_graphs
+from lightning_static_dist.engine import check_same_graphs, compile_split
 from lightning_static_dist.participants.base import StepParticipant, StrategyView
 
 
@@ -88,11 +88,9 @@ class StaticCompile(StepParticipant):
                               " strategy.compile.enabled=true (or trainer.fit(torch.compile(model))); allowed"
                               " without compile: 'hooks'")
         if config.enabled and not is_compiled(module):
-            split = None
-            if config.regional == "auto" and view.world_size > 1 and not graph_mode:
-                # one graph for forward + loss, cut where the buckets end so that collectives still overlap backward
-                # (decided from the config, not from this stage: a validate before fit compiles for the fit too)
-                split = bucket_split(sync)
+            # one graph for forward + loss, cut where the buckets end so that collectives still overlap backward
+            # (decided from the config, not from this stage: a validate before fit compiles for the fit too)
+            split = compile_split(config, sync, view.world_size)
             patches = graph_mode_patches(sync.first_bucket_mb, sync.bucket_mb) if graph_mode else None
             self.report = compile_regions(module, config, split=split, inductor_patches=patches)
             if config.optimizer and trainer.state.fn == TrainerFn.FITTING:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_static_dist.compression import CompressingReducer
 from lightning_static_dist.compression.auto import CompressionTrial
@@ -28,7 +28,7 @@ from lightning_static_dist.engine import (
     restore_compression_state,
     use_compressor,
 )
-from lightning_static_dist.participants.base import StepParticipant, StrategyView
+from lightning_static_dist.participants.base import StepParticipant, StrategyView, advance_trial
 
 TRIAL_KEY = "static_dist_compression_auto"  # compression.name: auto: the trial's choice and times
 
@@ -61,16 +61,8 @@ class CompressionState(StepParticipant):
             self._restore_compression_state()
 
     def on_train_batch_start(self) -> None:
-        trial, synchronizer = self.trial, self._view.synchronizer
-        if trial is None or trial.decided or synchronizer is None:
-            return
-        module = self._view.lightning_module
-        assert module is not None
-        candidate = trial.before_step(module.trainer.global_step)
-        if candidate != "keep":
-            use_compressor(synchronizer, candidate.make())
-        if trial.decided:
-            rank_zero_info(f"static_dist: compression auto: {trial.describe()}")
+        advance_trial(self.trial, self._view,
+                      lambda candidate: use_compressor(self._view.synchronizer, candidate.make()), "compression auto")
 
     def after_optimizer_step(self) -> None:
         if self.trial is not None:

@@ -13,8 +13,9 @@ Example (the strategy builds these in its ``__init__``)::
 
 from __future__ import annotations
 
+import functools
 from contextlib import AbstractContextManager, nullcontext
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed
@@ -23,9 +24,10 @@ from torch import Tensor
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_static_dist.compression.auto import Candidate, CompressionTrial
 from lightning_static_dist.engine import broadcast_buffers, build_synchronizer
 from lightning_static_dist.fingerprint import RankMismatchError
-from lightning_static_dist.participants.base import StepParticipant, StrategyView, syncs_gradients
+from lightning_static_dist.participants.base import StepParticipant, StrategyView, advance_trial, syncs_gradients
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.compression import CompressionState
 from lightning_static_dist.participants.embeddings import EmbeddingShards
@@ -117,6 +119,68 @@ class HookSync(StepParticipant):
     def teardown(self, failed: bool) -> None:
         if self.synchronizer is not None:
             self.synchronizer.detach()  # frees its buffers; the plan and the counters stay readable
+
+
+SCHEDULE_KEY = "static_dist_sync_schedule"  # sync.schedule: auto: the trial's choice and times
+
+
+class SyncSchedule(StepParticipant):
+    """``strategy.sync.schedule: auto``: times ``overlap`` (each bucket issued as it fills) and ``after_backward``
+    (all issued once backward ends) on this job's first optimizer steps, the slowest rank's time of each, and keeps
+    the faster on every rank; the choice is printed and kept in the checkpoint (a resumed run does not time again).
+    The trial's steps are real training steps: only when the collectives leave changes."""
+
+    CANDIDATES = ("overlap", "after_backward")
+
+    def __init__(self, view: StrategyView) -> None:
+        self._view = view
+        self.trial: Optional[CompressionTrial] = None
+        """The trial (``schedule: auto`` while fitting), and once made its choice."""
+        self._resume: Optional[dict[str, Any]] = None
+
+    def after_setup(self, trainer: pl.Trainer) -> None:
+        view = self._view
+        if view.config.sync.schedule != "auto" or view.synchronizer is None or not syncs_gradients(trainer, view):
+            return
+        candidates = [Candidate(name, functools.partial(lambda late: late, name == "after_backward"))
+                      for name in self.CANDIDATES]
+        self.trial = CompressionTrial(candidates, start_step=0, trial_steps=view.config.sync.schedule_trial_steps,
+                                      device=view.root_device, group=view.dp_group, min_gain=0.0)
+        if self._resume is not None:
+            self._load(self._resume)
+
+    def on_train_batch_start(self) -> None:
+        def apply(candidate: Candidate) -> None:
+            self._view.synchronizer.launch_during_backward = not candidate.make()
+
+        advance_trial(self.trial, self._view, apply, "sync.schedule auto")
+
+    def after_optimizer_step(self) -> None:
+        if self.trial is not None:
+            self.trial.after_step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {SCHEDULE_KEY: self.trial.state_dict()} if self.trial is not None else {}
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.pop(SCHEDULE_KEY, None)
+        if saved is None:
+            return
+        if self.trial is None:
+            self._resume = saved  # Lightning loads before the strategy's setup: applied when the trial is built
+        else:
+            self._load(saved)
+
+    def _load(self, saved: dict[str, Any]) -> None:
+        self._resume = None
+        assert self.trial is not None
+        self.trial.load_state_dict(saved)
+        synchronizer = self._view.synchronizer
+        if self.trial.decided and synchronizer is not None:
+            synchronizer.launch_during_backward = self.trial.choice != "after_backward"
+
+    def teardown(self, failed: bool) -> None:
+        self.trial = None
 
 
 class GraphSync(StepParticipant):

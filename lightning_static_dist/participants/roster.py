@@ -22,7 +22,13 @@ from lightning_static_dist.participants.base import StepParticipant, StrategyVie
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.compression import CompressionState
 from lightning_static_dist.participants.embeddings import EmbeddingShards
-from lightning_static_dist.participants.gradients import BufferBroadcast, GraphSync, HookSync, NonfiniteCheck
+from lightning_static_dist.participants.gradients import (
+    BufferBroadcast,
+    GraphSync,
+    HookSync,
+    NonfiniteCheck,
+    SyncSchedule,
+)
 from lightning_static_dist.participants.recording import PhaseRecording
 from lightning_static_dist.participants.runtime import PeerWatch, SigtermAgreement
 from lightning_static_dist.participants.sharded import ShardedSync
@@ -43,6 +49,7 @@ class Participants:
         SigtermAgreement  Lightning's SIGTERM check over the host group (loop.py)
         PeerWatch         the peer watchdog
         CompressionState  compression: the auto trial, and the compressor's state in checkpoints
+        SyncSchedule      sync.schedule=auto: the trial of the two schedules, and its choice in checkpoints
         PhaseRecording    the overlap monitor's recorder: marks forward, backward and optimizer phases
 
     The order keeps what must come first first: the buffers before the embeddings' gather before the recorder's
@@ -65,10 +72,11 @@ class Participants:
         self.sharded = ShardedSync(view, self.hooks, self.compile, self.recording)
         self.graph = GraphSync(view, self.compile)
         self.nonfinite = NonfiniteCheck(view, self.sharded)
+        self.schedule = SyncSchedule(view)
         self.ordered: tuple[StepParticipant, ...] = (
             BufferBroadcast(view), self.sharded, self.hooks, self.graph, self.compile, self.nonfinite,
             self.embeddings, SigtermAgreement(view), PeerWatch(view, failed=failed), self.compression,
-            self.recording,
+            self.schedule, self.recording,
         )
 
     # ----------------------------------------------------------------------------- the checkpoint phases' answers

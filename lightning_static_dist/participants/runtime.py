@@ -29,8 +29,8 @@ class PeerWatch(StepParticipant):
 
     def setup_distributed(self) -> None:
         view = self._view
-        if view.world_size == 1 or self._watchdog is not None:
-            return
+        if view.world_size == 1 or view.simulation is not None or self._watchdog is not None:
+            return  # (a simulated world's other ranks never heartbeat: they are not there)
         trainer = view.lightning_module.trainer if view.lightning_module is not None else None
         self._watchdog = PeerWatchdog(view.global_rank, view.world_size, failed=self._failed,
                                       step=lambda: trainer.global_step if trainer is not None else -1)

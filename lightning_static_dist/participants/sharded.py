@@ -208,6 +208,10 @@ class ShardedSync(StepParticipant):
         path, self._last_sharded_checkpoint = self._last_sharded_checkpoint, None
         if path is None or not self._view.config.checkpoint.consolidate_at_end:
             return
+        if self._view.simulation is not None:  # only rank 0's shards were written: there is nothing whole to make
+            rank_zero_info(f"static_dist: the last sharded checkpoint ({path}) holds rank 0's shards of a simulated"
+                           " world; not consolidated")
+            return
         if self._view.is_global_zero and is_sharded_checkpoint(path):
             consolidate(path, path)
             rank_zero_info(f"static_dist: consolidated the last sharded checkpoint into a plain file: {path}")

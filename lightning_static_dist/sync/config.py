@@ -12,7 +12,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 from lightning_static_dist.config.check import check_fields, fail
 
@@ -64,8 +64,30 @@ class SyncConfig:
     first offending parameter. ``off``: no check, like DDP. Not applied with a gradient scaler (16-mixed), which
     skips such steps itself."""
 
+    schedule: Literal["overlap", "after_backward", "auto"] = "overlap"
+    """When the buckets' collectives are issued. ``overlap``: each as soon as its last gradient is ready, during
+    backward (compiled, the step is cut where the buckets end, so that gradients become ready piece by piece).
+    ``after_backward``: all of them back to back once backward ends (compiled, the step is one graph, uncut: no cut
+    cost, and no collective holds SMs while backward computes). ``auto``: time both on this job's first steps
+    (``schedule_trial_steps`` each, the first untimed; the slowest rank's time) and keep the faster on every rank;
+    printed, and kept in the checkpoint. Under ``auto`` both schedules run the cut graph."""
+    schedule_trial_steps: int = 6
+    """``schedule: auto``: optimizer steps each schedule is tried for (the first of them untimed)."""
+    comm_sms: Optional[int] = None
+    """SMs a gradient collective may use: NCCL's ``max_ctas`` (``ProcessGroupNCCL.Options().config``), so that fewer
+    SMs are taken from backward's GEMMs; in a simulated world, the SMs an emulated link holds. ``None``: the
+    library's own choice. Ignored by Gloo."""
+
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.schedule_trial_steps < 2:
+            fail(f"{self.KEY}.schedule_trial_steps", self.schedule_trial_steps,
+                 "must be an integer >= 2 (each schedule's first step is not timed)")
+        if self.comm_sms is not None and not 1 <= self.comm_sms <= 1024:
+            fail(f"{self.KEY}.comm_sms", self.comm_sms, "must be an integer number of SMs in [1, 1024], or null")
+        if self.schedule != "overlap" and self.mode == "graph":
+            fail(f"{self.KEY}.schedule", self.schedule, "with strategy.sync.mode=graph inductor schedules the"
+                 " collectives inside the compiled graph; allowed with graph: 'overlap'")
         for name in ("bucket_mb", "first_bucket_mb"):
             value = getattr(self, name)
             if not 0 < value <= 4096:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_static_dist.simulate.group import BACKEND as SIMULATED_BACKEND
 from lightning_static_dist.sync.plan import GradBucket
 
 
@@ -131,9 +132,18 @@ class MeanAllReduce(BucketReducer):
 
 
 def supports_avg(group: Optional[dist.ProcessGroup], device: torch.device) -> bool:
-    """Whether the group averages tensors on ``device`` natively (``ReduceOp.AVG``): NCCL (CUDA tensors) does, Gloo
-    does not ("cpu:gloo,cuda:nccl" sends CPU tensors through Gloo)."""
-    return device.type == "cuda" and "nccl" in dist.get_backend(group)
+    """Whether the group averages tensors on ``device`` natively (``ReduceOp.AVG``): NCCL (CUDA tensors) and the
+    simulated world do (so that a simulation takes NCCL's path), Gloo does not ("cpu:gloo,cuda:nccl" sends CPU
+    tensors through Gloo)."""
+    backend = dist.get_backend(group)
+    return backend == SIMULATED_BACKEND or (device.type == "cuda" and "nccl" in backend)
+
+
+def runs_on_device_streams(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether the group's collectives are queued on device streams and progress without the host (NCCL, and the
+    simulated world, which stands for it), rather than on the backend's own threads that the host must poll (Gloo)."""
+    backend = dist.get_backend(group)
+    return "nccl" in backend or backend == SIMULATED_BACKEND
 
 
 def all_reduce_sum(values: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lightning_static_dist.compat import reduce_scatter_single
 from lightning_static_dist.sync.plan import GradBucket
-from lightning_static_dist.sync.reducer import BucketReducer, PendingReduction
+from lightning_static_dist.sync.reducer import BucketReducer, PendingReduction, runs_on_device_streams
 
 
 class _ShardPending(PendingReduction):
@@ -72,7 +72,7 @@ class ShardedMean(BucketReducer):
         # done (a local, timing-dependent decision) cannot deadlock. NCCL warns that collectives on several
         # communicators must be issued in the same order on every rank: there they are all issued at the end of
         # backward, in bucket order (the reduce-scatters still overlap backward).
-        self._poll_replicas = self.replicate_group is not None and "nccl" not in dist.get_backend(self.replicate_group)
+        self._poll_replicas = self.replicate_group is not None and not runs_on_device_streams(self.replicate_group)
         self._in_flight: list[_ShardPending] = []
 
     def launch(self, bucket: GradBucket, flat: Tensor, group: Optional[dist.ProcessGroup]) -> _ShardPending:

@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_static_dist.checkpoint import FullSource, PieceSource, full_state_from_pieces, range_key, scalar_key
+from lightning_static_dist.simulate import is_simulated
 from lightning_static_dist.sync.shard_layout import NOT_OPTIMIZED, BucketShard, Piece, overlaps
 
 
@@ -58,11 +59,12 @@ class OptimizerStateShard:
         rank of it calls this: Lightning dumps checkpoints on every rank); the state comes back on the CPU.
         """
         pieces = {name: t.detach().to("cpu", copy=True) for name, t in self.piece_tensors().items()}
-        if self._shard_size > 1:
+        simulated = is_simulated(self._shard_group)  # the other ranks' pieces are nowhere: their ranges read as zeros
+        if self._shard_size > 1 and not simulated:
             everyone: list[Any] = [None] * self._shard_size
             dist.all_gather_object(everyone, pieces, group=self._shard_group)
             pieces = {name: t for rank in everyone for name, t in rank.items()}
-        state = full_state_from_pieces(PieceSource(pieces), self.original_shapes())
+        state = full_state_from_pieces(PieceSource(pieces, missing_as_zeros=simulated), self.original_shapes())
         return {"state": state, "param_groups": self.full_param_groups()}
 
     def load_full_optimizer_state(self, full: dict[str, Any]) -> None:

@@ -16,7 +16,9 @@ One *round* is one backward pass followed by :meth:`GradientSynchronizer.finish`
    ready, its gradients are copied into the bucket's flat buffer in one multi-tensor copy (cast to
    ``reduce_dtype`` if one is set) and every full bucket from the *next bucket to launch* onwards is launched, in
    plan order. Launching strictly in plan order is what keeps every rank issuing the same collectives in the same
-   order even when hooks fire in a different order, or a parameter gets no gradient on one rank.
+   order even when hooks fire in a different order, or a parameter gets no gradient on one rank. With
+   :attr:`~GradientSynchronizer.launch_during_backward` off (``sync.schedule: after_backward``) the buckets are only
+   filled here, and step 2 issues them all.
 2. ``finish()`` — queued on the autograd engine by the first hook, so it runs as backward returns — fills what the
    hooks did not (a parameter unused on this rank contributes zeros), launches the remaining buckets in order and
    makes the compute stream wait for each of them. Nothing in a round waits on the host.
@@ -146,6 +148,10 @@ class GradientSynchronizer:
         """Set by the overlap monitor: marks buckets ready, issued and waited."""
         self.usage_counts: dict[str, int] = {}
         """Ranks that produced a gradient, per parameter outside the plan, from the latest usage check."""
+        self.launch_during_backward = True
+        """``strategy.sync.schedule``: ``True`` (``overlap``) issues each bucket's collective as soon as it is full;
+        ``False`` (``after_backward``) fills the buckets during backward and issues them all, in plan order, when
+        the round finishes. Between rounds only."""
         self.ready_groups: Optional[Mapping[int, int]] = None
         """``id(parameter)`` -> the compiled graph piece whose backward makes its gradient ready (set by the strategy
         when the model is compiled as one graph cut at the buckets): the plan puts each piece in a bucket of its own."""
@@ -276,7 +282,8 @@ class GradientSynchronizer:
         if buffer.remaining == 0:
             if self.recorder is not None:
                 self.recorder.bucket_ready(bucket_index)
-            self._launch_ready_buckets()
+            if self.launch_during_backward:
+                self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
         while self._next_to_launch < len(self._buffers) and self._buffers[self._next_to_launch].remaining == 0:

@@ -1,0 +1,304 @@
+"""The simulated world: a ``torch.distributed`` backend in which this process is rank 0 of N identical ranks.
+
+Registered with ``torch.distributed.Backend.register_backend`` under :data:`BACKEND`, so that the package, Lightning
+and torch reach it through their ordinary calls (``dist.all_reduce``, ``new_group``, ``DeviceMesh``,
+``broadcast_object_list`` ...); nothing of torch is patched. Every collective returns what N ranks holding this
+rank's values would produce:
+
+=====================================  ==========================================================================
+all-reduce, reduce                     SUM: N x; PRODUCT: x ** N; AVG, MAX, MIN and the bitwise ops: x
+all-gather (list or into a tensor)     N copies of the input — except where the input *is* this rank's chunk of
+                                       the output (an in-place gather of shards): identical ranks' chunks are this
+                                       buffer's own, so the output keeps them
+reduce-scatter (list or tensor)        rank 0's chunk reduced over N identical ranks (SUM: N x chunk, AVG: chunk)
+broadcast, barrier                     nothing changes
+gather, scatter                        copies of this rank's input; this rank's element of the root's list
+=====================================  ==========================================================================
+
+Averages are native (``ReduceOp.AVG``), as on NCCL, so the package takes the same path it takes there and no
+division pass is added that NCCL would not make.
+
+Free links (``link=None``): a collective costs nothing but the arithmetic above, done on the caller's stream, and
+completes at once. An emulated link (:mod:`~lightning_static_dist.simulate.link`): the collective runs on the
+group's own CUDA stream, ordered after the caller's work as NCCL's is, holds the link's SMs for the ring time, then
+does its arithmetic; ``wait()`` makes the caller's stream wait for it, and its future completes on that stream
+(DDP's reducer waits on ``get_future()``), so neither our synchroniser nor DDP's reducer can hide it by accident.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from lightning_static_dist.simulate.config import LinkConfig
+from lightning_static_dist.simulate.link import hold_sms, ring_seconds
+
+BACKEND = "static_dist_simulated"
+"""The backend's name in ``torch.distributed`` (``dist.get_backend()`` reports it in a simulated run)."""
+
+_SAME = ("AVG", "MAX", "MIN", "BAND", "BOR", "BXOR")
+
+
+class _World:
+    """What every simulated group of this process shares: the link, and how many SMs a collective holds."""
+
+    link: Optional[LinkConfig] = None
+    sms: Optional[int] = None
+    lock = threading.Lock()
+
+
+WORLD = _World()
+
+
+def set_link(link: Optional[LinkConfig], sms: Optional[int] = None) -> None:
+    """The link every simulated group emulates from now on (``None``: free); ``sms`` replaces ``link.sms``
+    (``strategy.sync.comm_sms``). Between steps: collectives in flight keep the link they started with."""
+    WORLD.link, WORLD.sms = link, sms
+
+
+def _reduce_(tensor: Tensor, op: Any, world: int) -> None:
+    """``tensor`` becomes what ``op`` over ``world`` ranks holding it gives (in place)."""
+    R = dist.ReduceOp
+    if op == R.SUM:
+        if tensor.dtype != torch.bool:  # (a logical or of identical flags: the flags)
+            tensor.mul_(world)
+    elif op == R.PRODUCT:
+        if tensor.dtype != torch.bool:
+            tensor.pow_(world)
+    elif not any(op == getattr(R, name) for name in _SAME):
+        raise NotImplementedError(f"static_dist: the simulated world has no reduction {op!r}")
+
+
+def _op_of(opts: Any) -> Any:
+    return getattr(opts, "reduceOp", dist.ReduceOp.SUM)
+
+
+class SimulatedWork(dist._Work):
+    """A simulated collective's work handle: done at once (free links), or when its kernel on the group's stream is
+    (an emulated link). ``get_duration()`` gives the emulated time in ms, as NCCL's timing does."""
+
+    def __init__(self, result: list[Tensor], done: Optional[torch.cuda.Event] = None,
+                 started: Optional[torch.cuda.Event] = None, stream: Optional[torch.cuda.Stream] = None) -> None:
+        super().__init__()
+        self._result = result
+        self._done = done
+        self._started = started
+        self._stream = stream
+        self._future: Optional[Future] = None
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        if self._done is not None:
+            torch.cuda.current_stream(self._done.device if hasattr(self._done, "device") else None).wait_event(self._done)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done is None or self._done.query()
+
+    def is_success(self) -> bool:
+        return True
+
+    def result(self) -> list[Tensor]:
+        return self._result
+
+    def get_future(self) -> Future:
+        if self._future is None:
+            if self._stream is None:
+                self._future = Future()
+                self._future.set_result(self._result)
+            else:
+                self._future = Future(devices=[self._stream.device])
+                with torch.cuda.stream(self._stream):  # completes on the link's stream: a consumer waits for it
+                    self._future.set_result(self._result)
+        return self._future
+
+    def get_duration(self) -> float:
+        """The emulated collective's time on its stream, in ms (once it has completed)."""
+        if self._done is None or self._started is None:
+            return 0.0
+        return self._started.elapsed_time(self._done)
+
+
+class SimulatedGroup(dist.ProcessGroup):
+    """One process as ``rank`` of ``size`` identical ranks (this module's docstring lists what each collective
+    returns). Made by ``torch.distributed`` through :func:`register`; not built by hand.
+
+    Example::
+
+        register()
+        dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=4)
+        t = torch.ones(2); dist.all_reduce(t)      # tensor([4., 4.])
+    """
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._name = ""
+        self._desc = ""
+
+    # --------------------------------------------------------------------------------------------- identity
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's names)
+        return BACKEND
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._desc
+
+    @property
+    def sms(self) -> Optional[int]:
+        """The SMs an emulated collective holds (``strategy.sync.comm_sms``, else the link's), ``None`` when free."""
+        if WORLD.link is None:
+            return None
+        return WORLD.sms if WORLD.sms is not None else WORLD.link.sms
+
+    # --------------------------------------------------------------------------------------- the collectives
+
+    def _run(self, kind: str, tensors: Sequence[Tensor], nbytes: int, compute: Any, result: list[Tensor]) -> SimulatedWork:
+        """Do ``compute()`` now (free links), or on the link's stream after holding SMs for the ring time."""
+        link = WORLD.link
+        device = next((t.device for t in tensors if t.is_cuda), None)
+        if link is None or device is None or self._size < 2:
+            compute()
+            return SimulatedWork(result)
+        stream = self._streams.get(device.index)
+        if stream is None:
+            stream = self._streams[device.index] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            started.record(stream)
+            hold_sms(stream, self.sms or 1, ring_seconds(kind, nbytes, self._size, link.gbps, link.latency_us))
+            compute()
+            done.record(stream)
+        for t in tensors:
+            if t.is_cuda:
+                t.record_stream(stream)  # the caching allocator must not hand the memory out before the link is done
+        return SimulatedWork(result, done, started, stream)
+
+    def allreduce(self, tensors: list[Tensor], opts: Any = None) -> SimulatedWork:
+        op = _op_of(opts)
+        return self._run("all_reduce", tensors, sum(t.numel() * t.element_size() for t in tensors),
+                         lambda: [_reduce_(t, op, self._size) for t in tensors], tensors)
+
+    def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> SimulatedWork:
+        return self.allreduce(tensors, opts)
+
+    def reduce(self, tensors: list[Tensor], opts: Any = None) -> SimulatedWork:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: list[Tensor], opts: Any = None) -> SimulatedWork:
+        return self._run("broadcast", tensors, sum(t.numel() * t.element_size() for t in tensors), lambda: None, tensors)
+
+    def barrier(self, opts: Any = None) -> SimulatedWork:
+        return SimulatedWork([])
+
+    def allgather(self, outputs: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> SimulatedWork:
+        def compute() -> None:
+            for out, inp in zip(outputs, inputs):
+                for o in out:
+                    if o.data_ptr() != inp.data_ptr():
+                        o.copy_(inp)
+
+        flat = [o for out in outputs for o in out]
+        return self._run("all_gather", flat, sum(o.numel() * o.element_size() for o in flat), compute, flat)
+
+    def _allgather_base(self, output: Tensor, inp: Tensor, opts: Any = None) -> SimulatedWork:
+        chunks = output.view(self._size, -1)
+        mine = chunks[self._rank]
+        in_place = inp.data_ptr() == mine.data_ptr() and inp.numel() == mine.numel()
+
+        def compute() -> None:
+            if not in_place:  # (in place: identical ranks' chunks are this buffer's own, already there)
+                chunks.copy_(inp.reshape(1, -1).expand_as(chunks))
+
+        return self._run("all_gather", [output, inp], output.numel() * output.element_size(), compute, [output])
+
+    all_gather_single = _allgather_base  # (torch >= 2.13's name)
+
+    def allgather_into_tensor_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> SimulatedWork:
+        works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[-1] if works else SimulatedWork([])
+
+    def _reduce_scatter_base(self, output: Tensor, inp: Tensor, opts: Any = None) -> SimulatedWork:
+        op = _op_of(opts)
+
+        def compute() -> None:
+            output.copy_(inp.view(self._size, -1)[self._rank].view_as(output))
+            _reduce_(output, op, self._size)
+
+        return self._run("reduce_scatter", [output, inp], inp.numel() * inp.element_size(), compute, [output])
+
+    reduce_scatter_single = _reduce_scatter_base  # (torch >= 2.13's name)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> SimulatedWork:
+        works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[-1] if works else SimulatedWork([])
+
+    def reduce_scatter(self, outputs: list[Tensor], inputs: list[list[Tensor]], opts: Any = None) -> SimulatedWork:
+        op = _op_of(opts)
+
+        def compute() -> None:
+            for out, parts in zip(outputs, inputs):
+                out.copy_(parts[self._rank])
+                _reduce_(out, op, self._size)
+
+        tensors = outputs + [p for parts in inputs for p in parts]
+        return self._run("reduce_scatter", tensors, sum(p.numel() * p.element_size() for parts in inputs for p in parts),
+                         compute, outputs)
+
+    def gather(self, outputs: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> SimulatedWork:
+        for out, inp in zip(outputs, inputs):
+            for o in out:
+                o.copy_(inp)
+        return SimulatedWork([o for out in outputs for o in out])
+
+    def scatter(self, outputs: list[Tensor], inputs: list[list[Tensor]], opts: Any = None) -> SimulatedWork:
+        for out, parts in zip(outputs, inputs):
+            if parts:
+                out.copy_(parts[self._rank])
+        return SimulatedWork(outputs)
+
+
+# dynamo must not trace into the Python collectives (DDP's buffer broadcast runs inside a compiled forward): each is
+# a call it leaves to Python, as a real backend's collective is a call into C++
+for _name in ("allreduce", "allreduce_coalesced", "reduce", "broadcast", "barrier", "allgather", "_allgather_base",
+              "all_gather_single", "allgather_into_tensor_coalesced", "_reduce_scatter_base", "reduce_scatter_single",
+              "reduce_scatter_tensor_coalesced", "reduce_scatter", "gather", "scatter"):
+    setattr(SimulatedGroup, _name, torch._dynamo.disable(getattr(SimulatedGroup, _name)))
+
+
+def _create(store: Any, rank: int, size: int, timeout: timedelta) -> SimulatedGroup:
+    return SimulatedGroup(store, rank, size, timeout)
+
+
+def register() -> None:
+    """Make :data:`BACKEND` known to ``torch.distributed`` (once per process)."""
+    if BACKEND.upper() not in dist.Backend.backend_list and BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+
+
+def is_simulated(group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Whether ``group`` (default: the world) belongs to a simulated world."""
+    return dist.is_initialized() and dist.get_backend(group) == BACKEND
+
+
+def init_simulated_world(world_size: int, timeout: timedelta) -> None:
+    """Start the default process group as rank 0 of ``world_size`` simulated ranks (an in-memory store: nothing
+    listens for the other ranks, which never come)."""
+    register()
+    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=world_size, timeout=timeout)

@@ -1,0 +1,87 @@
+"""An emulated link on one GPU: a kernel that holds SMs for as long as a collective would take.
+
+NCCL's collectives run as kernels of a few CTAs, each on an SM of its own for the whole collective; while they run,
+a GEMM sized for every SM finds some of them taken and spills into a second wave. To show that cost on one GPU,
+:func:`hold_sms` launches ``sms`` blocks on the given stream, each asking for all the shared memory one block may
+have (so that no other kernel's block that needs shared memory, a GEMM's, fits beside it on that SM), and each
+spinning on the GPU's global timer until ``duration_s`` has passed since it started. A block that finds no free
+SM starts late and ends late, as a contended collective does.
+
+The kernel is compiled once per process with CuPy's ``RawKernel`` (CuPy must be installed: link emulation is a
+measuring tool, not a dependency of training); :func:`ring_seconds` is the time the kernel is told to take.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from lightning_static_dist.config.check import ConfigError
+
+_SOURCE = r"""
+extern "C" __global__ void hold_sms(unsigned long long duration_ns) {
+    extern __shared__ unsigned char reserved[];
+    if (threadIdx.x != 0) return;           // one thread spins; the block's shared memory stays held
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    reserved[0] = 1;
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < duration_ns);
+}
+"""
+
+#: the collectives a link emulates, with the factor of (N-1)/N * bytes / B and of latency steps per (N-1)
+RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+
+
+def ring_seconds(kind: str, nbytes: int, world: int, gbps: float, latency_us: float) -> float:
+    """How long an N-rank ring takes: all-reduce 2(N-1)/N * bytes / B + 2(N-1) * latency; all-gather and
+    reduce-scatter half of both; a broadcast (a pipelined chain) bytes / B + latency.
+
+    Example::
+
+        >>> round(ring_seconds("all_reduce", 496_000_000, 2, 308.0, 0.0) * 1e3, 2)
+        1.61
+    """
+    if world < 2:
+        return 0.0
+    if kind == "broadcast":
+        return nbytes / (gbps * 1e9) + latency_us * 1e-6
+    steps = RING_STEPS.get(kind, 1)
+    return steps * ((world - 1) / world * nbytes / (gbps * 1e9) + (world - 1) * latency_us * 1e-6)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device_index: int) -> tuple[Any, int]:
+    try:
+        import cupy
+    except ImportError as err:
+        raise ConfigError(f"strategy.simulate.link: emulating a link needs CuPy (pip install cupy-cuda12x): {err}"
+                          " ; allowed without it: strategy.simulate.link=null (free links)") from None
+    with cupy.cuda.Device(device_index):
+        kernel = cupy.RawKernel(_SOURCE, "hold_sms")
+        shared = int(cupy.cuda.Device(device_index).attributes["MaxSharedMemoryPerBlockOptin"])
+        kernel.max_dynamic_shared_size_bytes = shared
+    return kernel, shared
+
+
+def check_available(device: torch.device) -> None:
+    """Raise the one-line :class:`ConfigError` now, not at the first collective, where a link cannot be emulated."""
+    if device.type != "cuda":
+        raise ConfigError(f"strategy.simulate.link: an emulated link holds GPU SMs; this run's device is {device.type}"
+                          "; allowed on CPU: strategy.simulate.link=null (free links)")
+    _kernel(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def hold_sms(stream: torch.cuda.Stream, sms: int, duration_s: float) -> None:
+    """Queue on ``stream`` a kernel of ``sms`` one-per-SM blocks that each spin for ``duration_s``."""
+    import cupy
+    import numpy
+
+    index = stream.device.index if stream.device.index is not None else torch.cuda.current_device()
+    kernel, shared = _kernel(index)
+    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
+        kernel((max(1, sms),), (32,), (numpy.uint64(max(0, int(duration_s * 1e9))),), shared_mem=shared)
