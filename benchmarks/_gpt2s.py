@@ -172,8 +172,12 @@ class StepTimer(L.Callback):
     host-side work (a framework's loop, a host read inside the step) costs only what it really costs.
     """
 
-    def __init__(self, cuda: bool, window: int = 1, warmup: int = 0, profile: Optional[tuple[str, int]] = None) -> None:
+    def __init__(self, cuda: bool, window: int = 1, warmup: int = 0, profile: Optional[tuple[str, int]] = None,
+                 on_window: Optional[Any] = None, windows: Optional[int] = None) -> None:
         self._cuda = cuda
+        self._on_window = on_window
+        """Called at each window boundary with (the window starting now, whether the timed windows are over)."""
+        self._windows = windows
         self._window = window
         self._warmup = warmup
         self._done = 0
@@ -215,6 +219,9 @@ class StepTimer(L.Callback):
         elif self._done >= self._warmup and (self._done - self._warmup) % self._window == 0:
             self._sync()
             self.marks.append((self._done, time.perf_counter()))
+            if self._on_window is not None:
+                started = len(self.marks) - 1
+                self._on_window(started, self._windows is not None and started >= self._windows)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self.start()

@@ -80,7 +80,7 @@ from _common import ROOT, SAFE_ENV, run_job, worker_env
 
 sys.path.insert(0, ROOT)  # the checkout's package, for the workload
 
-PLAIN = ("ceiling", "plain_ddp_compile")
+PLAIN = ("ceiling", "plain_ddp_compile", "plain_ddp_compile_b100")
 """Hand-written PyTorch loops, started with torchrun."""
 LIGHTNING_DDP = ("ddp_eager", "ddp_compile")
 LIGHTNING = LIGHTNING_DDP + ("lightning_compile",)
@@ -89,6 +89,7 @@ LIGHTNING = LIGHTNING_DDP + ("lightning_compile",)
 CONTENDERS: dict[str, Optional[dict[str, Any]]] = {
     "ceiling": None,
     "plain_ddp_compile": None,
+    "plain_ddp_compile_b100": None,  # DDP at our own bucket size (100 MiB: the baseline gets the tuning we got)
     "ddp_eager": None,
     "ddp_compile": None,
     "lightning_compile": None,
@@ -97,6 +98,14 @@ CONTENDERS: dict[str, Optional[dict[str, Any]]] = {
     "static_dist_blocks": {"compile": {"regional": True}},
     "static_dist_whole": {"compile": {"regional": False}},
     "static_dist_bf16": {"sync": {"reduce_dtype": "bf16"}},
+    # sync.schedule: every bucket issued once backward ends (the step compiled uncut), and the trial of both
+    "static_dist_after": {"sync": {"schedule": "after_backward"}},
+    "static_dist_after_bf16": {"sync": {"schedule": "after_backward", "reduce_dtype": "bf16"}},
+    "static_dist_auto": {"sync": {"schedule": "auto"}},
+    # sync.comm_sms: the SMs a collective may take from backward (NCCL's max_ctas; the emulated link's SMs)
+    "static_dist_sms4": {"sync": {"comm_sms": 4}},
+    "static_dist_sms8": {"sync": {"comm_sms": 8}},
+    "static_dist_after_sms4": {"sync": {"schedule": "after_backward", "comm_sms": 4}},
     "static_dist_b25": {"sync": {"bucket_mb": 25.0}},
     "static_dist_b50": {"sync": {"bucket_mb": 50.0}},
     "static_dist_b100": {"sync": {"bucket_mb": 100.0}},
@@ -110,7 +119,9 @@ CONTENDERS: dict[str, Optional[dict[str, Any]]] = {
     "static_dist_embed": {"embedding": {"shard": True}},
     "static_dist_rs": {"mesh": {"dp_replicate": 1, "dp_shard": -1}, "sync": {"reduce": "reduce_scatter"}},
 }
-MAIN = "ceiling,plain_ddp_compile,ddp_compile,static_dist,static_dist_graph"
+MAIN = "ceiling,plain_ddp_compile,plain_ddp_compile_b100,ddp_compile,static_dist,static_dist_graph"
+SIMULATED = "ceiling,static_dist,static_dist_after,static_dist_bf16,static_dist_after_bf16,plain_ddp_compile"
+"""``--simulate``'s default contenders (one GPU each, the world simulated)."""
 STATIC_COMPILE = {"enabled": True, "backend": "inductor"}
 PROFILE = {"enabled": True, "wait": 5, "warmup": 2, "active": 3}
 PROFILE_TINY = {"enabled": True, "wait": 1, "warmup": 1, "active": 2}
@@ -120,6 +131,15 @@ def strategy_sections(name: str) -> dict[str, Any]:
     sections = copy.deepcopy(CONTENDERS[name]) or {}
     sections["compile"] = {**STATIC_COMPILE, **sections.get("compile", {})}
     return sections
+
+
+def simulated_links(args: argparse.Namespace) -> Optional[Any]:
+    """The worker's links when it runs in a simulated world (``--simulate``), else ``None``."""
+    if not args.simulate_world:
+        return None
+    from _simulated import WindowLinks, parse_link
+
+    return WindowLinks([parse_link(text) for text in args.link or ["free"]])
 
 
 # ------------------------------------------------------------------------------------------------------ worker
@@ -137,10 +157,16 @@ def worker(name: str, args: argparse.Namespace) -> None:
     torch.set_float32_matmul_precision("high")
     model = new_nanogpt(cfg)
     profile = (os.path.join(args.out_dir, f"profile-{name}-{args.gpus}gpu"), args.profile_steps) if args.profile_steps else None
-    timer = StepTimer(cuda, window=args.window, warmup=args.warmup, profile=profile)
+    if profile is not None:
+        os.makedirs(args.out_dir, exist_ok=True)
+    links = simulated_links(args)
+    timer = StepTimer(cuda, window=args.window, warmup=args.warmup, profile=profile,
+                      on_window=links.switch if links is not None else None, windows=args.steps // args.window)
     batches = loader(cfg, total, device, seed=1234 + local_rank)
+    if links is not None:
+        links.prepare(device)
     if name in PLAIN:
-        rank, world, extra = _plain_loop(name, model, batches, timer, device, cuda)
+        rank, world, extra = _plain_loop(name, model, batches, timer, device, cuda, args)
     else:
         rank, world, extra = _lightning_fit(name, model, batches, timer, args, cuda)
     from torch._dynamo.utils import counters
@@ -154,13 +180,15 @@ def worker(name: str, args: argparse.Namespace) -> None:
         "dynamo_graphs": counters["stats"]["unique_graphs"],
         "tokens_per_step": cfg["batch"] * cfg["block_size"],
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
+        **({"window_links": links.window_names(len(timer.marks) - 1)} if links is not None else {}),
         **extra,
     }
     with open(f"{args.out}.rank{rank}", "w") as f:
         json.dump(record, f)
 
 
-def _plain_loop(name: str, model: Any, batches: Any, timer: Any, device: Any, cuda: bool) -> tuple[int, int, dict]:
+def _plain_loop(name: str, model: Any, batches: Any, timer: Any, device: Any, cuda: bool,
+                args: argparse.Namespace) -> tuple[int, int, dict]:
     """The hand-written loop: autocast forward + loss, backward, fused AdamW step, zero_grad(set_to_none)."""
     import torch
     import torch.distributed as dist
@@ -169,9 +197,16 @@ def _plain_loop(name: str, model: Any, batches: Any, timer: Any, device: Any, cu
     model.to(device).train()
     optimizer = model.configure_optimizers()
     net = model
-    if name == "plain_ddp_compile":
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+    if name.startswith("plain_ddp_compile"):
+        if args.simulate_world:  # one process as rank 0 of the simulated world (DDP's reducer calls its Python backend)
+            from lightning_static_dist.simulate import init_simulated_world
+
+            init_simulated_world(args.simulate_world, datetime.timedelta(seconds=600))
+            rank, world = 0, args.simulate_world
+        else:
+            dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None,
+                                                        bucket_cap_mb=100 if name.endswith("_b100") else 25)
     from _gpt2s import train_plainly
 
     train_plainly(torch.compile(net), optimizer, batches, timer, device)  # DDP: DDPOptimizer cuts at DDP's buckets
@@ -204,7 +239,8 @@ def _lightning_fit(name: str, model: Any, batches: Any, timer: Any, args: argpar
     elif CONTENDERS[name] is None:
         strategy = DDPStrategy()
     else:
-        strategy = StaticDistStrategy(**strategy_sections(name))
+        simulate = {"world_size": args.simulate_world} if args.simulate_world else None
+        strategy = StaticDistStrategy(**strategy_sections(name), simulate=simulate)
         profile = (PROFILE_TINY if args.tiny else PROFILE) if args.profile else None
         monitor = OverlapMonitor(profiler=profile) if profile else TailMonitor()
         callbacks.append(monitor)
@@ -238,20 +274,25 @@ def _lightning_fit(name: str, model: Any, batches: Any, timer: Any, args: argpar
 
 
 # ------------------------------------------------------------------------------------------------------ driver
-def run_one(name: str, gpus: int, args: argparse.Namespace, cache_dir: str, profile: Optional[str] = None) -> dict:
-    """One contender's N-rank job; its ranks' records merged, or {"error": why}."""
+def run_one(name: str, gpus: int, args: argparse.Namespace, cache_dir: str, profile: Optional[str] = None,
+            world: int = 0) -> dict:
+    """One contender's N-rank job (``world``: a one-GPU job in a simulated world of that size); its ranks' records
+    merged, or {"error": why}."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--gpus", str(gpus), "--out", out,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--window", str(args.window),
                "--tail", str(args.tail), "--out-dir", args.out_dir, "--profile-steps", str(args.profile_steps)]
-        if name in PLAIN:  # a hand-written script is started by torchrun, one process per GPU
+        if world:  # one process stands for the simulated world; its links switch window by window
+            cmd += ["--simulate-world", str(world)] + [f"--link={text}" for text in args.link or ["free"]]
+        elif name in PLAIN:  # a hand-written script is started by torchrun, one process per GPU
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] + cmd[1:]
         cmd += ["--tiny"] if args.tiny else []
         cmd += ["--profile", profile] if profile else []
         env = worker_env(cache_dir)
         started = time.perf_counter()
-        log = None if args.no_record else os.path.join(args.out_dir, f"{name}-{gpus}gpu{'-trace' if profile else ''}.stderr.log")
+        where = f"sim{world}" if world else f"{gpus}gpu"
+        log = None if args.no_record else os.path.join(args.out_dir, f"{name}-{where}{'-trace' if profile else ''}.stderr.log")
         error = run_job(f"{name}@{gpus}", cmd, env, args.worker_timeout, log)
         if error is not None:
             return {"error": error, "wall_s": round(time.perf_counter() - started, 1)}
@@ -297,7 +338,7 @@ def build_rows(runs: dict[str, list[dict]], tiny: bool) -> list[dict]:
                 "worker_wall_s": [r["wall_s"] for r in ok],
                 "final_loss": [round(r["final_loss"], 4) for r in ok],
                 "dynamo_graphs": ok[-1]["dynamo_graphs"],
-                "timed_steps": sum(len(r["step_s"]) for r in ok),
+                "timed_steps": sum(len(r["step_s"]) * (r.get("window") or 1) for r in ok),
                 "overlap": {k: (round(v, 4) if v == v else None) for k, v in overlap.items()} or None,
             })
             exposed = overlap.get("exposed_comm_ms")
@@ -382,7 +423,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=None, help="steps per synchronized window (default 10; --tiny: 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 12; --tiny: 2)")
     parser.add_argument("--tail", type=int, default=None, help="monitored steps after the timed ones (default 6; --tiny: 2)")
-    parser.add_argument("--contenders", default=MAIN, help=f"comma list, run on N GPUs in this order; any of {', '.join(CONTENDERS)}")
+    parser.add_argument("--contenders", default=None, help=f"comma list, run on N GPUs in this order; any of {', '.join(CONTENDERS)}")
     parser.add_argument("--one-gpu", default="", help="comma list also run on 1 GPU (after the N-GPU jobs); empty: none")
     parser.add_argument("--cache-dir", help="inductor/Triton cache shared by the jobs (default: a temporary one)")
     parser.add_argument("--trace", action="store_true", help="profile one static_dist job and check it against HTA")
@@ -394,11 +435,19 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no job that would likely end past this many seconds from the start")
     parser.add_argument("--resume", help="a record of this benchmark to add rounds to")
+    parser.add_argument("--simulate", default="",
+                        help="comma list of world sizes: every contender a one-GPU job in a simulated world of each size "
+                             f"(the ceiling alone); default contenders {SIMULATED}")
+    parser.add_argument("--link", action="append",
+                        help="with --simulate, repeatable: free, GBPS,LATENCY_US,SMS or NAME=GBPS,LATENCY_US,SMS; each "
+                             "job's timed windows take the links in turn (--steps: a multiple of --window x links)")
+    parser.add_argument("--calibrated", help="with --simulate: the --link name the 2-GPU record is compared at")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("--no-record", action="store_true", help="print only; write no JSON record")
     parser.add_argument("--worker", choices=tuple(CONTENDERS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--profile", help=argparse.SUPPRESS)
+    parser.add_argument("--simulate-world", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.steps = args.steps if args.steps is not None else (4 if args.tiny else 40)
     args.window = args.window if args.window is not None else (2 if args.tiny else 10)
@@ -411,6 +460,10 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args)
         return
+    if args.simulate:
+        simulate_main(args, parser)
+        return
+    args.contenders = MAIN if args.contenders is None else args.contenders
 
     def names(value: str, flag: str) -> list[str]:
         chosen = [c.strip() for c in value.split(",") if c.strip()]
@@ -471,7 +524,7 @@ def main() -> None:
 
     longest = 0.0
     for r in range(args.rounds):
-        for key in plan:
+        for key in plan[r % len(plan):] + plan[:r % len(plan)]:  # the order rotated every round
             name, gpus = key.rsplit("@", 1)
             if any("error" in rec for rec in runs[key]):
                 continue  # a contender that failed once is not retried every round
@@ -510,6 +563,87 @@ def main() -> None:
               f"{fmt(o.get('trigger_delay_ms'), '.2f'):>7} {fmt(row['peak_mem_gib'], '.1f'):>8}  ok")
     summary = record["summary"]
     print("\n" + "  ".join(f"{k}: {summary.get(k)}" for k in (*REFERENCES, "peak_gib_vs_lightning_ddp_compile")))
+    if not args.no_record:
+        print(f"recorded: {path}")
+
+
+def simulate_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``--simulate N[,M]``: every contender a one-GPU job in a simulated world (the ceiling alone), rounds rotated."""
+    import lightning
+    import torch
+
+    from _simulated import parse_link, sim_rows, sim_summary
+
+    worlds = [int(w) for w in args.simulate.split(",") if w.strip()]
+    links = [parse_link(text) for text in args.link or ["free"]]
+    if any(w < 2 for w in worlds):
+        parser.error(f"--simulate {args.simulate}: world sizes >= 2")
+    if args.steps % (args.window * len(links)):
+        parser.error(f"--steps {args.steps}: a multiple of --window x {len(links)} links, so every link gets whole windows")
+    if args.calibrated is not None and args.calibrated not in {link.name for link in links}:
+        parser.error(f"--calibrated {args.calibrated}: not a --link name ({', '.join(link.name for link in links)})")
+    chosen = [c.strip() for c in (args.contenders if args.contenders is not None else SIMULATED).split(",") if c.strip()]
+    unknown = sorted(set(chosen) - set(CONTENDERS))
+    if unknown:
+        parser.error(f"--contenders: unknown {unknown}; allowed: {', '.join(CONTENDERS)}")
+    plan = (["ceiling@1"] if "ceiling" in chosen else []) + [
+        f"{c}@sim{w}" for w in worlds for c in chosen if c != "ceiling"]
+    args.gpus = 1
+    runs: dict[str, list[dict]] = {key: [] for key in plan}
+    today = datetime.date.today().isoformat()
+    scenario = "sim-gpt2s" + ("-tiny" if args.tiny else "")
+    path = os.path.join(args.out_dir, f"{scenario}-{today}.json")
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="gpuN-cache-")
+    record: dict[str, Any] = {
+        "scenario": scenario, "date": today,
+        "simulated": {"world_size": worlds, "link": [link.describe() for link in links],
+                      "note": "simulated on one GPU: one process as rank 0 of N identical ranks; not a multi-GPU figure"},
+        "hardware": {"gpus": 1, "gpu": None},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__},
+        "command": "python benchmarks/gpuN_gpt2s.py " + " ".join(map(shlex.quote, sys.argv[1:])),
+        "config": {"steps": args.steps, "window": args.window, "warmup": args.warmup, "monitored_tail_steps": args.tail,
+                   "rounds": args.rounds, "order": "rotated every round",
+                   "contenders": {c: strategy_sections(c) if CONTENDERS[c] is not None else "plain loop"
+                                  for c in chosen}},
+    }
+    started, longest = time.perf_counter(), 0.0
+
+    def save() -> None:
+        rows = sim_rows({k: v for k, v in runs.items() if v}, links, 0)
+        first_ok = next((rec for recs in runs.values() for rec in recs if "error" not in rec), {})
+        record["hardware"]["gpu"] = first_ok.get("device")
+        record.update(rows=rows, summary=sim_summary(rows, args.calibrated), runs=runs)
+        if not args.no_record:
+            os.makedirs(args.out_dir, exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(record, f, indent=2)
+
+    for r in range(args.rounds):
+        for key in plan[r % len(plan):] + plan[:r % len(plan)]:
+            name, where = key.rsplit("@", 1)
+            if any("error" in rec for rec in runs[key]):
+                continue
+            if args.budget_s is not None and time.perf_counter() - started + 1.2 * longest > args.budget_s:
+                print(f"budget: {args.budget_s:.0f} s would be passed; {key} not run (round {r + 1})", flush=True)
+                continue
+            rec = run_one(name, 1, args, cache_dir, world=int(where[3:]) if where.startswith("sim") else 0)
+            longest = max(longest, rec["wall_s"])
+            runs[key].append(rec)
+            shown = (f"{1e3 * statistics.median(rec['step_s']):8.2f} ms (all links)" if "error" not in rec
+                     else f"FAILED: {rec['error']}")
+            print(f"round {r + 1}/{args.rounds} {key:<28} {shown}  ({rec['wall_s']:.0f} s)", flush=True)
+            save()
+    save()
+    if not args.cache_dir:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    print(f"\n{'contender':<24} {'world':>5} {'link':<16} {'step ms':>8} {'x ceiling':>9} {'rounds':>6}  per round")
+    for row in record["rows"]:
+        if row.get("step_ms_median") is None:
+            print(f"{row['contender']:<24} {row['world']:>5} {str(row['link']):<16}  {row['status']}")
+            continue
+        print(f"{row['contender']:<24} {row['world']:>5} {str(row['link'] or '-'):<16} {row['step_ms_median']:>8.2f} "
+              f"{row['vs_ceiling'] or float('nan'):>9.4f} {row['rounds']:>6}  {row['step_ms_per_round']}")
+    print("\n" + json.dumps(record["summary"]))
     if not args.no_record:
         print(f"recorded: {path}")
 
