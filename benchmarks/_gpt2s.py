@@ -216,7 +216,8 @@ class StepTimer(L.Callback):
         if self._window == 1:
             self._sync()
             self.ends.append(time.perf_counter())
-        elif self._done >= self._warmup and (self._done - self._warmup) % self._window == 0:
+        elif (self._done >= self._warmup and (self._done - self._warmup) % self._window == 0
+              and (self._windows is None or len(self.marks) <= self._windows)):  # (the monitored tail: not timed)
             self._sync()
             self.marks.append((self._done, time.perf_counter()))
             if self._on_window is not None:

@@ -103,7 +103,8 @@ def sim_rows(runs: dict[str, list[dict]], links: list[Link], tokens_fallback: in
                     "peak_mem_gib": max((r["peak_mem_gib"] for r in ok if r.get("peak_mem_gib") is not None),
                                         default=None),
                     "bytes_per_step": ok[-1].get("bytes_per_step"),
-                    "overlap_tail": ok[-1].get("overlap"),
+                    # (the monitored tail runs at the last link only)
+                    "overlap_tail": ok[-1].get("overlap") if link is None or link is links[-1] else None,
                 })
             rows.append(row)
     return rows
@@ -114,16 +115,17 @@ def sim_rows(runs: dict[str, list[dict]], links: list[Link], tokens_fallback: in
 RECORDED_2GPU = {"ceiling": 33.34, "static_dist": 36.88, "plain_ddp_compile": 36.80}
 
 
-def sim_summary(rows: list[dict], calibrated: Optional[str]) -> dict[str, Any]:
+def sim_summary(rows: list[dict], links: list[Link], calibrated: Optional[str]) -> dict[str, Any]:
     """``sim_free_vs_ceiling`` (and ``_8``), ``sim_nvlink_vs_ceiling`` (and ``_8``) for the defaults, and the
     calibration error against the 2-GPU record: |simulated - recorded| / recorded of the step time scaled to the
     record's ceiling (this run's ceiling differs from that day's), for static_dist's defaults and, as the second
     point, plain DDP + compile."""
     by = {(r["contender"], r["world"], r["link"]): r for r in rows if r.get("step_ms_median")}
+    free_links = {link.name for link in links if link.spec is None}
     out: dict[str, Any] = {"calibrated_link": calibrated}
     ceiling = by.get(("ceiling", 1, None))
     for world, suffix in ((2, ""), (8, "_8")):
-        free = by.get(("static_dist", world, "free"))
+        free = next((by[k] for k in by if k[:2] == ("static_dist", world) and k[2] in free_links), None)
         out[f"sim_free_vs_ceiling{suffix}"] = free["vs_ceiling"] if free else None
         nv = by.get(("static_dist", world, calibrated)) if calibrated else None
         out[f"sim_nvlink_vs_ceiling{suffix}"] = nv["vs_ceiling"] if nv else None

@@ -586,6 +586,10 @@ def simulate_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     unknown = sorted(set(chosen) - set(CONTENDERS))
     if unknown:
         parser.error(f"--contenders: unknown {unknown}; allowed: {', '.join(CONTENDERS)}")
+    unsimulated = sorted(set(chosen) & set(LIGHTNING))
+    if unsimulated:  # Lightning's own strategies start their own (real) process group
+        parser.error(f"--contenders {unsimulated}: not run in a simulated world; allowed with --simulate: the plain loops"
+                     " and the static_dist contenders")
     plan = (["ceiling@1"] if "ceiling" in chosen else []) + [
         f"{c}@sim{w}" for w in worlds for c in chosen if c != "ceiling"]
     args.gpus = 1
@@ -612,7 +616,7 @@ def simulate_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         rows = sim_rows({k: v for k, v in runs.items() if v}, links, 0)
         first_ok = next((rec for recs in runs.values() for rec in recs if "error" not in rec), {})
         record["hardware"]["gpu"] = first_ok.get("device")
-        record.update(rows=rows, summary=sim_summary(rows, args.calibrated), runs=runs)
+        record.update(rows=rows, summary=sim_summary(rows, links, args.calibrated), runs=runs)
         if not args.no_record:
             os.makedirs(args.out_dir, exist_ok=True)
             with open(path, "w") as f:

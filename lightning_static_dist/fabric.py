@@ -70,6 +70,7 @@ from lightning_static_dist.overlap.intervals import step_metrics
 from lightning_static_dist.overlap.monitor import METRICS, RankAggregate, aggregate_over_ranks
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.overlap.timeline import StepTimeline
+from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.sync import GradientSynchronizer
 from lightning_static_dist.sync.config import SyncConfig
@@ -89,6 +90,7 @@ def _refuse_what_fabric_lacks(config: StrategyConfig) -> None:
         (config.compression.name == "auto", "compression.name", config.compression.name, "a compressor by its name"),
         (sync.schedule == "auto", "sync.schedule", sync.schedule, "'overlap' or 'after_backward'"),
         (config.simulate.enabled, "simulate.world_size", config.simulate.world_size, "null"),
+        (sync.comm_sms is not None, "sync.comm_sms", sync.comm_sms, "null"),
     )
     for hit, key, value, allowed in refused:
         if hit:
@@ -149,6 +151,7 @@ class StaticDistFabricStrategy(DDPStrategy):
         compression: Union[CompressionConfig, dict[str, Any], None] = None,
         embedding: Union[EmbeddingConfig, dict[str, Any], None] = None,
         checkpoint: Union[CheckpointConfig, dict[str, Any], None] = None,
+        simulate: Union[SimulateConfig, dict[str, Any], None] = None,
         timeout_s: Optional[float] = None,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -164,7 +167,7 @@ class StaticDistFabricStrategy(DDPStrategy):
                            gradient_as_bucket_view=gradient_as_bucket_view, bucket_cap_mb=bucket_cap_mb,
                            broadcast_buffers=broadcast_buffers)
         sections = dict(compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding,
-                        checkpoint=checkpoint)
+                        checkpoint=checkpoint, simulate=simulate)
         self._config, notes = StrategyConfig.from_arguments(ddp, sections, timeout_s, start_method,
                                                             process_group_backend)
         _refuse_what_fabric_lacks(self._config)

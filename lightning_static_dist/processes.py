@@ -54,7 +54,7 @@ from lightning_static_dist.faults import diagnose, is_collective_failure, record
 from lightning_static_dist.launcher import StaticDistLauncher, StaticDistSpawnLauncher
 from lightning_static_dist.mesh import build_dp_mesh, resolve_mesh_shape
 from lightning_static_dist.simulate import BACKEND as SIMULATED_BACKEND
-from lightning_static_dist.simulate import init_simulated_world, set_link
+from lightning_static_dist.simulate import init_simulated_world, is_simulated, set_link
 from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.simulate.link import check_available as check_link_available
 
@@ -77,7 +77,11 @@ def nccl_options(backend: str, comm_sms: Optional[int]) -> dict[str, Any]:
     """``init_process_group`` keywords for ``strategy.sync.comm_sms``: NCCL's options with ``config.max_ctas`` (the
     CTAs, hence SMs, one collective may use); nothing for another backend, or where this torch has no such field.
     Only for ``backend == "nccl"``: options for one backend cannot be given to a ``device:backend`` list."""
-    if comm_sms is None or backend != "nccl":
+    if comm_sms is None or "nccl" not in backend:
+        return {}
+    if backend != "nccl":
+        rank_zero_warn(f"static_dist: strategy.sync.comm_sms={comm_sms} is applied with process_group_backend='nccl'"
+                       f" only (options of one backend cannot go to {backend!r}); not applied")
         return {}
     options_type = getattr(torch.distributed, "ProcessGroupNCCL", None)
     options = options_type.Options() if options_type is not None else None
@@ -166,6 +170,13 @@ class DataParallelProcesses(ParallelStrategy):
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
+
+    @property
+    @override
+    def world_size(self) -> int:
+        # a cluster environment (SLURM, torchrun ...) reports its own world of one process: the simulated one counts
+        simulation = self.simulation
+        return simulation.world_size if simulation is not None else super().world_size
 
     @property
     def num_nodes(self) -> int:
@@ -287,6 +298,10 @@ class DataParallelProcesses(ParallelStrategy):
             check_link_available(self.root_device)
         if not torch.distributed.is_initialized():  # (a later stage of the same process finds it there)
             init_simulated_world(self.world_size, timeout)
+        elif not is_simulated() or torch.distributed.get_world_size() != self.world_size:
+            raise ConfigError(f"strategy.simulate.world_size={self.world_size}: this process already has a"
+                              f" {torch.distributed.get_backend()} process group of {torch.distributed.get_world_size()}"
+                              " ranks; allowed: a simulated world in a process without one")
         set_link(simulation.link, self._config.sync.comm_sms)
         rank_zero_info(f"static_dist: simulated world of {simulation.world_size} identical ranks in this one process"
                        f" ({'link: ' + simulation.link.describe() if simulation.link else 'free links'}); no data"

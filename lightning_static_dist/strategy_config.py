@@ -96,12 +96,8 @@ class StrategyConfig:
                   "compression runs in the synchroniser's buckets; it needs strategy.sync.mode=hooks (mode is 'graph')")
         if self.sync.schedule == "auto" and self.compression.name == "auto":
             fail(f"{self.KEY}.sync.schedule", self.sync.schedule,
-                 "two trials would time each other's steps (compression.name is 'auto'); allowed with it:"
+                 "two trials would time each other's steps (strategy.compression.name is 'auto'); allowed with it:"
                  " 'overlap' or 'after_backward'")
-        if self.sync.schedule != "overlap" and self.sync.reduce == "reduce_scatter":
-            fail(f"{self.KEY}.sync.schedule", self.sync.schedule,
-                 "the sharded synchroniser issues its buckets during backward; with strategy.sync.reduce="
-                 "reduce_scatter allowed: 'overlap'")
         if self.compression.name != "none" and self.sync.reduce_dtype != "fp32":
             fail(f"{self.KEY}.sync.reduce_dtype", self.sync.reduce_dtype,
                   f"a compressor chooses what goes on the wire (compression.name is {self.compression.name!r});"
@@ -118,6 +114,10 @@ class StrategyConfig:
             fail(f"{self.KEY}.compression.name", self.compression.name,
                   "the compressors are written for all_reduce buckets; with strategy.sync.reduce=reduce_scatter"
                   " allowed: 'none'")
+        if self.sync.schedule != "overlap":
+            fail(f"{self.KEY}.sync.schedule", self.sync.schedule,
+                 "the sharded synchroniser issues its buckets during backward; with strategy.sync.reduce="
+                 "reduce_scatter (or a mesh with dp_shard > 1) allowed: 'overlap'")
         if self.sync.reduce_dtype != "fp32":
             fail(f"{self.KEY}.sync.reduce_dtype", self.sync.reduce_dtype,
                   "reduce_scatter reduces the parameters' own buckets; with strategy.sync.reduce=reduce_scatter"

@@ -120,6 +120,9 @@ def _collectives(rank: int, world: int, simulated: bool) -> dict[str, Any]:
     t = x.clone()
     dist.reduce(t, dst=0)
     out["reduce"] = t
+    t = x.clone()
+    dist.reduce(t, dst=world - 1)  # rank 0 is not the destination: its buffer stays as it was
+    out["reduce_elsewhere"] = t
     parts = [torch.full_like(x, float("nan")) for _ in range(world)]
     dist.all_gather(parts, x)
     out["all_gather"] = torch.stack(parts)
@@ -185,6 +188,8 @@ def test_the_simulated_group_gives_what_real_gloo_ranks_with_identical_inputs_gi
                 "reduce_scatter", "reduce_scatter_single", "broadcast", "sub_sum"):
         torch.testing.assert_close(sim[key], real[key], rtol=0, atol=0, msg=lambda m, key=key: f"{key}: {m}")
     torch.testing.assert_close(sim["avg_or_sum"], real["avg_or_sum"] / REAL_WORLD, msg="AVG against SUM / N")
+    # a reduce to another rank leaves this rank's buffer alone (Gloo may use a non-root's buffer as scratch: not compared)
+    torch.testing.assert_close(sim["reduce_elsewhere"], sim["x"], rtol=0, atol=0)
     for key in ("all_gather_object", "broadcast_object_list", "gather_object", "sub_size"):
         assert sim[key] == real[key], key
     # and the comparison is not empty: the world size shows in the results
@@ -325,6 +330,22 @@ def _sharded_simulated_fit(root: str) -> dict[str, Any]:
     except Exception as err:  # (kept for the test that checks the fit finishes: the facts were taken before)
         error = f"{type(err).__name__}: {err}"
     return {**size.facts, "log_dir": root, "lines": lines.lines, "error": error}
+
+
+def _simulated_fit_with_a_checkpoint(root: str) -> dict[str, Any]:
+    trainer = _quiet_trainer(strategy=StaticDistStrategy(simulate={"world_size": 2}), max_steps=2,
+                             enable_checkpointing=True, default_root_dir=root,
+                             callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_last=False)])
+    trainer.fit(Regression(), DataLoader(_regression_data(), batch_size=4))
+    path = os.path.join(root, sorted(f for f in os.listdir(root) if f.endswith(".ckpt"))[-1])
+    return torch.load(path, weights_only=False).get("static_dist_simulated")
+
+
+@multiprocess
+def test_a_checkpoint_written_in_a_simulated_world_says_so(tmp_path: Any) -> None:
+    """A dry run's checkpoint must not pass for a real run's: it carries the simulated world it came from."""
+    mark = _in_fresh_process(_simulated_fit_with_a_checkpoint, str(tmp_path))
+    assert mark == {"world_size": 2, "link": None}
 
 
 @pytest.fixture(scope="module")

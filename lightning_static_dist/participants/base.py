@@ -49,6 +49,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.overlap.recorder import StepRecorder
 
@@ -76,7 +77,7 @@ class StrategyView(Protocol):
     def device_mesh(self) -> Any: ...
 
     @property
-    def simulation(self) -> Any:
+    def simulation(self) -> Optional[SimulateConfig]:
         """``strategy.simulate`` when the world is simulated, else ``None``."""
         ...
 

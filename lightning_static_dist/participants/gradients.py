@@ -13,7 +13,6 @@ Example (the strategy builds these in its ``__init__``)::
 
 from __future__ import annotations
 
-import functools
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional
 
@@ -142,8 +141,7 @@ class SyncSchedule(StepParticipant):
         view = self._view
         if view.config.sync.schedule != "auto" or view.synchronizer is None or not syncs_gradients(trainer, view):
             return
-        candidates = [Candidate(name, functools.partial(lambda late: late, name == "after_backward"))
-                      for name in self.CANDIDATES]
+        candidates = [Candidate(name, lambda: None) for name in self.CANDIDATES]  # (a schedule is its name)
         self.trial = CompressionTrial(candidates, start_step=0, trial_steps=view.config.sync.schedule_trial_steps,
                                       device=view.root_device, group=view.dp_group, min_gain=0.0)
         if self._resume is not None:
@@ -151,7 +149,7 @@ class SyncSchedule(StepParticipant):
 
     def on_train_batch_start(self) -> None:
         def apply(candidate: Candidate) -> None:
-            self._view.synchronizer.launch_during_backward = not candidate.make()
+            self._view.synchronizer.launch_during_backward = candidate.name == "overlap"
 
         advance_trial(self.trial, self._view, apply, "sync.schedule auto")
 

@@ -9,9 +9,10 @@ Example (the strategy builds these in its ``__init__``)::
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_static_dist import loop as loop_patches
 from lightning_static_dist.participants.base import StepParticipant, StrategyView, syncs_gradients
@@ -40,6 +41,32 @@ class PeerWatch(StepParticipant):
         if self._watchdog is not None:
             self._watchdog.stop(clean=not failed)
             self._watchdog = None
+
+
+SIMULATED_KEY = "static_dist_simulated"  # a checkpoint written in a simulated world: {"world_size": N, "link": ...}
+
+
+class SimulationMark(StepParticipant):
+    """``strategy.simulate``: a checkpoint written in a simulated world says so, and a run that is not the same
+    simulation warns when it resumes from one (its weights are one rank's, its sharded state rank 0's only)."""
+
+    def __init__(self, view: StrategyView) -> None:
+        self._view = view
+
+    def state_dict(self) -> dict[str, Any]:
+        simulation = self._view.simulation
+        if simulation is None:
+            return {}
+        return {SIMULATED_KEY: {"world_size": simulation.world_size,
+                                "link": simulation.link.describe() if simulation.link is not None else None}}
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.pop(SIMULATED_KEY, None)
+        simulation = self._view.simulation
+        if saved is not None and (simulation is None or simulation.world_size != saved["world_size"]):
+            rank_zero_warn(f"static_dist: this checkpoint was written in a simulated world of {saved['world_size']}"
+                           " identical ranks (strategy.simulate): a dry run's weights, and of sharded state rank 0's"
+                           " shards only; resuming from it as if from a real run")
 
 
 class SigtermAgreement(StepParticipant):

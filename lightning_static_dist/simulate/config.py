@@ -77,7 +77,8 @@ class SimulateConfig:
         if self.world_size is not None and not 2 <= self.world_size <= 65536:
             fail(f"{self.KEY}.world_size", self.world_size, "must be an integer in [2, 65536] (ranks to simulate)")
         if self.world_size is None and self.link is not None:
-            fail(f"{self.KEY}.link", _plain(self.link), "a link needs strategy.simulate.world_size")
+            fail(f"{self.KEY}.link", _plain(self.link), "a link needs strategy.simulate.world_size; allowed without a"
+                 " world: null")
 
     @property
     def enabled(self) -> bool:

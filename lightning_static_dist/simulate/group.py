@@ -27,7 +27,6 @@ does its arithmetic; ``wait()`` makes the caller's stream wait for it, and its f
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
@@ -50,7 +49,6 @@ class _World:
 
     link: Optional[LinkConfig] = None
     sms: Optional[int] = None
-    lock = threading.Lock()
 
 
 WORLD = _World()
@@ -91,10 +89,13 @@ class SimulatedWork(dist._Work):
         self._started = started
         self._stream = stream
         self._future: Optional[Future] = None
+        if stream is not None:  # made now, on the link's stream (the caller's _run): it completes where the kernel does
+            self._future = Future(devices=[stream.device])
+            self._future.set_result(result)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        if self._done is not None:
-            torch.cuda.current_stream(self._done.device if hasattr(self._done, "device") else None).wait_event(self._done)
+        if self._done is not None and self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_event(self._done)
         return True
 
     def is_completed(self) -> bool:
@@ -107,14 +108,9 @@ class SimulatedWork(dist._Work):
         return self._result
 
     def get_future(self) -> Future:
-        if self._future is None:
-            if self._stream is None:
-                self._future = Future()
-                self._future.set_result(self._result)
-            else:
-                self._future = Future(devices=[self._stream.device])
-                with torch.cuda.stream(self._stream):  # completes on the link's stream: a consumer waits for it
-                    self._future.set_result(self._result)
+        if self._future is None:  # (free links: done at once)
+            self._future = Future()
+            self._future.set_result(self._result)
         return self._future
 
     def get_duration(self) -> float:
@@ -173,7 +169,8 @@ class SimulatedGroup(dist.ProcessGroup):
         link = WORLD.link
         device = next((t.device for t in tensors if t.is_cuda), None)
         if link is None or device is None or self._size < 2:
-            compute()
+            with torch.no_grad():  # (a collective is not an autograd op: NCCL's in-place results carry no graph)
+                compute()
             return SimulatedWork(result)
         stream = self._streams.get(device.index)
         if stream is None:
@@ -183,12 +180,14 @@ class SimulatedGroup(dist.ProcessGroup):
         with torch.cuda.stream(stream):
             started.record(stream)
             hold_sms(stream, self.sms or 1, ring_seconds(kind, nbytes, self._size, link.gbps, link.latency_us))
-            compute()
+            with torch.no_grad():
+                compute()
             done.record(stream)
+            work = SimulatedWork(result, done, started, stream)
         for t in tensors:
             if t.is_cuda:
                 t.record_stream(stream)  # the caching allocator must not hand the memory out before the link is done
-        return SimulatedWork(result, done, started, stream)
+        return work
 
     def allreduce(self, tensors: list[Tensor], opts: Any = None) -> SimulatedWork:
         op = _op_of(opts)
@@ -199,6 +198,9 @@ class SimulatedGroup(dist.ProcessGroup):
         return self.allreduce(tensors, opts)
 
     def reduce(self, tensors: list[Tensor], opts: Any = None) -> SimulatedWork:
+        if getattr(opts, "rootRank", 0) != self._rank:  # only the destination's buffer changes
+            return self._run("all_reduce", tensors, sum(t.numel() * t.element_size() for t in tensors), lambda: None,
+                             tensors)
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors: list[Tensor], opts: Any = None) -> SimulatedWork:
@@ -215,7 +217,8 @@ class SimulatedGroup(dist.ProcessGroup):
                         o.copy_(inp)
 
         flat = [o for out in outputs for o in out]
-        return self._run("all_gather", flat, sum(o.numel() * o.element_size() for o in flat), compute, flat)
+        return self._run("all_gather", flat + list(inputs), sum(o.numel() * o.element_size() for o in flat), compute,
+                         flat)
 
     def _allgather_base(self, output: Tensor, inp: Tensor, opts: Any = None) -> SimulatedWork:
         chunks = output.view(self._size, -1)

@@ -83,5 +83,7 @@ def hold_sms(stream: torch.cuda.Stream, sms: int, duration_s: float) -> None:
 
     index = stream.device.index if stream.device.index is not None else torch.cuda.current_device()
     kernel, shared = _kernel(index)
+    # (never more blocks than SMs: a second wave would double the time the link was told to take)
+    blocks = max(1, min(sms, torch.cuda.get_device_properties(index).multi_processor_count))
     with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
-        kernel((max(1, sms),), (32,), (numpy.uint64(max(0, int(duration_s * 1e9))),), shared_mem=shared)
+        kernel((blocks,), (32,), (numpy.uint64(max(0, int(duration_s * 1e9))),), shared_mem=shared)

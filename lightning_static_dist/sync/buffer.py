@@ -54,6 +54,8 @@ class BucketBuffer:
         return [flat[o : o + n].view(params[i].shape) for i, o, n in zip(b.param_indices, b.offsets, b.numels)]
 
     def reset(self) -> None:
+        self.packed = False
+        """Whether this round's gradients are in the flat buffer already (:meth:`pack` ran)."""
         self.grads: list[Optional[Tensor]] = [None] * len(self.bucket.param_indices)
         self.filled = [False] * len(self.bucket.param_indices)
         self.remaining = len(self.bucket.param_indices)
@@ -85,6 +87,7 @@ class BucketBuffer:
             elif self.alias_grads:
                 params[self.bucket.param_indices[slot]].grad = self.views[slot]
         self.grads = [None] * len(self.grads)  # the references the hooks handed over: freed now
+        self.packed = True
 
     def seal(self, round_number: int) -> Tensor:
         """Write the usage flags (device ops only); return the flat buffer to reduce."""

@@ -70,7 +70,8 @@ class SyncConfig:
     ``after_backward``: all of them back to back once backward ends (compiled, the step is one graph, uncut: no cut
     cost, and no collective holds SMs while backward computes). ``auto``: time both on this job's first steps
     (``schedule_trial_steps`` each, the first untimed; the slowest rank's time) and keep the faster on every rank;
-    printed, and kept in the checkpoint. Under ``auto`` both schedules run the cut graph."""
+    printed, and kept in the checkpoint. Under ``auto`` both schedules run the step as ``overlap`` compiles it (with
+    ``compile.regional: auto``, the cut graph)."""
     schedule_trial_steps: int = 6
     """``schedule: auto``: optimizer steps each schedule is tried for (the first of them untimed)."""
     comm_sms: Optional[int] = None

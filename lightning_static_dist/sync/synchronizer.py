@@ -17,8 +17,8 @@ One *round* is one backward pass followed by :meth:`GradientSynchronizer.finish`
    ``reduce_dtype`` if one is set) and every full bucket from the *next bucket to launch* onwards is launched, in
    plan order. Launching strictly in plan order is what keeps every rank issuing the same collectives in the same
    order even when hooks fire in a different order, or a parameter gets no gradient on one rank. With
-   :attr:`~GradientSynchronizer.launch_during_backward` off (``sync.schedule: after_backward``) the buckets are only
-   filled here, and step 2 issues them all.
+   :attr:`~GradientSynchronizer.launch_during_backward` off (``sync.schedule: after_backward``) a full bucket is only
+   copied into its buffer here (its gradients freed as with overlap), and step 2 issues them all.
 2. ``finish()`` — queued on the autograd engine by the first hook, so it runs as backward returns — fills what the
    hooks did not (a parameter unused on this rank contributes zeros), launches the remaining buckets in order and
    makes the compute stream wait for each of them. Nothing in a round waits on the host.
@@ -284,6 +284,8 @@ class GradientSynchronizer:
                 self.recorder.bucket_ready(bucket_index)
             if self.launch_during_backward:
                 self._launch_ready_buckets()
+            else:  # (after_backward) copied in now, while backward runs: its gradients are freed, only the issue waits
+                buffer.pack(self._params)
 
     def _launch_ready_buckets(self) -> None:
         while self._next_to_launch < len(self._buffers) and self._buffers[self._next_to_launch].remaining == 0:
@@ -291,7 +293,8 @@ class GradientSynchronizer:
             self._next_to_launch += 1
 
     def _launch(self, buffer: BucketBuffer, record_as: int) -> PendingReduction:
-        buffer.pack(self._params)
+        if not buffer.packed:
+            buffer.pack(self._params)
         flat = buffer.seal(self._pass_number)
         if self._check_each_collective:
             mismatch = next_collective_mismatch(record_as, buffer, self._group)
