@@ -41,6 +41,51 @@ def build_trainer_inputs(cfg: RunConfig) -> tuple[Any, Any, Any]:
     return trainer, model, datamodule
 
 
+#: where rank 0 hands the checkpoint it resolved to the ranks Lightning's launcher starts (they re-run this command)
+RESUME_ENV = "LSD_RESUME_FROM"
+
+
+def find_last_checkpoint(roots: Sequence[str]) -> Optional[str]:
+    """The newest checkpoint under any of ``roots`` (searched whole: every ``version_N`` folder, not only the
+    newest, which is where Lightning's own ``ckpt_path="last"`` looks): a ``.ckpt`` file or a sharded checkpoint's
+    directory; the newest by modification time, then by path. ``None`` when there is none."""
+    from lightning_static_dist.checkpoint import is_sharded_checkpoint
+
+    found: list[tuple[float, str]] = []
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            if is_sharded_checkpoint(dirpath):
+                found.append((os.path.getmtime(dirpath), dirpath))
+                dirnames[:] = []  # (its .distcp files are not checkpoints of their own)
+                continue
+            dirnames[:] = [d for d in dirnames if not d.endswith(".tmp")]  # a write that never finished
+            found += [(os.path.getmtime(os.path.join(dirpath, f)), os.path.join(dirpath, f))
+                      for f in filenames if f.endswith(".ckpt")]
+    return max(found)[1] if found else None
+
+
+def resume_from(cfg: RunConfig) -> Optional[str]:
+    """The checkpoint this run resumes from: ``ckpt_path`` resolved (``last``: the newest under the run's folders),
+    and under ``torchrun --max-restarts`` a restarted attempt resumes from the newest by itself. Says which, in one
+    line on rank 0; ``last`` with nothing to resume from says so and starts from step 0."""
+    if RESUME_ENV in os.environ and os.environ.get("LOCAL_RANK", "0") != "0":
+        return os.environ[RESUME_ENV] or None  # a rank Lightning's launcher started: rank 0 resolved it already
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    wanted = cfg.ckpt_path if cfg.ckpt_path is not None or restart == 0 else "last"
+    path = wanted
+    if wanted == "last":
+        roots = [cfg.trainer.get("default_root_dir") or os.getcwd()]
+        dirpath = cfg.callbacks["model_checkpoint"].options.get("dirpath") if "model_checkpoint" in cfg.callbacks else None
+        roots += [dirpath] if dirpath else []
+        path = find_last_checkpoint(roots)
+        why = f"restart {restart} of torchrun --max-restarts" if cfg.ckpt_path is None else "ckpt_path=last"
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            print(f"lsd-train: {why}: " + (f"resuming from {path}" if path else
+                  f"no checkpoint under {', '.join(roots)}; starting from step 0"), file=sys.stderr, flush=True)
+    os.environ[RESUME_ENV] = path or ""
+    return path
+
+
 def default_loggers(root_dir: str) -> list[Any]:
     """CSV always (``metrics.csv``, read by ``lsd-report``), TensorBoard beside it when installed; one log dir."""
     from importlib.util import find_spec
@@ -76,11 +121,12 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         if args.print_config:
             print(json.dumps(_jsonable(cfg), indent=2))
             return
+        ckpt_path = resume_from(cfg)
         trainer, model, datamodule = build_trainer_inputs(cfg)
     except ConfigError as err:
         parser.exit(2, f"lsd-train: error: {err}\n")
     try:
-        trainer.fit(model, datamodule=datamodule)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     except Exception:
         failure = getattr(trainer.strategy, "failure", None)
         if failure is None:

@@ -1,6 +1,6 @@
 """The ``lsd-train`` run file: YAML plus dotted overrides, validated whole before a single process starts.
 
-The top level is ``seed``, ``model``, ``data``, ``trainer``, ``strategy`` and ``callbacks``. :func:`load_run_config`
+The top level is ``seed``, ``model``, ``data``, ``trainer``, ``strategy``, ``callbacks`` and ``ckpt_path``. :func:`load_run_config`
 merges the ``dotted.key=value`` overrides over the file with OmegaConf and validates everything with the package's
 one checker (:mod:`lightning_static_dist.config.check`): the ``strategy`` block as
 :class:`~lightning_static_dist.strategy_config.StrategyConfig`, each ``callbacks.<name>`` block as its callback's ``Config``,
@@ -130,7 +130,7 @@ class CallbackConfig:
 
     def build(self, name: str) -> Any:
         """The callback ``callbacks.<name>`` with these options."""
-        return CALLBACKS[name](**self.options)
+        return {**CALLBACKS, **LIGHTNING_CALLBACKS}[name](**self.options)
 
 
 #: The callbacks a run file can configure: ``callbacks.<name>``, where each class's ``Config.KEY`` is
@@ -138,6 +138,16 @@ class CallbackConfig:
 CALLBACKS: dict[str, type] = {
     cls.Config.KEY.removeprefix("callbacks."): cls for cls in (RunSummary, GraphReport, OverlapMonitor, CompressionGuard)
 }
+
+def _lightning_callbacks() -> dict[str, type]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return {"model_checkpoint": ModelCheckpoint}
+
+
+#: Lightning's own callbacks a run file can configure, with their constructor's arguments as options
+#: (``callbacks.model_checkpoint: {enabled: true, every_n_train_steps: 100, save_last: true}``).
+LIGHTNING_CALLBACKS: dict[str, type] = _lightning_callbacks()
 
 #: Trainer arguments the run file may not set, and why.
 _RESERVED_TRAINER_KEYS = {
@@ -161,12 +171,16 @@ class RunConfig:
     trainer: dict[str, Any] = field(default_factory=dict)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     callbacks: dict[str, CallbackConfig] = field(default_factory=dict)
+    ckpt_path: Optional[str] = None
+    """What ``Trainer.fit(ckpt_path=...)`` resumes from: a checkpoint's path, ``last`` (the newest checkpoint under
+    ``trainer.default_root_dir``, in any version folder: :func:`~lightning_static_dist.cli.find_last_checkpoint`), or
+    ``None`` (from step 0)."""
 
     @classmethod
     def from_dict(cls, data: Any) -> RunConfig:
         if not isinstance(data, Mapping):
-            raise ConfigError(f"<top level>={data!r}: expected a mapping with keys seed, model, data, trainer, strategy, callbacks")
-        allowed = ("seed", "model", "data", "trainer", "strategy", "callbacks")
+            raise ConfigError(f"<top level>={data!r}: expected a mapping with keys {', '.join(TOP_LEVEL)}")
+        allowed = TOP_LEVEL
         for name in data:
             if name not in allowed:
                 raise ConfigError(f"{name}: unknown top-level key; allowed: {', '.join(allowed)}")
@@ -191,12 +205,32 @@ class RunConfig:
             trainer=dict(trainer),
             strategy=section_from_dict(StrategyConfig, data.get("strategy")),
             callbacks=_callbacks_from_dict(data.get("callbacks")),
+            ckpt_path=_ckpt_path(data.get("ckpt_path")),
         )
+        checkpoints = run.callbacks.get("model_checkpoint")
+        if checkpoints is not None and checkpoints.enabled and run.trainer.get("enable_checkpointing") is False:
+            fail("callbacks.model_checkpoint.enabled", True, "trainer.enable_checkpointing is false; allowed: false,"
+                 " or trainer.enable_checkpointing=true")
         guard = run.callbacks.get("compression_guard")
         if guard is not None and guard.enabled and run.strategy.compression.name == "none":
             fail("callbacks.compression_guard.enabled", True, "the guard steps a compressor down and"
                   " strategy.compression.name is 'none'; allowed: false, or a compressor")
         return run
+
+
+TOP_LEVEL = ("seed", "model", "data", "trainer", "strategy", "callbacks", "ckpt_path")
+
+
+def _ckpt_path(value: Any) -> Optional[str]:
+    """``ckpt_path`` checked: ``None``, ``last``, or a checkpoint that exists (a file, or a sharded checkpoint's
+    directory)."""
+    if value is None or value == "last":
+        return value
+    check_value("ckpt_path", value, str)
+    if not os.path.exists(value):
+        fail("ckpt_path", value, "no such file or directory; allowed: a checkpoint's path, 'last' (the newest under"
+             " trainer.default_root_dir) or null")
+    return value
 
 
 def _check_trainer_ranges(trainer: Mapping[str, Any]) -> None:
@@ -220,16 +254,20 @@ def _callbacks_from_dict(data: Any) -> dict[str, CallbackConfig]:
     if not isinstance(data, Mapping):
         fail("callbacks", data, f"expected a mapping of callback blocks; allowed names: {', '.join(CALLBACKS)}")
     out: dict[str, CallbackConfig] = {}
+    known = [*CALLBACKS, *LIGHTNING_CALLBACKS]
     for name, block in data.items():
-        if name not in CALLBACKS:
-            raise ConfigError(f"callbacks.{name}: unknown callback; allowed: {', '.join(CALLBACKS)}")
+        if name not in known:
+            raise ConfigError(f"callbacks.{name}: unknown callback; allowed: {', '.join(known)}")
         block = {} if block is None else block
         if not isinstance(block, Mapping):
             fail(f"callbacks.{name}", block, "expected a mapping with 'enabled' and the callback's options")
         options = dict(block)
         enabled = options.pop("enabled", True)
         check_value(f"callbacks.{name}.enabled", enabled, bool)
-        section_from_dict(CALLBACKS[name].Config, options, key=f"callbacks.{name}")  # checked before any process
+        if name in LIGHTNING_CALLBACKS:  # Lightning's own: its constructor's arguments
+            check_kwargs_against(f"callbacks.{name}", LIGHTNING_CALLBACKS[name], options)
+        else:
+            section_from_dict(CALLBACKS[name].Config, options, key=f"callbacks.{name}")  # checked before any process
         out[name] = CallbackConfig(enabled=enabled, options=options)
     return out
 
@@ -256,7 +294,7 @@ def load_run_config(path: Optional[str], overrides: Sequence[str] = ()) -> RunCo
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. trainer.max_steps=100")
     if not isinstance(base, DictConfig):
-        raise ConfigError(f"config file {path!r}: the top level must be a mapping with keys seed, model, data, trainer, strategy, callbacks")
+        raise ConfigError(f"config file {path!r}: the top level must be a mapping with keys {', '.join(TOP_LEVEL)}")
     try:
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
         data = OmegaConf.to_container(merged, resolve=True)
