@@ -250,9 +250,8 @@ class DataParallelProcesses(ParallelStrategy):
         if self.num_processes > 1 or self.num_nodes > 1:
             raise ConfigError(f"{key}: one process stands for every rank; allowed: Trainer(devices=1, num_nodes=1)"
                               f" (got devices={self.num_processes}, num_nodes={self.num_nodes})")
-        if simulation.link is not None and self.parallel_devices and self.parallel_devices[0].type != "cuda":
-            raise ConfigError(f"strategy.simulate.link: an emulated link holds GPU SMs (the device is"
-                              f" {self.parallel_devices[0].type}); allowed on CPU: strategy.simulate.link=null")
+        if simulation.link is not None and self.parallel_devices:
+            check_link_available(self.parallel_devices[0])  # (a link on CPU, or CuPy missing: one line, now)
 
     @override
     def setup_environment(self) -> None:
