@@ -180,7 +180,7 @@ def report(run_dir: str, plot: bool = True) -> str:
     names the constant series the picture lists instead of drawing (``lightning_static_dist/report_plot.py``)."""
     runs = find_run_dirs(run_dir)
     if not runs:
-        raise FileNotFoundError(f"lsd-report: no metrics.csv under {run_dir!r}: is it a finished run's directory?")
+        raise FileNotFoundError(_why_no_metrics(run_dir))
     log_dir = runs[-1]
     series = read_metrics(os.path.join(log_dir, "metrics.csv"))
     if not series:
@@ -207,6 +207,23 @@ def report(run_dir: str, plot: bool = True) -> str:
         if curves.caption:
             lines.append(curves.caption)
     return "\n".join(lines)
+
+
+def _why_no_metrics(run_dir: str) -> str:
+    """The one line ``lsd-report`` prints when it finds no ``metrics.csv``: a run that logged nothing (shorter than
+    Lightning's ``log_every_n_steps``) is told apart from a directory that holds no run."""
+    logged = sorted(os.path.join(d, f) for d, _, files in os.walk(run_dir) for f in files
+                    if f in ("summary.json", "hparams.yaml"))
+    if not logged:
+        return f"lsd-report: no metrics.csv under {run_dir!r}: is it a finished run's directory?"
+    steps = ""
+    summary = next((p for p in logged if p.endswith("summary.json")), None)
+    if summary is not None:
+        with open(summary) as f:
+            steps = f" (it ran {json.load(f).get('steps')} steps)"
+    return (f"lsd-report: the run in {os.path.dirname(logged[-1])!r} logged no metrics{steps}: Lightning writes them"
+            " every trainer.log_every_n_steps steps (default 50), so a shorter run writes none; run again with"
+            " trainer.log_every_n_steps=1 (or a value below its steps)")
 
 
 def report_main(argv: Optional[Sequence[str]] = None) -> None:

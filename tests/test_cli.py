@@ -194,6 +194,20 @@ def test_report_on_an_empty_dir_exits_2_with_a_clear_message(tmp_path: Path) -> 
     assert "Traceback" not in result.stderr
 
 
+def test_report_on_a_run_that_logged_nothing_names_log_every_n_steps(tmp_path: Path) -> None:
+    """A 30-step run under Lightning's default log_every_n_steps=50 leaves its folder and summary, no metrics.csv:
+    the message says why (it used to ask whether this was a run's directory at all)."""
+    log_dir = tmp_path / "lightning_logs" / "version_0"
+    log_dir.mkdir(parents=True)
+    (log_dir / "hparams.yaml").write_text("{}\n")
+    (log_dir / "summary.json").write_text(json.dumps({"steps": 30}))
+    result = lsd_report(str(tmp_path))
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "logged no metrics (it ran 30 steps)" in lines[0], result.stderr
+    assert "trainer.log_every_n_steps" in lines[0] and str(log_dir) in lines[0]
+
+
 # ------------------------------------------------------------------------------------ end to end, 2 CPU ranks
 
 
