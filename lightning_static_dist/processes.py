@@ -269,8 +269,6 @@ class DataParallelProcesses(ParallelStrategy):
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
-        if self.simulation is not None:
-            self._process_group_backend = SIMULATED_BACKEND
         assert self.cluster_environment is not None
         timeout = timedelta(seconds=self._config.timeout_s)
         if self.simulation is not None:
@@ -289,10 +287,11 @@ class DataParallelProcesses(ParallelStrategy):
         destroy_process_groups_at_exit()  # at exit, while the interpreter is whole; not after a failure
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
         if self.world_size > 1 and self._host_group is None:  # once per strategy: every later stage reuses it
-            self._host_group = loop_patches.host_group(timedelta(seconds=self._config.timeout_s))
+            self._host_group = loop_patches.host_group(timeout)
 
     def _start_simulated_world(self, simulation: SimulateConfig, timeout: timedelta) -> None:
         """The default group as rank 0 of the simulated world (its backend registered with torch.distributed)."""
+        self._process_group_backend = SIMULATED_BACKEND
         if simulation.link is not None:
             check_link_available(self.root_device)
         if not torch.distributed.is_initialized():  # (a later stage of the same process finds it there)

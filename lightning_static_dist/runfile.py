@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lightning.pytorch.callbacks import ModelCheckpoint
+
 from lightning_static_dist.callbacks import GraphReport, RunSummary
 from lightning_static_dist.compression.guard import CompressionGuard
 from lightning_static_dist.config import (
@@ -139,15 +141,9 @@ CALLBACKS: dict[str, type] = {
     cls.Config.KEY.removeprefix("callbacks."): cls for cls in (RunSummary, GraphReport, OverlapMonitor, CompressionGuard)
 }
 
-def _lightning_callbacks() -> dict[str, type]:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    return {"model_checkpoint": ModelCheckpoint}
-
-
 #: Lightning's own callbacks a run file can configure, with their constructor's arguments as options
 #: (``callbacks.model_checkpoint: {enabled: true, every_n_train_steps: 100, save_last: true}``).
-LIGHTNING_CALLBACKS: dict[str, type] = _lightning_callbacks()
+LIGHTNING_CALLBACKS: dict[str, type] = {"model_checkpoint": ModelCheckpoint}
 
 #: Trainer arguments the run file may not set, and why.
 _RESERVED_TRAINER_KEYS = {

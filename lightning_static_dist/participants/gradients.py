@@ -148,10 +148,11 @@ class SyncSchedule(StepParticipant):
             self._load(self._resume)
 
     def on_train_batch_start(self) -> None:
-        def apply(candidate: Candidate) -> None:
-            self._view.synchronizer.launch_during_backward = candidate.name == "overlap"
+        advance_trial(self.trial, self._view, lambda candidate: self._use(candidate.name), "sync.schedule auto")
 
-        advance_trial(self.trial, self._view, apply, "sync.schedule auto")
+    def _use(self, schedule: str) -> None:
+        """Issue the buckets as ``schedule`` says from the next round on."""
+        self._view.synchronizer.launch_during_backward = schedule == "overlap"
 
     def after_optimizer_step(self) -> None:
         if self.trial is not None:
@@ -173,9 +174,8 @@ class SyncSchedule(StepParticipant):
         self._resume = None
         assert self.trial is not None
         self.trial.load_state_dict(saved)
-        synchronizer = self._view.synchronizer
-        if self.trial.decided and synchronizer is not None:
-            synchronizer.launch_during_backward = self.trial.choice != "after_backward"
+        if self.trial.decided and self._view.synchronizer is not None:
+            self._use(self.trial.choice)
 
     def teardown(self, failed: bool) -> None:
         self.trial = None

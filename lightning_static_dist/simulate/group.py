@@ -73,6 +73,10 @@ def _reduce_(tensor: Tensor, op: Any, world: int) -> None:
         raise NotImplementedError(f"static_dist: the simulated world has no reduction {op!r}")
 
 
+def _nbytes(tensors: Sequence[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _op_of(opts: Any) -> Any:
     return getattr(opts, "reduceOp", dist.ReduceOp.SUM)
 
@@ -191,20 +195,19 @@ class SimulatedGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[Tensor], opts: Any = None) -> SimulatedWork:
         op = _op_of(opts)
-        return self._run("all_reduce", tensors, sum(t.numel() * t.element_size() for t in tensors),
-                         lambda: [_reduce_(t, op, self._size) for t in tensors], tensors)
+        return self._run("all_reduce", tensors, _nbytes(tensors), lambda: [_reduce_(t, op, self._size) for t in tensors],
+                         tensors)
 
     def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> SimulatedWork:
         return self.allreduce(tensors, opts)
 
     def reduce(self, tensors: list[Tensor], opts: Any = None) -> SimulatedWork:
         if getattr(opts, "rootRank", 0) != self._rank:  # only the destination's buffer changes
-            return self._run("all_reduce", tensors, sum(t.numel() * t.element_size() for t in tensors), lambda: None,
-                             tensors)
+            return self._run("all_reduce", tensors, _nbytes(tensors), lambda: None, tensors)
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors: list[Tensor], opts: Any = None) -> SimulatedWork:
-        return self._run("broadcast", tensors, sum(t.numel() * t.element_size() for t in tensors), lambda: None, tensors)
+        return self._run("broadcast", tensors, _nbytes(tensors), lambda: None, tensors)
 
     def barrier(self, opts: Any = None) -> SimulatedWork:
         return SimulatedWork([])
@@ -217,8 +220,7 @@ class SimulatedGroup(dist.ProcessGroup):
                         o.copy_(inp)
 
         flat = [o for out in outputs for o in out]
-        return self._run("all_gather", flat + list(inputs), sum(o.numel() * o.element_size() for o in flat), compute,
-                         flat)
+        return self._run("all_gather", flat + list(inputs), _nbytes(flat), compute, flat)
 
     def _allgather_base(self, output: Tensor, inp: Tensor, opts: Any = None) -> SimulatedWork:
         chunks = output.view(self._size, -1)
@@ -229,7 +231,7 @@ class SimulatedGroup(dist.ProcessGroup):
             if not in_place:  # (in place: identical ranks' chunks are this buffer's own, already there)
                 chunks.copy_(inp.reshape(1, -1).expand_as(chunks))
 
-        return self._run("all_gather", [output, inp], output.numel() * output.element_size(), compute, [output])
+        return self._run("all_gather", [output, inp], _nbytes([output]), compute, [output])
 
     all_gather_single = _allgather_base  # (torch >= 2.13's name)
 
@@ -244,7 +246,7 @@ class SimulatedGroup(dist.ProcessGroup):
             output.copy_(inp.view(self._size, -1)[self._rank].view_as(output))
             _reduce_(output, op, self._size)
 
-        return self._run("reduce_scatter", [output, inp], inp.numel() * inp.element_size(), compute, [output])
+        return self._run("reduce_scatter", [output, inp], _nbytes([inp]), compute, [output])
 
     reduce_scatter_single = _reduce_scatter_base  # (torch >= 2.13's name)
 
@@ -261,8 +263,7 @@ class SimulatedGroup(dist.ProcessGroup):
                 _reduce_(out, op, self._size)
 
         tensors = outputs + [p for parts in inputs for p in parts]
-        return self._run("reduce_scatter", tensors, sum(p.numel() * p.element_size() for parts in inputs for p in parts),
-                         compute, outputs)
+        return self._run("reduce_scatter", tensors, _nbytes([p for parts in inputs for p in parts]), compute, outputs)
 
     def gather(self, outputs: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> SimulatedWork:
         for out, inp in zip(outputs, inputs):
