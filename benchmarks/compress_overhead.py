@@ -52,7 +52,7 @@ def _rank(rank: int, world: int, port: int, src: str, layers: int, steps: int, q
 
     from lightning_static_dist.compression import CompressingReducer, build_compressor
     from lightning_static_dist import CompressionConfig
-    from lightning_static_dist.sync import GradientSynchronizer
+    from lightning_static_dist.sync import BucketCapacity, GradientSynchronizer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -81,7 +81,7 @@ def _rank(rank: int, world: int, port: int, src: str, layers: int, steps: int, q
                                       torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.GELU(),
                                       torch.nn.Linear(4 * d, d)) for _ in range(layers)]
         model = torch.nn.Sequential(torch.nn.Embedding(256, d), *blocks, torch.nn.Linear(d, 256))
-        sync = GradientSynchronizer(model.named_parameters(), first_bucket_mb=1, bucket_mb=100)
+        sync = GradientSynchronizer(model.named_parameters(), capacity=BucketCapacity.from_mib(1, 100))
         if spec is not None:
             sync.reducer = CompressingReducer(build_compressor(CompressionConfig(**spec)), [p.shape for p in sync.parameters])
         sync.attach()

@@ -26,7 +26,7 @@ from lightning_static_dist.overlap.monitor import OverlapMonitor
 from lightning_static_dist.fabric import StaticDistFabricStrategy
 from lightning_static_dist.runfile import RunConfig, load_run_config
 from lightning_static_dist.strategy import StaticDistStrategy
-from lightning_static_dist.sync import GradientSynchronizer
+from lightning_static_dist.sync import BucketCapacity, GradientSynchronizer
 
 __version__ = "0.1.0"
 
@@ -36,6 +36,7 @@ __all__ = [
     "ConfigError",
     "CompileReport",
     "EmbeddingConfig",
+    "BucketCapacity",
     "GradientSynchronizer",
     "GraphReport",
     "MeshConfig",

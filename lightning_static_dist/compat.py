@@ -64,22 +64,25 @@ The exit teardown: :func:`destroy_process_groups_at_exit` with :func:`mark_run_f
 Left where they are (so that this list is the whole inventory)
 --------------------------------------------------------------
 ``strategy.py``
-    - ``_StrategyRegistry`` (the type behind ``register_strategies``), and from
-      ``lightning.fabric.utilities.distributed`` ``_init_dist_connection``,
+    ``_StrategyRegistry`` (the type behind ``register_strategies``), ``_optimizers_to_device`` (optimizer state
+    follows the model, as in ``DDPStrategy``; ``participants/sharded.py`` too) and ``_PATH`` (a type alias). A
+    public Lightning toolkit for third-party strategies would retire these.
+``processes.py`` (the strategy's base: what ``DDPStrategy`` holds beside the step)
+    - From ``lightning.fabric.utilities.distributed``: ``_init_dist_connection``,
       ``_get_default_process_group_backend_for_device``, ``_distributed_is_initialized`` and
       ``_sync_ddp_if_available``. With these, setup and ``reduce`` do what ``DDPStrategy`` does, including its
-      environment variables and its rank-zero messages. Also ``_optimizers_to_device`` (optimizer state follows the
-      model, as in ``DDPStrategy``; ``participants/sharded.py`` too) and ``_PATH`` (a type alias). A public Lightning toolkit for third-party
-      strategies would retire these.
+      environment variables and its rank-zero messages. A public Lightning toolkit for third-party strategies would
+      retire these.
     - ``_SubprocessScriptLauncher`` in ``on_exception``: after a collective failure, the launcher that started the
       other local ranks kills them, because Lightning does that only on Ctrl-C. The override of
       ``_configure_launcher``, which Lightning's strategies override too, picks this package's launchers.
     - ``LightningModule._device_mesh``: the same hand-over that ``ModelParallelStrategy`` uses, so that
-      ``self.device_mesh`` works inside the module. A public setter would retire it.
-    - ``torch._foreach_norm`` (``participants/gradients.py``): one multi-tensor launch for the non-finite check. The same private ``_foreach`` ops
-      are ``torch._foreach_mul_`` in ``sync/sharded.py`` (clipping), ``torch._foreach_copy_`` in
-      ``compression/compressors.py`` and, behind a ``getattr`` guard, in ``sync/buffer.py``. ``torch.optim``
-      and ``clip_grad_norm_`` are built on them. Public multi-tensor ops would retire them.
+      ``self.device_mesh`` works inside the module (``mesh.py`` too). A public setter would retire it.
+``participants/gradients.py``
+    ``torch._foreach_norm``: one multi-tensor launch for the non-finite check. The same private ``_foreach`` ops are
+    ``torch._foreach_mul_`` in ``sync/sharded.py`` (clipping), ``torch._foreach_copy_`` in
+    ``compression/compressors.py`` and, behind a ``getattr`` guard, in ``sync/buffer.py``. ``torch.optim`` and
+    ``clip_grad_norm_`` are built on them. Public multi-tensor ops would retire them.
 ``launcher.py``
     ``_SubprocessScriptLauncher`` (``launch`` re-implemented around ``_call_children_scripts``), its
     ``_ChildProcessObserver`` (``_run`` overridden, to give a grace period before a dead child takes the job down)
@@ -94,8 +97,9 @@ Left where they are (so that this list is the whole inventory)
     ``_StrategyRegistry`` (a type).
 ``loop.py``
     Here ``_TrainingEpochLoop._broadcast_sigterm_tensor`` is replaced on one trainer's loop instance, and the class
-    of ``Trainer._signal_connector`` is swapped for a subclass with its own ``_sigterm_notifier_fn``. Lightning's
-    step-start SIGTERM broadcast reads a device tensor on the host, so it synchronises the GPU at every step.
+    of ``Trainer._signal_connector`` (``_SignalConnector``) is swapped for a subclass with its own
+    ``_sigterm_notifier_fn``. Lightning's step-start SIGTERM broadcast reads a device tensor on the host, so it
+    synchronises the GPU at every step.
     ``loop.py``'s docstring explains the rest. Lightning-AI/pytorch-lightning#21640, an open PR, would make that
     broadcast run every N steps; that reduces the cost but does not retire the patch. What would retire it is a loop
     that stops reading the flag through the device.

@@ -37,7 +37,6 @@ from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_
 from lightning_static_dist.sync import GradientSynchronizer
 from lightning_static_dist.sync.reducer import MeanAllReduce
 from lightning_static_dist.sync.broadcast import broadcast_tensors
-from lightning_static_dist.sync.plan import MiB
 
 #: Where a checkpoint keeps every rank's compression state (``{"world_size": N, "ranks": [state of rank 0, ...]}``).
 COMPRESSION_KEY = "static_dist_compression"
@@ -65,7 +64,7 @@ def compile_split(compile: CompileConfig, sync: SyncConfig, world_size: int) -> 
     ``sync.schedule: after_backward`` (every bucket is issued once backward ends: a cut would only cost)."""
     if compile.regional != "auto" or world_size < 2 or sync.mode == "graph" or sync.schedule == "after_backward":
         return None
-    return int(sync.first_bucket_mb * MiB), int(sync.bucket_mb * MiB)
+    return sync.capacity.first_bytes, sync.capacity.bytes
 
 
 def check_same_graphs(report: Any, group: Optional[dist.ProcessGroup]) -> None:
@@ -82,8 +81,7 @@ def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], sync: 
     synchronizer = GradientSynchronizer(
         named_parameters,
         group=group,
-        first_bucket_mb=sync.first_bucket_mb,
-        bucket_mb=sync.bucket_mb,
+        capacity=sync.capacity,
         check_each_collective=sync.check == "collective",
         reduce_dtype=torch.bfloat16 if sync.reduce_dtype == "bf16" else None,
     )

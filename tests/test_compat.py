@@ -104,11 +104,11 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     # Lightning
     ("lightning.fabric.strategies", "_StrategyRegistry", "strategy.py: register_strategies' registry type"),
     ("lightning.fabric.strategies.registry", "_StrategyRegistry", "engine.py, fabric.py: the registry type"),
-    ("lightning.fabric.utilities.distributed", "_init_dist_connection", "strategy.py: DDPStrategy's group setup"),
+    ("lightning.fabric.utilities.distributed", "_init_dist_connection", "processes.py: DDPStrategy's group setup"),
     ("lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device",
-     "strategy.py: the default backend"),
-    ("lightning.fabric.utilities.distributed", "_distributed_is_initialized", "strategy.py: guard clauses"),
-    ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available", "strategy.py: reduce as DDPStrategy does"),
+     "processes.py: the default backend"),
+    ("lightning.fabric.utilities.distributed", "_distributed_is_initialized", "processes.py: guard clauses"),
+    ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available", "processes.py: reduce as DDPStrategy does"),
     ("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed", "launcher.py: launch as Lightning does"),
     ("lightning.fabric.utilities.optimizer", "_optimizers_to_device", "strategy.py, participants/sharded.py: optimizer state follows the model"),
     ("lightning.fabric.utilities.types", "_PATH", "strategy.py, fabric.py: a type alias"),
@@ -116,14 +116,14 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     ("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher._call_children_scripts",
      "launcher.py: StaticDistLauncher.launch re-implements Lightning's"),
     ("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher.kill",
-     "strategy.py: on_exception kills the ranks"),
+     "processes.py: on_exception kills the ranks"),
     ("lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver._run",
      "launcher.py: the patient observer's grace period"),
     ("lightning.pytorch.strategies.launchers", "_MultiProcessingLauncher._wrapping_function",
      "launcher.py: spawned ranks leave without the native teardown"),
     ("lightning.fabric.strategies.launchers.multiprocessing", "_MultiProcessingLauncher._wrapping_function",
      "fabric.py: spawned ranks leave without the native teardown"),
-    ("lightning.pytorch.strategies.parallel", "ParallelStrategy._configure_launcher", "strategy.py: our launchers"),
+    ("lightning.pytorch.strategies.parallel", "ParallelStrategy._configure_launcher", "processes.py: our launchers"),
     ("lightning.fabric.strategies.parallel", "ParallelStrategy._configure_launcher", "fabric.py: our launchers"),
     ("lightning.pytorch.trainer.trainer", "_verify_strategy_supports_compile",
      "compat.py: allow_compiled_models_in_trainer replaces it"),
@@ -138,8 +138,8 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     ("torch", "_foreach_mul_", "sync/sharded.py: clipping in one launch"),
     ("torch", "_foreach_copy_", "compression/compressors.py: copies in one launch"),
     ("torch.distributed._functional_collectives", "all_reduce", "sync/graph.py: traceable collectives"),
-    ("torch._dynamo", "lookup_backend", "compile/: the user's backend by name"),
-    ("torch._dynamo", "list_backends", "compile/config.py, compile/: backend names"),
+    ("torch._dynamo", "lookup_backend", "compile/backends.py: the user's backend by name"),
+    ("torch._dynamo", "list_backends", "compile/config.py, compile/backends.py: backend names"),
     ("torch._dynamo", "register_backend", "compile/backends.py: inductor_distributed"),
     ("torch._dynamo", "disable", "compile/regions.py: boundary regions"),
     ("torch._dynamo.exc", "TorchDynamoException", "compile/regions.py: eager fallback"),
@@ -162,6 +162,21 @@ def test_a_private_name_the_package_uses_still_exists(module: str, name: str, us
         assert hasattr(obj, part), (f"{module}.{name} is gone from the installed version ({used}); see the inventory in"
                                     " lightning_static_dist/compat.py for what it works around")
         obj = getattr(obj, part)
+
+
+@pytest.mark.parametrize("module, name, used", PRIVATE_NAMES, ids=[f"{m}:{n}" for m, n, _ in PRIVATE_NAMES])
+def test_the_inventory_names_the_files_that_use_each_private_name(module: str, name: str, used: str) -> None:
+    # the files listed for a name exist and use it, and compat.py's docstring lists it: a name that moved between
+    # modules moves in the inventory too
+    package = os.path.dirname(COMPAT_FILE)
+    leaf = name.split(".")[-1]  # what the file calls, reads or overrides
+    for path in used.split(":")[0].split(", "):
+        source = os.path.join(package, path)
+        assert os.path.isfile(source), f"{path} (listed for {name}) is not a file of the package"
+        assert leaf in open(source).read(), f"{path} no longer mentions {leaf}: the inventory places {name} there"
+    # the docstring names the first private part of the dotted path (torch._dynamo.exc.Unsupported: _dynamo)
+    private = next(part for part in f"{module}.{name}".split(".") if part.startswith("_"))
+    assert private in compat.__doc__, f"compat.py's inventory does not list {private} ({used})"
 
 
 def test_the_lightning_module_attributes_the_package_sets_and_reads_still_exist() -> None:

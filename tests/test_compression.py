@@ -118,13 +118,13 @@ def _tiny_gpt() -> Any:
 
 def _train(rank: int, world: int, names: list[str], steps: int) -> dict[str, Any]:
     """Train the same tiny GPT once per compressor with the synchroniser alone; rank r gets its own data."""
-    from lightning_static_dist.sync import GradientSynchronizer
+    from lightning_static_dist.sync import BucketCapacity, GradientSynchronizer
 
     text = torch.tensor(list(open(os.__file__, "rb").read()[:40_000]), dtype=torch.long)
     results: dict[str, Any] = {}
     for name in names:
         model = _tiny_gpt()
-        sync = GradientSynchronizer(model.named_parameters(), first_bucket_mb=0.05, bucket_mb=0.2)
+        sync = GradientSynchronizer(model.named_parameters(), capacity=BucketCapacity.from_mib(0.05, 0.2))
         compressor = build_compressor(CompressionConfig(name=name, rank=4, density=0.01, min_numel=256))
         if compressor is not None:
             sync.reducer = CompressingReducer(compressor, [p.shape for p in sync.parameters])
@@ -440,11 +440,12 @@ class _TimedPowerSGD(PowerSGDCompressor):
 
 
 def _phase_timing(rank: int, world: int) -> list[float]:
-    from lightning_static_dist.sync import GradientSynchronizer
+    from lightning_static_dist.sync import BucketCapacity, GradientSynchronizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(12)])
-    sync = GradientSynchronizer(model.named_parameters(), first_bucket_mb=0.3, bucket_mb=0.3)  # one block per bucket
+    # one block per bucket
+    sync = GradientSynchronizer(model.named_parameters(), capacity=BucketCapacity.from_mib(0.3, 0.3))
     compressor = _TimedPowerSGD()
     sync.reducer = CompressingReducer(compressor, [p.shape for p in sync.parameters])
     sync.attach()

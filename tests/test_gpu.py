@@ -126,13 +126,13 @@ def test_synchronizer_buckets_cuda_gradients_in_place() -> None:
     import torch.distributed as dist
 
     from _dist import free_port
-    from lightning_static_dist.sync import GradientSynchronizer
+    from lightning_static_dist.sync import BucketCapacity, GradientSynchronizer
 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
     try:
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64).bfloat16()).cuda()
-        sync = GradientSynchronizer(model.named_parameters(), first_bucket_mb=0.001, bucket_mb=0.01)
+        sync = GradientSynchronizer(model.named_parameters(), capacity=BucketCapacity.from_mib(0.001, 0.01))
         sync.attach()
         x = torch.randn(16, 64, device="cuda")
         for _ in range(2):

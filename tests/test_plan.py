@@ -84,3 +84,16 @@ def test_parameters_outside_the_pieces_are_bucketed_by_capacity_and_never_join_a
     groups = {3: 7, 2: 7, 1: 7, 0: 7}
     plan = plan_buckets(specs(*[1024] * 6), first_bucket_bytes=4096, bucket_bytes=8192, groups=groups)
     assert [b.param_indices for b in plan.buckets] == [(5,), (4,), (3, 2, 1, 0)]
+
+
+def test_bucket_sizes_in_mib_become_bytes_in_one_place() -> None:
+    from lightning_static_dist.compile.config import CompileConfig
+    from lightning_static_dist.engine import compile_split
+    from lightning_static_dist.sync import BucketCapacity
+    from lightning_static_dist.sync.config import SyncConfig
+
+    sync = SyncConfig(bucket_mb=10, first_bucket_mb=0.5)
+    assert sync.capacity == BucketCapacity(first_bytes=1 << 19, bytes=10 << 20)
+    assert (sync.capacity.first_mib, sync.capacity.mib) == (0.5, 10.0)
+    # the compiled step is cut where the synchroniser's buckets end: the same bytes
+    assert compile_split(CompileConfig(enabled=True), sync, world_size=2) == (1 << 19, 10 << 20)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from _dist import run_ranks
-from lightning_static_dist.sync import GradientSynchronizer
+from lightning_static_dist.sync import BucketCapacity, GradientSynchronizer
 from lightning_static_dist.sync.broadcast import broadcast_tensors
 
 pytestmark = pytest.mark.multiprocess
@@ -60,7 +60,7 @@ def _ours_vs_ddp(rank: int, world: int, schedule: list[list[bool]], first_bucket
     base = Zoo()
     ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
     ddp = DistributedDataParallel(theirs, find_unused_parameters=True)
-    sync = GradientSynchronizer(ours.named_parameters(), first_bucket_mb=first_bucket_mb, bucket_mb=bucket_mb)
+    sync = GradientSynchronizer(ours.named_parameters(), capacity=BucketCapacity.from_mib(first_bucket_mb, bucket_mb))
     sync.attach()
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=0.1, weight_decay=0.1)
     opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=0.1, weight_decay=0.1)
@@ -204,7 +204,8 @@ class RegisteredBackwards(nn.Module):
 def _plan_order(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = RegisteredBackwards()
-    sync = GradientSynchronizer(model.named_parameters(), first_bucket_mb=64 * 65 * 4 / 2**20, bucket_mb=1.0)
+    capacity = BucketCapacity(first_bytes=64 * 65 * 4, bytes=1 << 20)
+    sync = GradientSynchronizer(model.named_parameters(), capacity=capacity)
     sync.attach()
     for step in range(2):
         model(torch.randn(3, 64, generator=torch.Generator().manual_seed(rank + 10 * step))).sum().backward()

@@ -26,6 +26,7 @@ from lightning_static_dist.compile.report import (
     _structure,
 )
 from lightning_static_dist.compile.config import CompileConfig
+from lightning_static_dist.sync.plan import BucketCapacity
 
 log = logging.getLogger(__name__)
 
@@ -82,18 +83,22 @@ class RecordingBackend:
 
 # ------------------------------------------------------------------------------- the inductor_distributed backend
 
-def graph_mode_patches(first_bucket_mb: float = 1.0, bucket_mb: float = 100.0) -> dict[str, Any]:
+#: ``inductor_distributed``'s buckets when no strategy gives its own: the strategy's defaults (``strategy.sync``).
+_STRATEGY_DEFAULT_CAPACITY = BucketCapacity.from_mib(1.0, 100.0)
+
+
+def graph_mode_patches(capacity: BucketCapacity = _STRATEGY_DEFAULT_CAPACITY) -> dict[str, Any]:
     """Inductor settings that make it communication-aware, each only where this torch version has it: bucket the
-    traced all-reduces (the first bucket ``first_bucket_mb``, later ones ``bucket_mb``: inductor's default is one
-    2 GB bucket, issued after the whole backward) and reorder collectives against compute (waits sunk, collectives
-    raised; the pass names changed between torch versions)."""
+    traced all-reduces (the first bucket ``capacity.first_bytes``, later ones ``capacity.bytes``: inductor's default
+    is one 2 GB bucket, issued after the whole backward) and reorder collectives against compute (waits sunk,
+    collectives raised; the pass names changed between torch versions)."""
     import torch._inductor.comms as comms
 
     config = torch._inductor.config
     patches: dict[str, Any] = {}
     if hasattr(config, "bucket_all_reduces_fx"):
         patches["bucket_all_reduces_fx"] = "all"
-        patches["bucket_all_reduces_fx_bucket_size_determinator"] = _BucketSizes(first_bucket_mb, bucket_mb)
+        patches["bucket_all_reduces_fx_bucket_size_determinator"] = _BucketSizes(capacity.first_mib, capacity.mib)
     if hasattr(config, "reorder_for_compute_comm_overlap"):
         wanted = (("sink_waits_iterative", "sink_waits"), ("reorder_communication_preserving_peak_memory", "raise_comms"))
         passes = [next(n for n in names if hasattr(comms, n)) for names in wanted if any(hasattr(comms, n) for n in names)]

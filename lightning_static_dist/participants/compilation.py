@@ -91,7 +91,7 @@ class StaticCompile(StepParticipant):
             # one graph for forward + loss, cut where the buckets end so that collectives still overlap backward
             # (decided from the config, not from this stage: a validate before fit compiles for the fit too)
             split = compile_split(config, sync, view.world_size)
-            patches = graph_mode_patches(sync.first_bucket_mb, sync.bucket_mb) if graph_mode else None
+            patches = graph_mode_patches(sync.capacity) if graph_mode else None
             self.report = compile_regions(module, config, split=split, inductor_patches=patches)
             if config.optimizer and trainer.state.fn == TrainerFn.FITTING:
                 for optimizer in view.optimizers:

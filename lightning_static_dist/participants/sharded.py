@@ -99,7 +99,7 @@ class ShardedSync(StepParticipant):
         sync = ShardedGradientSynchronizer(
             view.model.named_parameters(), view.optimizers[0], shard_group=mesh.get_group(SHARD_DIM),
             replicate_group=mesh.get_group(REPLICATE_DIM), group=view.dp_group,
-            first_bucket_mb=sync_cfg.first_bucket_mb, bucket_mb=sync_cfg.bucket_mb,
+            capacity=sync_cfg.capacity,
             check_each_collective=sync_cfg.check == "collective",
         )
         sync.bind()

@@ -2,11 +2,12 @@
 contracts the synchronisers share (:mod:`~lightning_static_dist.sync.contracts`)."""
 
 from lightning_static_dist.sync.contracts import BucketLayout, GradientSync, RoundSync, SyncObserver, SyncStats
-from lightning_static_dist.sync.plan import BucketPlan, GradBucket, ParamSpec, plan_buckets
+from lightning_static_dist.sync.plan import BucketCapacity, BucketPlan, GradBucket, ParamSpec, plan_buckets
 from lightning_static_dist.sync.reducer import BucketReducer, MeanAllReduce, PendingReduction
 from lightning_static_dist.sync.synchronizer import GradientSynchronizer
 
 __all__ = [
+    "BucketCapacity",
     "BucketLayout",
     "BucketPlan",
     "BucketReducer",

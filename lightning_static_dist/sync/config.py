@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from lightning_static_dist.config.check import check_fields, fail
+from lightning_static_dist.sync.plan import BucketCapacity
 
 
 @dataclass
@@ -78,6 +79,11 @@ class SyncConfig:
     """SMs a gradient collective may use: NCCL's ``max_ctas`` (``ProcessGroupNCCL.Options().config``), so that fewer
     SMs are taken from backward's GEMMs; in a simulated world, the SMs an emulated link holds. ``None``: the
     library's own choice. Ignored by Gloo."""
+
+    @property
+    def capacity(self) -> BucketCapacity:
+        """``first_bucket_mb`` and ``bucket_mb`` in bytes."""
+        return BucketCapacity.from_mib(self.first_bucket_mb, self.bucket_mb)
 
     def __post_init__(self) -> None:
         check_fields(self)

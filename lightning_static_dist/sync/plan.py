@@ -30,6 +30,39 @@ MiB = 1 << 20
 
 
 @dataclass(frozen=True)
+class BucketCapacity:
+    """How many bytes of gradients a bucket holds: the first (small, so the first collective leaves early in
+    backward) and every later one. The one place a size in MiB (``strategy.sync.first_bucket_mb`` / ``bucket_mb``,
+    DDP's ``bucket_cap_mb``) becomes bytes; the synchronisers, the compiled step's cut and graph mode's inductor
+    buckets all take it from here.
+
+    Example::
+
+        capacity = BucketCapacity.from_mib(first_mb=1, mb=25)
+        plan = plan_buckets(specs, capacity.first_bytes, capacity.bytes)
+    """
+
+    first_bytes: int
+    bytes: int
+
+    @classmethod
+    def from_mib(cls, first_mb: float, mb: float) -> BucketCapacity:
+        return cls(int(first_mb * MiB), int(mb * MiB))
+
+    @property
+    def first_mib(self) -> float:
+        return self.first_bytes / MiB
+
+    @property
+    def mib(self) -> float:
+        return self.bytes / MiB
+
+
+#: ``torch.nn.parallel.DistributedDataParallel``'s sizes: 1 MiB first, then 25 MiB (``bucket_cap_mb``).
+DEFAULT_CAPACITY = BucketCapacity.from_mib(1.0, 25.0)
+
+
+@dataclass(frozen=True)
 class ParamSpec:
     """What planning needs to know about a parameter: its position, size, dtype and device."""
 

@@ -62,7 +62,14 @@ from lightning_static_dist.compat import all_gather_single
 from lightning_static_dist.faults import waiting_in
 from lightning_static_dist.sync.buffer import BucketBuffer
 from lightning_static_dist.sync.contracts import SyncObserver, SyncStats
-from lightning_static_dist.sync.plan import BucketPlan, GradBucket, MiB, param_specs, plan_buckets
+from lightning_static_dist.sync.plan import (
+    DEFAULT_CAPACITY,
+    BucketCapacity,
+    BucketPlan,
+    GradBucket,
+    param_specs,
+    plan_buckets,
+)
 from lightning_static_dist.sync.reducer import BucketReducer
 from lightning_static_dist.sync.shard_layout import NOT_OPTIMIZED, BucketShard, Piece, ordered_by_group, shard_bucket
 from lightning_static_dist.sync.sharded_mean import ShardedMean
@@ -117,13 +124,12 @@ class ShardedGradientSynchronizer:
         shard_group: Optional[dist.ProcessGroup],
         replicate_group: Optional[dist.ProcessGroup],
         group: Optional[dist.ProcessGroup] = None,
-        first_bucket_mb: float = 1.0,
-        bucket_mb: float = 25.0,
+        capacity: BucketCapacity = DEFAULT_CAPACITY,
         check_each_collective: bool = False,
     ) -> None:
         reducer = ShardedMean(shard_group, replicate_group)
         self._rounds = GradientSynchronizer(named_parameters, group=group, reducer=reducer,
-                                            first_bucket_mb=first_bucket_mb, bucket_mb=bucket_mb,
+                                            capacity=capacity,
                                             check_each_collective=check_each_collective)
         self.optimizer = optimizer
         self.shard_group = shard_group
@@ -135,7 +141,7 @@ class ShardedGradientSynchronizer:
         group_of = {i: where.get(id(p), NOT_OPTIMIZED) for i, p in enumerate(params)}
         # a static plan: the optimizer must hold the shards before the first step (no usage-based adoption)
         trainable = [i for i, p in enumerate(params) if p.requires_grad]
-        plan = plan_buckets(param_specs(params, trainable), int(first_bucket_mb * MiB), int(bucket_mb * MiB))
+        plan = plan_buckets(param_specs(params, trainable), capacity.first_bytes, capacity.bytes)
         plan = ordered_by_group(plan, group_of)
         self.shards = [shard_bucket(bucket, params, names, group_of, self.shard_size, self.shard_rank)
                        for bucket in plan.buckets]

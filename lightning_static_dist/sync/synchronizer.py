@@ -74,7 +74,14 @@ from torch.nn import Parameter
 from lightning_static_dist.faults import waiting_in
 from lightning_static_dist.sync.buffer import BucketBuffer
 from lightning_static_dist.sync.contracts import BucketLayout, SyncObserver, SyncStats
-from lightning_static_dist.sync.plan import BucketPlan, GradBucket, MiB, param_specs, plan_buckets
+from lightning_static_dist.sync.plan import (
+    DEFAULT_CAPACITY,
+    BucketCapacity,
+    BucketPlan,
+    GradBucket,
+    param_specs,
+    plan_buckets,
+)
 from lightning_static_dist.sync.reducer import BucketReducer, MeanAllReduce, PendingReduction, all_reduce_sum, check_reducer
 from lightning_static_dist.sync.round_check import _RoundCheck, desynchronised, next_collective_mismatch
 
@@ -88,14 +95,15 @@ class GradientSynchronizer:
         named_parameters: the model's ``named_parameters()``; duplicates (tied weights) are synchronised once.
         group: the data-parallel process group (``mesh.get_group("dp")``); ``None`` means the default group.
         reducer: the collective each full bucket launches; :class:`MeanAllReduce` by default.
-        first_bucket_mb: capacity of the first bucket in MiB.
-        bucket_mb: capacity of every later bucket in MiB.
+        capacity: the bytes of the first bucket and of every later one (``BucketCapacity.from_mib(1, 25)``: 1 MiB,
+            then 25 MiB, DDP's ``bucket_cap_mb``).
         check_each_collective: before each bucket's collective, compare it across ranks (debugging; slow).
         reduce_dtype: the dtype gradients are averaged in (``torch.bfloat16`` halves the bytes); ``None``: their own.
 
     Example::
 
-        sync = GradientSynchronizer(model.named_parameters(), group=mesh.get_group("dp"), bucket_mb=25)
+        sync = GradientSynchronizer(model.named_parameters(), group=mesh.get_group("dp"),
+                                    capacity=BucketCapacity.from_mib(first_mb=1, mb=25))
         sync.attach()
         with sync.no_sync():            # accumulate locally, no communication
             model(x0).sum().backward()
@@ -109,8 +117,7 @@ class GradientSynchronizer:
         named_parameters: Iterable[tuple[str, Parameter]],
         group: Optional[dist.ProcessGroup] = None,
         reducer: Optional[BucketReducer] = None,
-        first_bucket_mb: float = 1.0,
-        bucket_mb: float = 25.0,
+        capacity: BucketCapacity = DEFAULT_CAPACITY,
         check_each_collective: bool = False,
         reduce_dtype: Optional[torch.dtype] = None,
     ) -> None:
@@ -124,8 +131,7 @@ class GradientSynchronizer:
                 self._params.append(param)
         self._group = group
         self._reducer: BucketReducer = check_reducer(reducer) if reducer is not None else MeanAllReduce()
-        self._first_bucket_bytes = int(first_bucket_mb * MiB)
-        self._bucket_bytes = int(bucket_mb * MiB)
+        self.capacity = capacity
         self._check_each_collective = check_each_collective
         self._reduce_dtype = reduce_dtype
         self._plan = BucketPlan(buckets=(), location={})
@@ -432,7 +438,7 @@ class GradientSynchronizer:
     def _adopt(self, newcomers: list[int]) -> None:
         """Reduce the newcomers' gradients in a one-off bucket this round, then rebuild the plan with them."""
         if newcomers:
-            one_off = plan_buckets(param_specs(self._params, newcomers), self._bucket_bytes, self._bucket_bytes)
+            one_off = plan_buckets(param_specs(self._params, newcomers), self.capacity.bytes, self.capacity.bytes)
             for i, bucket in enumerate(one_off.buckets):
                 buffer = self._make_buffer(bucket)
                 for slot, index in enumerate(bucket.param_indices):
@@ -452,7 +458,7 @@ class GradientSynchronizer:
         mine = (self._observed_order, {i: pieces[id(p)] for i, p in enumerate(self._params) if id(p) in pieces})
         observed, groups = _from_rank_zero(mine, self._group)
         self._ready_order = self._ready_order + [i for i in observed if i not in self._ready_order]
-        self._plan = plan_buckets(param_specs(self._params, members), self._first_bucket_bytes, self._bucket_bytes,
+        self._plan = plan_buckets(param_specs(self._params, members), self.capacity.first_bytes, self.capacity.bytes,
                                   self._ready_order, groups=groups)
         self._buffers = [self._make_buffer(bucket) for bucket in self._plan.buckets]
         self.attach()  # parameters whose requires_grad was switched on since the last attach
