@@ -71,6 +71,40 @@ from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
 log = logging.getLogger(__name__)
 
 
+class TrainerContext:
+    """The :class:`~lightning_static_dist.participants.StepContext` of a Lightning ``Trainer``: what the step
+    participants may know of it (fitting or not, the global step, the training loop, its callbacks).
+
+    Example::
+
+        context = TrainerContext(trainer)
+        context.fitting, context.global_step     # (True, 0) at the start of a fit
+    """
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self._trainer = trainer
+
+    @property
+    def fitting(self) -> bool:
+        return self._trainer.state.fn == TrainerFn.FITTING
+
+    @property
+    def global_step(self) -> int:
+        return self._trainer.global_step
+
+    @property
+    def training(self) -> bool:
+        return self._trainer.training
+
+    def add_callback(self, callback: pl.Callback) -> None:
+        if not any(isinstance(c, type(callback)) for c in self._trainer.callbacks):
+            self._trainer.callbacks.append(callback)
+
+    @property
+    def trainer_loop(self) -> pl.Trainer:
+        return self._trainer
+
+
 class StaticDistStrategy(DataParallelProcesses):
     """Data-parallel training with explicit, bucketed gradient collectives over a ``DeviceMesh``.
 
@@ -165,6 +199,7 @@ class StaticDistStrategy(DataParallelProcesses):
         allow_compiled_models_in_trainer()
         self._accumulating = False
         self._parts = Participants(self, failed=self.has_failed)
+        self._context: Optional[TrainerContext] = None
         log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
 
     @classmethod
@@ -185,6 +220,11 @@ class StaticDistStrategy(DataParallelProcesses):
         return cls(**{**yield_to(sections, kwargs), **kwargs})
 
     # ------------------------------------------------------------------------------- what the participants hold
+
+    @property
+    def context(self) -> Optional[TrainerContext]:
+        """What the step participants know of the trainer (set when a stage's setup begins)."""
+        return self._context
 
     @property
     def synchronizer(self) -> Optional[RoundSync]:
@@ -283,17 +323,18 @@ class StaticDistStrategy(DataParallelProcesses):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         start_from_rank_zero(self.model, self.dp_group)
+        context = self._context = TrainerContext(trainer)
         for participant in self._parts.ordered:
-            participant.before_optimizers(trainer)  # the embeddings sharded: the optimizer must hold the shards
-        if trainer.state.fn == TrainerFn.FITTING:
+            participant.before_optimizers(context)  # the embeddings sharded: the optimizer must hold the shards
+        if context.fitting:
             self.setup_optimizers(trainer)
         for participant in self._parts.ordered:
-            participant.setup(trainer)  # the synchronisers, then compilation
+            participant.setup(context)  # the synchronisers, then compilation
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if context.fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         for participant in self._parts.ordered:
-            participant.after_setup(trainer)
+            participant.after_setup(context)
 
     @override
     def model_to_device(self) -> None:

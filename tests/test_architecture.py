@@ -163,3 +163,22 @@ def test_no_module_imports_the_package_root_at_import_time() -> None:
 
 def test_every_layer_names_a_room_that_exists() -> None:
     assert set(LAYERS) <= {room(m) for m in modules()}, sorted(set(LAYERS) - {room(m) for m in modules()})
+
+
+def test_no_step_participant_reads_lightnings_trainer() -> None:
+    # the participants serve both front ends (issue 29): they get a StepContext, never a Trainer, its state enum or
+    # its modules; only strategy.py adapts a Trainer to the context
+    folder = os.path.join(ROOT, "participants")
+    found = []
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse(open(os.path.join(folder, name)).read())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning.pytorch.trainer"):
+                found.append(f"{name}:{node.lineno} imports {node.module}")
+            elif isinstance(node, (ast.Name, ast.Attribute)) and getattr(node, "id", getattr(node, "attr", "")) in (
+                    "Trainer", "TrainerFn"):
+                found.append(f"{name}:{node.lineno} names {getattr(node, 'id', getattr(node, 'attr', ''))}")
+            elif isinstance(node, ast.Attribute) and node.attr == "trainer":
+                found.append(f"{name}:{node.lineno} reads .trainer")
+    assert not found, found

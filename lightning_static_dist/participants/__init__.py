@@ -4,7 +4,7 @@ The strategy calls every phase on all of them in one fixed order (:class:`~.rost
 why): a new feature is a new participant in that list, not an edit of each hook.
 """
 
-from lightning_static_dist.participants.base import StepParticipant, StrategyView
+from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.compression import CompressionState
 from lightning_static_dist.participants.embeddings import EmbeddingShards
@@ -27,6 +27,7 @@ __all__ = [
     "ShardedSync",
     "SigtermAgreement",
     "StaticCompile",
+    "StepContext",
     "StepParticipant",
     "StrategyView",
 ]

@@ -46,12 +46,44 @@ import torch
 import torch.distributed as dist
 
 import lightning.pytorch as pl
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.overlap.recorder import StepRecorder
+
+
+class StepContext(Protocol):
+    """What a participant knows of the run it serves, whichever front end drives it: Lightning's ``Trainer``
+    (``strategy.py`` builds one from the trainer) or Fabric's loop. Handed to the setup phases; afterwards the
+    view's :attr:`StrategyView.context` is the same object. A participant never reads the ``Trainer`` itself."""
+
+    @property
+    def fitting(self) -> bool:
+        """Gradients are computed and the optimizers step (a Trainer's ``fit``; Fabric: a module with trainable
+        parameters); ``False`` for validate, test and predict."""
+        ...
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far."""
+        ...
+
+    @property
+    def training(self) -> bool:
+        """A training loop is running (not a validation or prediction loop)."""
+        ...
+
+    def add_callback(self, callback: Any) -> None:
+        """Add a front-end callback, unless one of its type is there already (Fabric, which has no such callbacks:
+        nothing)."""
+        ...
+
+    @property
+    def trainer_loop(self) -> Any:
+        """The ``Trainer`` whose loop :class:`~lightning_static_dist.participants.runtime.SigtermAgreement` patches
+        (the one participant bound to Lightning's loop); ``None`` under Fabric."""
+        ...
 
 
 class StrategyView(Protocol):
@@ -91,6 +123,11 @@ class StrategyView(Protocol):
     def synchronizer(self) -> Any: ...
 
     @property
+    def context(self) -> Optional[StepContext]:
+        """The run's :class:`StepContext` once a stage's setup began; ``None`` before."""
+        ...
+
+    @property
     def lightning_module(self) -> Optional[pl.LightningModule]: ...
 
     @property
@@ -107,10 +144,15 @@ class StrategyView(Protocol):
     def barrier(self, *args: Any, **kwargs: Any) -> None: ...
 
 
-def syncs_gradients(trainer: pl.Trainer, view: StrategyView) -> bool:
+def syncs_gradients(context: StepContext, view: StrategyView) -> bool:
     """Whether this setup builds gradient synchronisation: while fitting, on more than one rank (one rank has
     nothing to average: no buckets, no copies)."""
-    return trainer.state.fn == TrainerFn.FITTING and view.world_size > 1
+    return context.fitting and view.world_size > 1
+
+
+def global_step(view: StrategyView) -> int:
+    """The optimizer steps taken so far; ``-1`` before a stage's setup."""
+    return view.context.global_step if view.context is not None else -1
 
 
 def advance_trial(trial: Any, view: StrategyView, apply: Any, label: str) -> None:
@@ -119,8 +161,7 @@ def advance_trial(trial: Any, view: StrategyView, apply: Any, label: str) -> Non
     synchronizer = view.synchronizer
     if trial is None or trial.decided or synchronizer is None:
         return
-    assert view.lightning_module is not None
-    candidate = trial.before_step(view.lightning_module.trainer.global_step)
+    candidate = trial.before_step(global_step(view))
     if candidate != "keep":
         apply(candidate)
     if trial.decided:
@@ -134,13 +175,13 @@ class StepParticipant:
     def setup_distributed(self) -> None:
         """The process group and the data-parallel mesh exist."""
 
-    def before_optimizers(self, trainer: pl.Trainer) -> None:
+    def before_optimizers(self, context: StepContext) -> None:
         """Setup, with the model on the device and the same on every rank, before the optimizers are built."""
 
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup(self, context: StepContext) -> None:
         """Setup, with the optimizers built (while fitting), before the precision plugin is set up."""
 
-    def after_setup(self, trainer: pl.Trainer) -> None:
+    def after_setup(self, context: StepContext) -> None:
         """Setup's end: the precision plugin is set up and the optimizers are on the device."""
 
     def process_dataloader(self, dataloader: object) -> None:

@@ -15,8 +15,6 @@ from typing import Any, Optional
 
 import torch
 
-import lightning.pytorch as pl
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_static_dist.callbacks import GraphReport
@@ -33,7 +31,7 @@ from lightning_static_dist.compile import (
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.engine import check_same_graphs, compile_split
-from lightning_static_dist.participants.base import StepParticipant, StrategyView
+from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
 
 
 class StaticCompile(StepParticipant):
@@ -73,7 +71,7 @@ class StaticCompile(StepParticipant):
         except ConfigError:
             return []
 
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup(self, context: StepContext) -> None:
         """Compile the LightningModule as ``strategy.compile`` says (or as a ``torch.compile``-d model asked)."""
         view = self._view
         module = view.lightning_module
@@ -93,11 +91,10 @@ class StaticCompile(StepParticipant):
             split = compile_split(config, sync, view.world_size)
             patches = graph_mode_patches(sync.capacity) if graph_mode else None
             self.report = compile_regions(module, config, split=split, inductor_patches=patches)
-            if config.optimizer and trainer.state.fn == TrainerFn.FITTING:
+            if config.optimizer and context.fitting:
                 for optimizer in view.optimizers:
                     compile_optimizer_step(optimizer, config, self.report)
-            if not any(isinstance(c, GraphReport) for c in trainer.callbacks):
-                trainer.callbacks.append(GraphReport())
+            context.add_callback(GraphReport())
             self.graphs_checked = False
         report = self.report
         synchronizer = view.synchronizer
@@ -115,9 +112,8 @@ class StaticCompile(StepParticipant):
 
     def process_dataloader(self, dataloader: object) -> None:
         # here, not in on_train_start: Lightning counts an epoch's batches (validation schedule, progress) right after
-        module = self._view.lightning_module
-        trainer = module.trainer if module is not None else None
-        if trainer is not None and trainer.training and self.report is not None and not self._view.config.compile.dynamic:
+        context = self._view.context
+        if context is not None and context.training and self.report is not None and not self._view.config.compile.dynamic:
             drop_short_last_batch(dataloader)
 
     def teardown(self, failed: bool) -> None:

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import lightning.pytorch as pl
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_static_dist.compat import unwrap_optimizer
 from lightning_static_dist.embedding import EmbeddingSharder
 from lightning_static_dist.faults import waiting_in
-from lightning_static_dist.participants.base import StepParticipant, StrategyView
+from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
 from lightning_static_dist.participants.recording import PhaseRecording
 
 
@@ -36,8 +34,8 @@ class EmbeddingShards(StepParticipant):
         self._recording = recording
         self.sharder: Optional[EmbeddingSharder] = None
 
-    def before_optimizers(self, trainer: pl.Trainer) -> None:
-        if trainer.state.fn != TrainerFn.FITTING:
+    def before_optimizers(self, context: StepContext) -> None:
+        if not context.fitting:
             return
         view = self._view
         config = view.config.embedding

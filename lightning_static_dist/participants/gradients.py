@@ -20,13 +20,19 @@ import torch
 import torch.distributed
 from torch import Tensor
 
-import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_static_dist.compression.auto import Candidate, CompressionTrial
 from lightning_static_dist.engine import broadcast_buffers, build_synchronizer
 from lightning_static_dist.fingerprint import RankMismatchError
-from lightning_static_dist.participants.base import StepParticipant, StrategyView, advance_trial, syncs_gradients
+from lightning_static_dist.participants.base import (
+    StepContext,
+    StepParticipant,
+    StrategyView,
+    advance_trial,
+    global_step,
+    syncs_gradients,
+)
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.compression import CompressionState
 from lightning_static_dist.participants.embeddings import EmbeddingShards
@@ -44,8 +50,8 @@ class BufferBroadcast(StepParticipant):
         self._view = view
         self._buffers: list[Tensor] = []
 
-    def setup(self, trainer: pl.Trainer) -> None:
-        if not syncs_gradients(trainer, self._view):
+    def setup(self, context: StepContext) -> None:
+        if not syncs_gradients(context, self._view):
             return
         assert self._view.model is not None
         self._buffers = list(self._view.model.buffers()) if self._view.config.sync.broadcast_buffers else []
@@ -78,9 +84,9 @@ class HookSync(StepParticipant):
         """Run the rounds of a synchroniser another participant built (``reduce: reduce_scatter``'s sharded one)."""
         self.synchronizer = synchronizer
 
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup(self, context: StepContext) -> None:
         view = self._view
-        if not syncs_gradients(trainer, view) or view.reduce_scatter() or view.config.sync.mode == "graph":
+        if not syncs_gradients(context, view) or view.reduce_scatter() or view.config.sync.mode == "graph":
             return
         assert view.model is not None
         sharder = self._embeddings.sharder
@@ -137,9 +143,9 @@ class SyncSchedule(StepParticipant):
         """The trial (``schedule: auto`` while fitting), and once made its choice."""
         self._resume: Optional[dict[str, Any]] = None
 
-    def after_setup(self, trainer: pl.Trainer) -> None:
+    def after_setup(self, context: StepContext) -> None:
         view = self._view
-        if view.config.sync.schedule != "auto" or view.synchronizer is None or not syncs_gradients(trainer, view):
+        if view.config.sync.schedule != "auto" or view.synchronizer is None or not syncs_gradients(context, view):
             return
         candidates = [Candidate(name, lambda: None) for name in self.CANDIDATES]  # (a schedule is its name)
         self.trial = CompressionTrial(candidates, start_step=0, trial_steps=view.config.sync.schedule_trial_steps,
@@ -190,9 +196,9 @@ class GraphSync(StepParticipant):
         self._compile = compile
         self.graph_sync: Optional[GraphGradientSync] = None
 
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup(self, context: StepContext) -> None:
         view = self._view
-        if not syncs_gradients(trainer, view) or view.reduce_scatter() or view.config.sync.mode != "graph":
+        if not syncs_gradients(context, view) or view.reduce_scatter() or view.config.sync.mode != "graph":
             return
         reduce_dtype = torch.bfloat16 if view.config.sync.reduce_dtype == "bf16" else None
         self.graph_sync = GraphGradientSync(view.model, group=view.dp_group, reduce_dtype=reduce_dtype)
@@ -260,7 +266,7 @@ class NonfiniteCheck(StepParticipant):
             return
         bad = [n for (n, _), ok in zip(named, finite.tolist()) if not ok] if finite is not None else []
         first = bad[0] if bad else "a parameter sharded on another rank"
-        step = view.lightning_module.trainer.global_step
+        step = global_step(view)
         self.steps += 1
         if policy == "error":
             raise FloatingPointError(

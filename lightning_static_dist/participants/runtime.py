@@ -11,11 +11,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_static_dist import loop as loop_patches
-from lightning_static_dist.participants.base import StepParticipant, StrategyView, syncs_gradients
+from lightning_static_dist.participants.base import (
+    StepContext,
+    StepParticipant,
+    StrategyView,
+    global_step,
+    syncs_gradients,
+)
 from lightning_static_dist.watchdog import PeerWatchdog
 
 
@@ -32,9 +37,8 @@ class PeerWatch(StepParticipant):
         view = self._view
         if view.world_size == 1 or view.simulation is not None or self._watchdog is not None:
             return  # (a simulated world's other ranks never heartbeat: they are not there)
-        trainer = view.lightning_module.trainer if view.lightning_module is not None else None
         self._watchdog = PeerWatchdog(view.global_rank, view.world_size, failed=self._failed,
-                                      step=lambda: trainer.global_step if trainer is not None else -1)
+                                      step=lambda: global_step(view))
         self._watchdog.start()
 
     def teardown(self, failed: bool) -> None:
@@ -75,10 +79,11 @@ class SigtermAgreement(StepParticipant):
 
     def __init__(self, view: StrategyView) -> None:
         self._view = view
-        self._patched: Optional[pl.Trainer] = None
+        self._patched: Any = None  # the Trainer whose loop is patched
 
-    def after_setup(self, trainer: pl.Trainer) -> None:
-        if syncs_gradients(trainer, self._view):
+    def after_setup(self, context: StepContext) -> None:
+        trainer = context.trainer_loop
+        if trainer is not None and syncs_gradients(context, self._view):
             self._patched = trainer if loop_patches.install(trainer, self._view.host_group) else None
 
     def on_validation_end(self) -> None:

@@ -20,7 +20,6 @@ import os
 
 import torch
 
-import lightning.pytorch as pl
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -29,7 +28,7 @@ from lightning_static_dist.compat import unwrap_optimizer
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.faults import waiting_in
 from lightning_static_dist.mesh import REPLICATE_DIM, SHARD_DIM
-from lightning_static_dist.participants.base import StepParticipant, StrategyView, syncs_gradients
+from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView, syncs_gradients
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.recording import PhaseRecording
 from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
@@ -68,9 +67,9 @@ class ShardedSync(StepParticipant):
 
     # ------------------------------------------------------------------------------------------------ setup
 
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup(self, context: StepContext) -> None:
         view = self._view
-        if not syncs_gradients(trainer, view):
+        if not syncs_gradients(context, view):
             return
         if view.reduce_scatter():
             self._attach()
