@@ -110,7 +110,8 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("config", help="YAML run file (top level: seed, model, data, trainer, strategy, callbacks),"
                         " or the name of a shipped one (charlm_cpu, charlm_gpu)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, merged over the file")
-    parser.add_argument("--print-config", action="store_true", help="print the validated config and exit")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the validated run file (YAML that lsd-train accepts back) and exit")
     args = parser.parse_args(argv)
     # a user's class paths in the run file (my_pkg.models.MyModel) resolve from the working directory, as with
     # `python -m`
@@ -119,7 +120,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         cfg = load_run_config(args.config, args.overrides)
         if args.print_config:
-            print(json.dumps(_jsonable(cfg), indent=2))
+            print(print_run_file(cfg), end="")
             return
         ckpt_path = resume_from(cfg)
         trainer, model, datamodule = build_trainer_inputs(cfg)
@@ -138,16 +139,12 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     exit_without_native_teardown(0)
 
 
-def _jsonable(obj: Any) -> Any:
-    import dataclasses
+def print_run_file(cfg: RunConfig) -> str:
+    """``lsd-train --print-config``: the validated run file as YAML that ``lsd-train`` accepts back as it is."""
+    import yaml
 
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
+    header = "# the validated run file (lsd-train --print-config); train with: lsd-train THIS_FILE.yaml\n"
+    return header + yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
 
 
 # ---------------------------------------------------------------------------------------------------- report

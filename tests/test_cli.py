@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from _dist import fresh_job_env
 
 from lightning_static_dist.cli import report, train_main
@@ -83,13 +84,31 @@ def test_print_config_shows_the_merged_overrides(capsys: pytest.CaptureFixture[s
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(sys, "path", list(sys.path))  # train_main puts the working directory on sys.path
     train_main([CPU_CONFIG, "trainer.max_steps=7", "strategy.sync.bucket_mb=10", "model.n_layer=2", "--print-config"])
-    printed = json.loads(capsys.readouterr().out)
+    printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["trainer"]["max_steps"] == 7
     assert printed["trainer"]["devices"] == 2
     assert printed["strategy"]["sync"]["bucket_mb"] == 10.0
     assert printed["model"]["class_path"] == "lightning_static_dist.examples.charlm.CharGPT"
-    assert printed["model"]["init_args"]["n_layer"] == 2
-    assert printed["callbacks"]["run_summary"] == {"enabled": True, "options": {"warmup_steps": 5, "print_every_n_steps": 25}}
+    assert printed["model"]["n_layer"] == 2  # a run file's shape: the arguments beside class_path
+    assert printed["callbacks"]["run_summary"] == {"enabled": True, "warmup_steps": 5, "print_every_n_steps": 25}
+
+
+def test_print_config_output_trains_as_a_run_file(tmp_path: Path) -> None:
+    # lsd-train charlm_cpu --print-config > x.yaml && lsd-train x.yaml: the printed file is a run file, taken as it is
+    tiny = ["model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=16", "data.block_size=16",
+            "data.batch_size=4", "data.max_bytes=20000", "trainer.max_steps=2", "trainer.val_check_interval=2",
+            "trainer.limit_val_batches=1", "trainer.devices=1", f"trainer.default_root_dir={tmp_path}",
+            "callbacks.overlap_monitor.enabled=false", "callbacks.run_summary.warmup_steps=1"]
+    printed = lsd_train("charlm_cpu", *tiny, "--print-config", timeout=120)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    run_file = tmp_path / "x.yaml"
+    run_file.write_text(printed.stdout)
+    trained = lsd_train(str(run_file), timeout=240)
+    assert trained.returncode == 0, (trained.stdout + trained.stderr)[-3000:]
+    (summary,) = tmp_path.glob("lightning_logs/version_*/summary.json")
+    assert json.loads(summary.read_text())["steps"] == 2
+    again = lsd_train(str(run_file), "--print-config", timeout=120)  # and it reads back to the same run file
+    assert again.stdout == printed.stdout
 
 
 # ------------------------------------------------------------------------------------ lsd-report
