@@ -130,6 +130,25 @@ def test_the_readme_lightning_cli_file_trains(tmp_path: Any) -> None:
     assert "TRAINED 2 3 100.0 fp32 True aot_eager 600.0 ['GraphReport', 'OverlapMonitor', 'RunSummary']" in done.stdout, done.stdout[-2000:]
 
 
+@pytest.mark.parametrize(("field", "named"), [
+    ("sync.bucket_mbb=5", "strategy.sync.bucket_mbb: unknown key; did you mean 'bucket_mb'?"),
+    ("sync.bucket_mb=abc", "strategy.sync.bucket_mb='abc': expected float"),
+], ids=["misspelt", "invalid"])
+def test_a_bad_strategy_field_under_lightning_cli_is_one_line_on_stderr(tmp_path: Any, field: str, named: str) -> None:
+    # the user's script, run as a user runs it: the strategy's one line, no jsonargparse traceback around it
+    import subprocess
+    import sys
+
+    (tmp_path / "main.py").write_text(_CLI_SCRIPT)
+    done = subprocess.run([sys.executable, "main.py", "fit", "--trainer.strategy=lightning_static_dist.StaticDistStrategy",
+                           f"--trainer.strategy.{field}"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=fresh_job_env())
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert len(lines) <= 4 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[-1].startswith("main.py: error: ") and named in lines[-1], lines
+
+
 def test_lightning_cli_shows_and_checks_the_typed_sections(capsys: Any) -> None:
     from lightning.pytorch.cli import LightningCLI
 
@@ -138,9 +157,10 @@ def test_lightning_cli_shows_and_checks_the_typed_sections(capsys: Any) -> None:
         LightningCLI(BoringModel, run=False, args=["--print_config", strategy, "--trainer.strategy.sync.bucket_mb=50"])
     shown = capsys.readouterr().out
     assert "bucket_mb: 50.0" in shown and "reduce_dtype: fp32" in shown and "first_bucket_mb: 1.0" in shown, shown
-    # a typo in a field: the strategy's own one-line error, inside jsonargparse's report of what it tried
-    with pytest.raises(ValueError, match="strategy.sync.bucket_mbb: unknown key; did you mean 'bucket_mb'"):
+    # a typo in a field: the strategy's own one-line error, as a parse error (status 2)
+    with pytest.raises(SystemExit, match="2"):
         LightningCLI(BoringModel, run=False, args=[strategy, "--trainer.strategy.sync.bucket_mbb=5"])
+    assert "strategy.sync.bucket_mbb: unknown key; did you mean 'bucket_mb'" in capsys.readouterr().err
     cli = LightningCLI(BoringModel, run=False, args=[
         "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.logger=false", strategy,
         "--trainer.strategy.sync.reduce_dtype=bf16"])
