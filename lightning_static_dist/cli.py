@@ -19,6 +19,7 @@ from lightning_static_dist.overlap.intervals import median_of
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.runfile import RunConfig, load_run_config
 from lightning_static_dist.compat import exit_after_failure, exit_without_native_teardown
+from lightning_static_dist.wording import counted
 
 
 def build_trainer_inputs(cfg: RunConfig) -> tuple[Any, Any, Any]:
@@ -217,7 +218,7 @@ def _why_no_metrics(run_dir: str) -> str:
     summary = next((p for p in logged if p.endswith("summary.json")), None)
     if summary is not None:
         with open(summary) as f:
-            steps = f" (it ran {json.load(f).get('steps')} steps)"
+            steps = f" (it ran {counted(json.load(f).get('steps'), 'step')})"
     return (f"lsd-report: the run in {os.path.dirname(logged[-1])!r} logged no metrics{steps}: Lightning writes them"
             " every trainer.log_every_n_steps steps (default 50), so a shorter run writes none; run again with"
             " trainer.log_every_n_steps=1 (or a value below its steps)")

@@ -106,7 +106,9 @@ def test_print_config_output_trains_as_a_run_file(tmp_path: Path) -> None:
     trained = lsd_train(str(run_file), timeout=240)
     assert trained.returncode == 0, (trained.stdout + trained.stderr)[-3000:]
     (summary,) = tmp_path.glob("lightning_logs/version_*/summary.json")
-    assert json.loads(summary.read_text())["steps"] == 2
+    figures = json.loads(summary.read_text())
+    assert figures["steps"] == 2
+    assert figures["tokens_per_s"] > 0 and "samples_per_s" not in figures  # CharGPT's batches are token ids
     again = lsd_train(str(run_file), "--print-config", timeout=120)  # and it reads back to the same run file
     assert again.stdout == printed.stdout
 
@@ -127,7 +129,7 @@ SUMMARY = {
     "sync_collectives": 31,
     "bytes_sent_per_rank": 2640000,
     "bytes_per_round": 88000,
-    "bucket_plan": "1 buckets [0.08MiB/16p]",
+    "bucket_plan": "1 bucket [0.08MiB/16p]",
 }
 
 

@@ -23,6 +23,7 @@ from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.compile import CompileFailure, compile_regions, find_regions
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.config import ConfigError
+from lightning_static_dist.sync.plan import param_specs, plan_buckets
 
 
 def tiny_gpt(n_layer: int = 3) -> CharGPT:
@@ -491,3 +492,15 @@ def test_static_shapes_drop_the_short_last_batch_and_keep_the_validation_schedul
     assert trainer.global_step == 4  # 2 full batches per epoch
     assert model.val_steps == 2  # validation still ran at the end of each epoch
     assert strategy.compile_report is not None and strategy.compile_report.recompiles == []
+
+
+def test_one_piece_and_one_bucket_are_said_in_the_singular() -> None:
+    # a model small enough for one gradient bucket: the graph is cut into one piece, and the output says so in English
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+    report = compile_regions(model, CompileConfig(enabled=True, backend="aot_eager"), split=(1 << 30, 1 << 30))
+    model(torch.randn(2, 4)).sum().backward()
+    assert report.splitter is not None and report.splitter.pieces == 1, report.summary()
+    assert "cut into 1 piece at the gradient buckets" in report.summary(), report.summary()
+    params = list(model.parameters())
+    plan = plan_buckets(param_specs(params, range(len(params))), first_bucket_bytes=1 << 20, bucket_bytes=1 << 20)
+    assert plan.describe().startswith("1 bucket [") and "/4p]" in plan.describe(), plan.describe()

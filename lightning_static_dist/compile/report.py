@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from lightning_static_dist.wording import counted
+
 if TYPE_CHECKING:  # for the annotation only: the report holds the splitter the regions were cut with
     from lightning_static_dist.compile.split import BucketGraphSplitter
 
@@ -102,7 +104,7 @@ class CompileReport:
             *[f"  - {guard}" for guard in self.recompiles[:10]],
         ]
         if self.splitter is not None:
-            lines.insert(2, f"  cut into {self.splitter.pieces} pieces at the gradient buckets (one autograd node"
+            lines.insert(2, f"  cut into {counted(self.splitter.pieces, 'piece')} at the gradient buckets (one autograd node"
                             " each: their collectives overlap backward)")
             lines.extend(f"  - NOT cut, its gradients are ready only at its end: {why}" for why in self.splitter.uncut)
         lines.extend(self.notes)
