@@ -110,7 +110,8 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     )
     parser.add_argument("config", help="YAML run file (top level: seed, model, data, trainer, strategy, callbacks),"
                         " or the name of a shipped one (charlm_cpu, charlm_gpu)")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, merged over the file")
+    # default=[]: without it argparse (before Python 3.13) lists an empty "*" positional as required
+    parser.add_argument("overrides", nargs="*", default=[], help="dotted.key=value overrides, merged over the file")
     parser.add_argument("--print-config", action="store_true",
                         help="print the validated run file (YAML that lsd-train accepts back) and exit")
     args = parser.parse_args(argv)

@@ -72,6 +72,13 @@ def test_train_config_error_exits_2_before_any_process_group(override: str, name
     assert elapsed < 60, f"a config error took {elapsed:.0f} s to report"
 
 
+def test_train_without_arguments_asks_for_the_config_only(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="2"):
+        train_main([])
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line == "lsd-train: error: the following arguments are required: config", last_line
+
+
 def test_train_callback_constructor_error_exits_2() -> None:
     result = lsd_train(CPU_CONFIG, "callbacks.run_summary.warmup_steps=-1", timeout=120)
     assert result.returncode == 2, result.stderr
