@@ -50,7 +50,7 @@ from lightning_static_dist.checkpoint import CheckpointConfig
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.config import ConfigError
-from lightning_static_dist.ddp_arguments import DDPArguments, yield_to
+from lightning_static_dist.ddp_arguments import DDPArguments, check_process_group_backend, yield_to
 from lightning_static_dist.embedding import EmbeddingConfig
 from lightning_static_dist.engine import (
     COMPRESSION_KEY,
@@ -112,7 +112,7 @@ class StaticDistFabricStrategy(DDPStrategy):
         mesh: ``strategy.mesh``; sync: ``strategy.sync``; compression: ``strategy.compression``;
             embedding: ``strategy.embedding``; checkpoint: ``strategy.checkpoint`` (as ``StaticDistStrategy``).
         timeout_s: timeout of every collective, in seconds (default 1800; or ``timeout``, DDP's ``timedelta``).
-        process_group_backend: as ``StaticDistStrategy`` (checked here).
+        process_group_backend: as ``StaticDistStrategy`` (checked when the process group starts).
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"``, ``"forkserver"``.
         monitor_every_n_steps: record the overlap timeline every this many optimizer steps (0: never); read the
             figures with :meth:`metrics`.
@@ -168,8 +168,7 @@ class StaticDistFabricStrategy(DDPStrategy):
                            broadcast_buffers=broadcast_buffers)
         sections = dict(compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding,
                         checkpoint=checkpoint, simulate=simulate)
-        self._config, notes = StrategyConfig.from_arguments(ddp, sections, timeout_s, start_method,
-                                                            process_group_backend)
+        self._config, notes = StrategyConfig.from_arguments(ddp, sections, timeout_s, start_method)
         _refuse_what_fabric_lacks(self._config)
         if isinstance(monitor_every_n_steps, bool) or not isinstance(monitor_every_n_steps, int) or monitor_every_n_steps < 0:
             raise ConfigError(f"monitor_every_n_steps={monitor_every_n_steps!r}: must be an integer >= 0 (0: never)")
@@ -277,6 +276,7 @@ class StaticDistFabricStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        check_process_group_backend(self._process_group_backend)  # against the backends torch knows now
         super().setup_environment()  # the process group, with strategy.timeout_s
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
 

@@ -304,6 +304,49 @@ def test_ddps_keyword_arguments_carry_over(tmp_path: Any) -> None:
             assert json.load(f) == {"timeout_s": 37.0, "bucket_mb": 5.0}
 
 
+_LATER_BACKEND_SCRIPT = """
+import sys
+import lightning as L
+import torch.distributed as dist
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning_static_dist import StaticDistStrategy
+
+
+def gloo_by_another_name(store, rank, size, timeout):
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+class SayBackend(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        print("BACKEND", trainer.global_rank, dist.get_backend(), flush=True)
+
+
+strategy = StaticDistStrategy(process_group_backend=sys.argv[1])  # built first, as a vendor's plugin would find it
+dist.Backend.register_backend("lsd_vendor", gloo_by_another_name, devices=["cpu"])  # registered after
+L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+          callbacks=[SayBackend()]).fit(BoringModel())
+"""
+
+
+@pytest.mark.parametrize(("backend", "expected"), [("lsd_vendor", "BACKEND 1 lsd_vendor"),
+                                                    ("lsd_vendr", "process_group_backend='lsd_vendr': allowed:")],
+                         ids=["registered-after-the-strategy", "typo"])
+def test_a_backend_registered_after_the_strategy_is_built_runs_the_process_group(tmp_path: Any, backend: str,
+                                                                                  expected: str) -> None:
+    # as DDP (Lightning's test_ddp_process_group_backend[foo-*]): the name is looked up when the group starts, on
+    # 2 real ranks (Lightning's launcher re-runs the script, which registers the backend in every rank)
+    import subprocess
+    import sys
+
+    (tmp_path / "main.py").write_text(_LATER_BACKEND_SCRIPT)
+    done = subprocess.run([sys.executable, "main.py", backend], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240, env=fresh_job_env())
+    output = done.stdout + done.stderr
+    assert expected in output, output[-3000:]
+    assert (done.returncode == 0) is (backend == "lsd_vendor"), output[-3000:]
+
+
 def _bf16_average(state: Any, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's ``bf16_compress_hook`` step for step (cast, divide, sum, copy back); torch allows that hook itself on
     NCCL/XCCL only."""
