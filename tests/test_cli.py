@@ -191,7 +191,7 @@ def test_report_prints_metrics_and_summary_and_plots(tmp_path: Path) -> None:
     assert "lightning-static-dist run summary" in text
     assert summary_row(text, "world_size") == ["world_size", "2"]
     assert summary_row(text, "bytes_sent_per_rank") == ["bytes_sent_per_rank", "2,640,000"]
-    assert summary_row(text, "bucket_plan")[1:] == ["1", "buckets", "[0.08MiB/16p]"]
+    assert summary_row(text, "bucket_plan")[1:] == ["1", "bucket", "[0.08MiB/16p]"]
     png = log_dir / "curves.png"
     assert f"plot: {png}" in text
     assert png.read_bytes()[:8] == PNG_MAGIC
