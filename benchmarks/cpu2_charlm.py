@@ -93,7 +93,7 @@ def worker(contender: str, steps: int, warmup: int, out: str) -> None:
         sync = getattr(trainer.strategy, "synchronizer", None)
         record = {
             "step_s": summary.step_seconds[warmup:],
-            "tokens_per_step": summary.tokens_per_step * trainer.world_size,
+            "tokens_per_step": summary.items_per_step * trainer.world_size,
             "final_loss": summary.summary["train_loss_last10"],
             # ddp all-reduces every gradient once per step; static_dist reports what it actually sent
             "bytes_per_step": sync.stats.last_round_bytes if sync is not None else grad_bytes,

@@ -1,8 +1,9 @@
 """lightning-static-dist: statically planned data-parallel training for PyTorch Lightning.
 
 Importing the package registers the strategy names ``static_dist``, ``static_dist_spawn`` and
-``static_dist_notebook`` in Lightning's ``StrategyRegistry`` and the dynamo backend ``inductor_distributed`` — names
-only: Lightning behaves as without the import until a ``StaticDistStrategy`` is made::
+``static_dist_notebook`` in Lightning's ``StrategyRegistry``, the dynamo backend ``inductor_distributed`` and, with
+jsonargparse installed, an instantiator of the package's classes that reports a ``ConfigError`` under LightningCLI
+in one line (``lightning_static_dist/config/lightning_cli.py``) — names only: Lightning behaves as without the import until a ``StaticDistStrategy`` is made::
 
     import lightning as L
     import lightning_static_dist
@@ -15,6 +16,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.config import ConfigError
+from lightning_static_dist.config.lightning_cli import report_config_errors_under_jsonargparse
 from lightning_static_dist.embedding import EmbeddingConfig
 from lightning_static_dist.mesh import MeshConfig
 from lightning_static_dist.strategy_config import StrategyConfig
@@ -54,3 +56,6 @@ __all__ = [
 
 StaticDistStrategy.register_strategies(StrategyRegistry)
 register_inductor_distributed()
+# LightningCLI builds these after parsing: a bad value is one line there too, not jsonargparse's traceback
+report_config_errors_under_jsonargparse(StaticDistStrategy, StaticDistFabricStrategy, OverlapMonitor, RunSummary,
+                                        GraphReport, CompressionGuard)

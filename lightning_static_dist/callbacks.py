@@ -1,9 +1,9 @@
 """Callbacks a run file can switch on under ``callbacks:``; each validates its options with a ``Config`` dataclass
 beside it (the run file's ``callbacks.<name>`` block), like the strategy's sections.
 
-:class:`RunSummary` ends a run with the figures a user looks for first — loss, tokens/s and the bytes the gradient
-synchroniser put on the wire — printed as a table on rank 0 and written to ``<log_dir>/summary.json``, which
-``lsd-report`` reads back.
+:class:`RunSummary` ends a run with the figures a user looks for first — loss, tokens/s (samples/s where batches are
+not token ids) and the bytes the gradient synchroniser put on the wire — printed as a table on rank 0 and written to
+``<log_dir>/summary.json``, which ``lsd-report`` reads back.
 """
 
 from __future__ import annotations
@@ -59,21 +59,23 @@ def _open_tqdm_bar(trainer: pl.Trainer) -> Any:
     return None
 
 
-def _tokens_in(batch: Any) -> int:
-    """Tokens (elements of the input tensor) in a batch: ``x`` of ``(x, y)``, a tensor, or the first tensor value."""
-    if isinstance(batch, torch.Tensor):
-        return batch.numel()
-    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
-        return batch[0].numel()
-    if isinstance(batch, dict):
-        for value in batch.values():
-            if isinstance(value, torch.Tensor):
-                return value.numel()
-    return 0
+def batch_size_of(batch: Any) -> tuple[int, str]:
+    """What a batch holds, counted in its own unit: ``(n, "tokens")`` when the input tensor (``x`` of ``(x, y)``, a
+    tensor, or the first tensor value) holds integer ids — a language model's token ids, counted one by one — else
+    ``(n, "samples")``, its first dimension (images, feature rows). ``(0, "samples")`` without a tensor."""
+    if isinstance(batch, (list, tuple)) and batch:
+        batch = batch[0]
+    elif isinstance(batch, dict):
+        batch = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
+    if not isinstance(batch, torch.Tensor):
+        return 0, "samples"
+    if batch.dim() >= 2 and not (batch.is_floating_point() or batch.is_complex() or batch.dtype == torch.bool):
+        return batch.numel(), "tokens"
+    return (batch.shape[0] if batch.dim() else 1), "samples"
 
 
 class RunSummary(Callback):
-    """Print and save a summary of a fit: steps, losses, step time, tokens/s, gradient bytes synchronised.
+    """Print and save a summary of a fit: steps, losses, step time, tokens/s (or samples/s), bytes synchronised.
 
     Step times are wall-clock from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward,
     synchronisation, optimizer); the first ``warmup_steps`` are left out of the medians.
@@ -82,8 +84,8 @@ class RunSummary(Callback):
         warmup_steps: steps excluded from timing (allocation, first-step planning).
         loss_key: the logged metric shown as the training loss.
         print_every_n_steps: also print a progress line every this many optimizer steps (and one per validation) on
-            rank 0: step, loss, median time per optimizer step (all its accumulated micro-batches), tokens/s;
-            0: never (the loss is read on the host only then).
+            rank 0: step, loss, median time per optimizer step (all its accumulated micro-batches), tokens/s or
+            samples/s (:func:`batch_size_of`); 0: never (the loss is read on the host only then).
 
     Raises:
         ConfigError: a bad option, in one line naming its run-file key (``callbacks.run_summary.warmup_steps=-1: ...``).
@@ -120,13 +122,15 @@ class RunSummary(Callback):
         self.warmup_steps = self.config.warmup_steps
         self.loss_key = self.config.loss_key
         self.step_seconds: list[float] = []
-        self.tokens_per_step: int = 0
+        self.items_per_step: int = 0
+        self.unit = "samples"
+        """What a batch is counted in (:func:`batch_size_of`): ``tokens`` for integer ids, else ``samples``."""
         self.losses: list[torch.Tensor] = []
         self.summary: dict[str, Any] = {}
         self._started: Optional[float] = None
         self._step_at_start = 0
-        self._window = (0.0, 0)  # (seconds, tokens) of the micro-batches since the last optimizer step
-        self._optimizer_steps: list[tuple[float, int]] = []  # (seconds, tokens) of each recent optimizer step
+        self._window = (0.0, 0)  # (seconds, tokens or samples) of the micro-batches since the last optimizer step
+        self._optimizer_steps: list[tuple[float, int]] = []  # (seconds, tokens or samples) of each recent optimizer step
         self._printed_step = -1
 
     @override
@@ -147,12 +151,12 @@ class RunSummary(Callback):
             return
         seconds = time.perf_counter() - self._started
         self.step_seconds.append(seconds)
-        self.tokens_per_step = _tokens_in(batch)
+        self.items_per_step, self.unit = batch_size_of(batch)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self.losses.append(loss.detach())  # a tensor: float() here would wait for the GPU every step
             del self.losses[:-10]
-        self._window = (self._window[0] + seconds, self._window[1] + self.tokens_per_step)
+        self._window = (self._window[0] + seconds, self._window[1] + self.items_per_step)
         if trainer.global_step == self._step_at_start:
             return  # accumulating: the optimizer has not stepped in this micro-batch
         self._optimizer_steps.append(self._window)
@@ -163,10 +167,10 @@ class RunSummary(Callback):
         if every and step % every == 0 and step != self._printed_step and self.losses:
             self._printed_step = step  # a step is printed once, whatever happens between two optimizer steps
             median_s = statistics.median(s for s, _ in self._optimizer_steps)
-            tokens_per_s = statistics.median(n / s for s, n in self._optimizer_steps) * trainer.world_size
+            per_s = statistics.median(n / s for s, n in self._optimizer_steps) * trainer.world_size
             total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
             say(trainer, f"step {step}{f'/{total}' if total else ''}  loss {float(self.losses[-1]):.4f}"
-                         f"  {1e3 * median_s:.1f} ms/step  {tokens_per_s:,.0f} tokens/s")
+                         f"  {1e3 * median_s:.1f} ms/step  {per_s:,.0f} {self.unit}/s")
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -199,7 +203,7 @@ class RunSummary(Callback):
             "val_loss": metrics.get("val_loss"),
             "val_ppl": metrics.get("val_ppl"),
             "step_ms_median": median_s * 1e3,
-            "tokens_per_s": self.tokens_per_step * trainer.world_size / median_s if timed else None,
+            f"{self.unit}_per_s": self.items_per_step * trainer.world_size / median_s if timed else None,
             "sync_mode": ("graph" if graph is not None else "hooks") if synced else None,
             "sync_rounds": (stats.rounds if stats else 0) + graph_rounds if synced else None,
             "sync_collectives": stats.collectives if stats else None,  # (graph mode: inside the compiled graph)

@@ -19,6 +19,7 @@ from lightning_static_dist.overlap.intervals import median_of
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.runfile import RunConfig, load_run_config
 from lightning_static_dist.compat import exit_after_failure, exit_without_native_teardown
+from lightning_static_dist.wording import counted
 
 
 def build_trainer_inputs(cfg: RunConfig) -> tuple[Any, Any, Any]:
@@ -109,8 +110,10 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     )
     parser.add_argument("config", help="YAML run file (top level: seed, model, data, trainer, strategy, callbacks),"
                         " or the name of a shipped one (charlm_cpu, charlm_gpu)")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, merged over the file")
-    parser.add_argument("--print-config", action="store_true", help="print the validated config and exit")
+    # default=[]: without it argparse (before Python 3.13) lists an empty "*" positional as required
+    parser.add_argument("overrides", nargs="*", default=[], help="dotted.key=value overrides, merged over the file")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the validated run file (YAML that lsd-train accepts back) and exit")
     args = parser.parse_args(argv)
     # a user's class paths in the run file (my_pkg.models.MyModel) resolve from the working directory, as with
     # `python -m`
@@ -119,7 +122,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         cfg = load_run_config(args.config, args.overrides)
         if args.print_config:
-            print(json.dumps(_jsonable(cfg), indent=2))
+            print(print_run_file(cfg), end="")
             return
         ckpt_path = resume_from(cfg)
         trainer, model, datamodule = build_trainer_inputs(cfg)
@@ -138,16 +141,12 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     exit_without_native_teardown(0)
 
 
-def _jsonable(obj: Any) -> Any:
-    import dataclasses
+def print_run_file(cfg: RunConfig) -> str:
+    """``lsd-train --print-config``: the validated run file as YAML that ``lsd-train`` accepts back as it is."""
+    import yaml
 
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
+    header = "# the validated run file (lsd-train --print-config); train with: lsd-train THIS_FILE.yaml\n"
+    return header + yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -220,7 +219,7 @@ def _why_no_metrics(run_dir: str) -> str:
     summary = next((p for p in logged if p.endswith("summary.json")), None)
     if summary is not None:
         with open(summary) as f:
-            steps = f" (it ran {json.load(f).get('steps')} steps)"
+            steps = f" (it ran {counted(json.load(f).get('steps'), 'step')})"
     return (f"lsd-report: the run in {os.path.dirname(logged[-1])!r} logged no metrics{steps}: Lightning writes them"
             " every trainer.log_every_n_steps steps (default 50), so a shorter run writes none; run again with"
             " trainer.log_every_n_steps=1 (or a value below its steps)")

@@ -122,7 +122,8 @@ def yield_to(sections: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str
 def check_process_group_backend(backend: Optional[str]) -> None:
     """A :class:`ConfigError` unless ``backend`` is ``None`` or names backends registered with ``torch.distributed``:
     one (``"gloo"``) or ``device:backend`` pairs (``"cpu:gloo,cuda:nccl"``), as ``init_process_group`` reads it.
-    Checked at construction, so that a typo fails before any process starts rather than inside every rank."""
+    Checked when the process group starts, against the backends registered then, as DDP does: a vendor's backend,
+    or a test's, may be registered after the strategy was built."""
     if backend is None or not torch.distributed.is_available():
         return
     registered = [name for name in torch.distributed.Backend.backend_list if name != "undefined"]

@@ -37,6 +37,7 @@ from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_
 from lightning_static_dist.sync import GradientSynchronizer
 from lightning_static_dist.sync.reducer import MeanAllReduce
 from lightning_static_dist.sync.broadcast import broadcast_tensors
+from lightning_static_dist.wording import counted
 
 #: Where a checkpoint keeps every rank's compression state (``{"world_size": N, "ranks": [state of rank 0, ...]}``).
 COMPRESSION_KEY = "static_dist_compression"
@@ -136,7 +137,7 @@ def restore_compression_state(reducer: CompressingReducer, saved: dict[str, Any]
     warning: residuals and warm-start matrices start from zero)."""
     if saved["world_size"] != world_size:
         rank_zero_warn(
-            f"static_dist: the checkpoint's compression state is from {saved['world_size']} ranks and this run has"
+            f"static_dist: the checkpoint's compression state is from {counted(saved['world_size'], 'rank')} and this run has"
             f" {world_size}: error-feedback residuals and warm-start matrices start from zero"
         )
         reducer.rounds = saved["ranks"][0].get("rounds", 0)

@@ -50,7 +50,7 @@ from lightning_static_dist.checkpoint import CheckpointConfig
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.config import ConfigError
-from lightning_static_dist.ddp_arguments import DDPArguments, yield_to
+from lightning_static_dist.ddp_arguments import DDPArguments, check_process_group_backend, yield_to
 from lightning_static_dist.embedding import EmbeddingConfig
 from lightning_static_dist.engine import (
     COMPRESSION_KEY,
@@ -76,6 +76,18 @@ from lightning_static_dist.sync import GradientSynchronizer
 from lightning_static_dist.sync.config import SyncConfig
 
 log = logging.getLogger(__name__)
+
+#: With the monitor off (``monitor_every_n_steps=0``), the compile counts :meth:`StaticDistFabricStrategy.metrics`
+#: returns are aggregated over the ranks every this many optimizer steps (Lightning's ``log_every_n_steps`` default).
+COMPILE_FIGURES_EVERY_N_STEPS = 50
+
+
+def sync_figures(sync: GradientSynchronizer) -> dict[str, float]:
+    """The synchroniser's own figures, rank-local (equal on every rank: one plan, one round count)."""
+    stats = sync.stats
+    return {"static_dist/sync_rounds": float(stats.rounds), "static_dist/sync_buckets": float(len(sync.plan.buckets)),
+            "static_dist/sync_bytes_sent": float(stats.bytes_sent),
+            "static_dist/sync_round_bytes": float(stats.last_round_bytes)}
 
 
 def _refuse_what_fabric_lacks(config: StrategyConfig) -> None:
@@ -112,7 +124,7 @@ class StaticDistFabricStrategy(DDPStrategy):
         mesh: ``strategy.mesh``; sync: ``strategy.sync``; compression: ``strategy.compression``;
             embedding: ``strategy.embedding``; checkpoint: ``strategy.checkpoint`` (as ``StaticDistStrategy``).
         timeout_s: timeout of every collective, in seconds (default 1800; or ``timeout``, DDP's ``timedelta``).
-        process_group_backend: as ``StaticDistStrategy`` (checked here).
+        process_group_backend: as ``StaticDistStrategy`` (checked when the process group starts).
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"``, ``"forkserver"``.
         monitor_every_n_steps: record the overlap timeline every this many optimizer steps (0: never); read the
             figures with :meth:`metrics`.
@@ -134,7 +146,7 @@ class StaticDistFabricStrategy(DDPStrategy):
             fabric.backward(loss_fn(model(x), y))
             optimizer.step()
             optimizer.zero_grad()
-            fabric.log_dict(fabric.strategy.metrics(), step=step)  # on every rank: the figures are aggregated
+            fabric.log_dict(fabric.strategy.metrics(), step=step)  # rank-local: on every rank, or on one
     """
 
     def __init__(
@@ -168,8 +180,7 @@ class StaticDistFabricStrategy(DDPStrategy):
                            broadcast_buffers=broadcast_buffers)
         sections = dict(compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding,
                         checkpoint=checkpoint, simulate=simulate)
-        self._config, notes = StrategyConfig.from_arguments(ddp, sections, timeout_s, start_method,
-                                                            process_group_backend)
+        self._config, notes = StrategyConfig.from_arguments(ddp, sections, timeout_s, start_method)
         _refuse_what_fabric_lacks(self._config)
         if isinstance(monitor_every_n_steps, bool) or not isinstance(monitor_every_n_steps, int) or monitor_every_n_steps < 0:
             raise ConfigError(f"monitor_every_n_steps={monitor_every_n_steps!r}: must be an integer >= 0 (0: never)")
@@ -199,7 +210,8 @@ class StaticDistFabricStrategy(DDPStrategy):
         self._recorder: Optional[StepRecorder] = None
         self._step_open = False
         self._steps = 0
-        self._timeline: Optional[StepTimeline] = None
+        self._overlap_figures: dict[str, float] = {}
+        self._compile_figures: dict[str, float] = {}
         self._aggregate: Optional[RankAggregate] = None
         log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
 
@@ -240,29 +252,40 @@ class StaticDistFabricStrategy(DDPStrategy):
         return self._compile_report
 
     def metrics(self) -> dict[str, float]:
-        """The ``static_dist/*`` figures of the latest recorded step, for ``fabric.log_dict``; collective: call it on
-        every rank at the same point (each figure is aggregated over the ranks).
+        """The ``static_dist/*`` figures for ``fabric.log_dict``. Rank-local: no collective, so it may be called on
+        every rank or on one (``if fabric.global_rank == 0``); the figures aggregated over ranks were aggregated in
+        ``optimizer.step()``, which every rank calls.
 
-        The overlap figures (``overlap_ratio``, ``comm_ms``, ``bytes_sent``, ``compression_ratio`` ...: the mean over
-        ranks, and ``_max``) once per recorded step (``monitor_every_n_steps``), as the Trainer's ``OverlapMonitor``
-        logs them; with ``strategy.compile`` also ``graph_breaks``, ``recompiles`` and ``compile_s`` (the maximum over
-        ranks, as ``GraphReport`` logs them). Figures nothing measured (NaN) are left out.
+        Always (at world size > 1), the synchroniser's own figures, the same on every rank: ``sync_rounds``
+        (synchronised backward passes so far), ``sync_buckets`` (buckets in the plan), ``sync_bytes_sent`` (payload
+        bytes this rank sent so far) and ``sync_round_bytes`` (those of the latest round). Once per recorded step
+        (``monitor_every_n_steps``), the overlap figures (``overlap_ratio``, ``comm_ms``, ``bytes_sent``,
+        ``compression_ratio`` ...: the mean over ranks, and ``_max``), as the Trainer's ``OverlapMonitor`` logs them.
+        With ``strategy.compile``, ``graph_breaks``, ``recompiles`` and ``compile_s`` (the maximum over ranks, as
+        ``GraphReport`` logs them; brought up to date every ``monitor_every_n_steps`` steps, or every
+        ``COMPILE_FIGURES_EVERY_N_STEPS`` with the monitor off). Figures nothing measured (NaN) are left out.
         """
-        figures: dict[str, float] = {}
-        timeline, self._timeline = self._timeline, None
+        figures = sync_figures(self._synchronizer) if self._synchronizer is not None else {}
+        overlap, self._overlap_figures = self._overlap_figures, {}  # once per recorded step, as the monitor logs them
+        figures.update(overlap)
+        figures.update(self._compile_figures)
+        return {name: value for name, value in figures.items() if not math.isnan(value)}
+
+    def _aggregate_figures(self, timeline: Optional[StepTimeline]) -> None:
+        """After an optimizer step (every rank is here): a recorded step's overlap figures and, on the cadence, the
+        compile counts, aggregated over the ranks for :meth:`metrics` to hand out."""
         if timeline is not None:  # the same steps are recorded on every rank: they all aggregate, or none does
             if self._aggregate is None:
                 self._aggregate = RankAggregate(len(METRICS)).to(self.root_device)
-            figures.update(aggregate_over_ranks(self._aggregate, METRICS, step_metrics(timeline), "", self.world_size,
-                                                no_max=("trigger_delay_worst_bucket_ms",)))
+            self._overlap_figures = aggregate_over_ranks(self._aggregate, METRICS, step_metrics(timeline), "",
+                                                         self.world_size, no_max=("trigger_delay_worst_bucket_ms",))
         report = self._compile_report
-        if report is not None:
+        if report is not None and (self._steps - 1) % (self._monitor_every or COMPILE_FIGURES_EVERY_N_STEPS) == 0:
             counts = torch.tensor([len(report.graph_breaks), len(report.recompiles), report.compile_s],
                                   dtype=torch.float64, device=self.root_device)
             counts = self.all_reduce(counts, reduce_op="max")
-            figures.update(zip(("static_dist/graph_breaks", "static_dist/recompiles", "static_dist/compile_s"),
-                               counts.tolist()))
-        return {name: value for name, value in figures.items() if not math.isnan(value)}
+            self._compile_figures = dict(zip(("static_dist/graph_breaks", "static_dist/recompiles",
+                                              "static_dist/compile_s"), counts.tolist()))
 
     # ------------------------------------------------------------------------------------- processes and ranks
 
@@ -277,6 +300,7 @@ class StaticDistFabricStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        check_process_group_backend(self._process_group_backend)  # against the backends torch knows now
         super().setup_environment()  # the process group, with strategy.timeout_s
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
 
@@ -403,12 +427,12 @@ class StaticDistFabricStrategy(DDPStrategy):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)
         recorder, self._steps = self._recorder, self._steps + 1
+        timeline = None
         if recorder is not None and self._step_open:
             recorder.end("optimizer")
             self._step_open = False
             timeline = recorder.end_step(keep=True)  # on CUDA the step before this one (its events are done)
-            if timeline is not None:
-                self._timeline = timeline
+        self._aggregate_figures(timeline)
         return output
 
     # -------------------------------------------------------------------------------------------- checkpoints

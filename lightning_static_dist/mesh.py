@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_static_dist.config.check import ConfigError, check_fields, fail
+from lightning_static_dist.wording import counted
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def check_topology(places: Sequence[RankPlace], replicate: int, shard: int, shar
         return "; ".join(f"rank {r}: {places[r].device_type} on {places[r].host}" for r in ranks)
 
     if len(places) != replicate * shard:
-        raise TopologyError(f"static_dist: {len(places)} ranks reported, the mesh {replicate} x {shard} needs"
+        raise TopologyError(f"static_dist: {counted(len(places), 'rank')} reported, the mesh {replicate} x {shard} needs"
                             f" {replicate * shard}")
     if len({p.device_type for p in places}) > 1:
         raise TopologyError(f"static_dist: ranks have different device types — {listing(range(len(places)))};"

@@ -49,7 +49,7 @@ from lightning_static_dist import loop as loop_patches
 from lightning_static_dist.compat import destroy_process_groups_at_exit, mark_run_failed
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.strategy_config import StrategyConfig
-from lightning_static_dist.ddp_arguments import device_backend
+from lightning_static_dist.ddp_arguments import check_process_group_backend, device_backend
 from lightning_static_dist.faults import diagnose, is_collective_failure, record_nccl_flight, waiting_in
 from lightning_static_dist.launcher import StaticDistLauncher, StaticDistSpawnLauncher
 from lightning_static_dist.mesh import build_dp_mesh, resolve_mesh_shape
@@ -69,7 +69,7 @@ def binds_device(backend: str, device: torch.device) -> bool:
     collective library (NCCL, XCCL, HCCL), so that the mesh's groups are split from one eagerly created
     communicator. Any other backend is not bound — Gloo carrying CUDA tensors in particular: ``DeviceMesh`` would
     then split its groups, and ``split_group`` cannot copy Gloo's options (``TypeError: cannot pickle ...
-    _Options`` on torch 2.11). ``backend`` was validated by ``ddp_arguments.check_process_group_backend``."""
+    _Options`` on torch 2.11). ``backend`` was checked by ``ddp_arguments.check_process_group_backend``."""
     return device.type != "cpu" and device_backend(backend, device.type) in _DEVICE_BOUND_BACKENDS
 
 
@@ -266,6 +266,7 @@ class DataParallelProcesses(ParallelStrategy):
         log.debug(f"{self.__class__.__name__}: setting up distributed...")
         reset_seed()
         self.set_world_ranks()
+        check_process_group_backend(self._process_group_backend)  # against the backends torch knows now
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )

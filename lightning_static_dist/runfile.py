@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -212,6 +213,38 @@ class RunConfig:
             fail("callbacks.compression_guard.enabled", True, "the guard steps a compressor down and"
                   " strategy.compression.name is 'none'; allowed: false, or a compressor")
         return run
+
+    def to_dict(self) -> dict[str, Any]:
+        """The run file in the shape :meth:`from_dict` reads back (what ``lsd-train --print-config`` prints): each
+        component's ``class_path`` beside its arguments, each callback's ``enabled`` beside its options, and every
+        strategy section whole, its defaults included.
+
+        Example::
+
+            cfg = load_run_config("charlm_cpu", ["trainer.max_steps=50"])
+            assert RunConfig.from_dict(cfg.to_dict()) == cfg
+        """
+        return {
+            "seed": self.seed,
+            "model": {"class_path": self.model.class_path, **self.model.init_args},
+            "data": {"class_path": self.data.class_path, **self.data.init_args},
+            "trainer": dict(self.trainer),
+            "strategy": _plain(self.strategy),
+            "callbacks": {name: {"enabled": block.enabled, **block.options} for name, block in self.callbacks.items()},
+            "ckpt_path": self.ckpt_path,
+        }
+
+
+def _plain(value: Any) -> Any:
+    """A section as YAML can write it: dataclasses as mappings of their public fields (the keys a run file may
+    set), tuples as lists."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if not f.name.startswith("_")}
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 TOP_LEVEL = ("seed", "model", "data", "trainer", "strategy", "callbacks", "ckpt_path")

@@ -125,8 +125,9 @@ class StaticDistStrategy(DataParallelProcesses):
             process as rank 0 of N identical ranks (``Trainer(devices=1)``), a dry run of an N-rank configuration.
         timeout_s: timeout of every collective, in seconds (default 1800; or ``timeout``, DDP's ``timedelta``).
         process_group_backend: a backend registered with ``torch.distributed`` (``"nccl"``, ``"gloo"``, ``"xccl"``
-            ...) or ``device:backend`` pairs (``"cpu:gloo,cuda:nccl"``), checked here; by default NCCL on CUDA and
-            Gloo on CPU.
+            ...) or ``device:backend`` pairs (``"cpu:gloo,cuda:nccl"``), checked when the process group starts (as
+            DDP does: a backend registered after the strategy was built counts); by default NCCL on CUDA and Gloo
+            on CPU.
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"``, ``"fork"``, ``"forkserver"``.
         num_nodes: accepted for code written against older strategies; as with ``DDPStrategy``, Lightning sets the
             strategy's ``num_nodes`` from ``Trainer(num_nodes=...)``, which is the value that counts.
@@ -189,7 +190,7 @@ class StaticDistStrategy(DataParallelProcesses):
                            broadcast_buffers, ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper, model_averaging_period)
         sections = dict(compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding,
                         checkpoint=checkpoint, simulate=simulate)
-        config, notes = StrategyConfig.from_arguments(ddp, sections, timeout_s, start_method, process_group_backend)
+        config, notes = StrategyConfig.from_arguments(ddp, sections, timeout_s, start_method)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
                          config=config, start_method=start_method, process_group_backend=process_group_backend,
                          num_nodes=num_nodes)

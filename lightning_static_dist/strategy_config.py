@@ -32,7 +32,7 @@ from lightning_static_dist.checkpoint import CheckpointConfig
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.config.check import ConfigError, check_value, fail, section_from_dict
-from lightning_static_dist.ddp_arguments import START_METHODS, DDPArguments, check_process_group_backend, translate
+from lightning_static_dist.ddp_arguments import START_METHODS, DDPArguments, translate
 from lightning_static_dist.embedding import EmbeddingConfig
 from lightning_static_dist.mesh import MeshConfig
 from lightning_static_dist.simulate.config import SimulateConfig
@@ -133,19 +133,19 @@ class StrategyConfig:
 
     @classmethod
     def from_arguments(cls, args: DDPArguments, sections: Mapping[str, Any], timeout_s: Optional[float],
-                       start_method: str, process_group_backend: Optional[str]) -> tuple[StrategyConfig, list[str]]:
+                       start_method: str) -> tuple[StrategyConfig, list[str]]:
         """The validated block a strategy's keyword arguments describe, and the lines to say once: DDP's arguments
         merged in (:func:`~lightning_static_dist.ddp_arguments.translate`), the sections and the timeout checked,
-        then the start method and the process-group backend — each a one-line ``ConfigError`` naming the key.
+        then the start method — each a one-line ``ConfigError`` naming the key. (The process-group backend is checked
+        when the processes start: :func:`~lightning_static_dist.ddp_arguments.check_process_group_backend`.)
 
         Example::
 
             config, notes = StrategyConfig.from_arguments(DDPArguments(bucket_cap_mb=10),
-                                                          {"compression": {"name": "bf16"}}, None, "popen", None)
+                                                          {"compression": {"name": "bf16"}}, None, "popen")
         """
         sync, timeout_s, notes = translate(args, sections.get("sync"), timeout_s)
         config = cls(**{**sections, "sync": sync}, timeout_s=1800.0 if timeout_s is None else timeout_s)
         if start_method not in START_METHODS:
             raise ConfigError(f"start_method={start_method!r}: allowed: {', '.join(map(repr, START_METHODS))}")
-        check_process_group_backend(process_group_backend)
         return config, notes

@@ -31,7 +31,7 @@ LAYERS: dict[str, int] = {
     # the leaves
     "overlap": 4, "checkpoint": 4, "config": 4, "ddp_arguments": 4, "faults": 4, "fingerprint": 4, "compat": 4,
     "simulate": 4,
-    "examples": 4,
+    "examples": 4, "wording": 4,
 }
 
 

@@ -12,11 +12,12 @@ from typing import Any
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_static_dist import callbacks
-from lightning_static_dist.callbacks import RunSummary
+from lightning_static_dist.callbacks import RunSummary, batch_size_of
 
 
 class TickingClock:
@@ -52,10 +53,12 @@ def test_progress_lines_once_per_optimizer_step_under_accumulation(
     monkeypatch.setattr(callbacks, "time", TickingClock())
     fit(tmp_path, progress_bar, accumulate_grad_batches=2)
     out = "".join(capfd.readouterr()) + caplog.text  # above a TQDM bar: its stream; else Lightning's INFO log
-    lines = re.findall(r"step \d+/4  .*? tokens/s", out)
+    lines = re.findall(r"step \d+/4  .*? samples/s", out)
     # 8 micro-batches, 4 optimizer steps of 2 x 5 ms each: a line at steps 2 and 4, each printed once
     assert [line.split("  ")[0] for line in lines] == ["step 2/4", "step 4/4"], out
-    assert all("10.0 ms/step" in line for line in lines), lines
+    # BoringModel's batches are rows of 32 floats, not tokens: 2 micro-batches of 1 sample in 10 ms
+    assert all("10.0 ms/step" in line and "200 samples/s" in line for line in lines), lines
+    assert "samples_per_s" in out and "tokens" not in out, out  # the table too
     # the table printed in on_train_end, after the progress bar's own on_train_end closed its bar
     assert "lightning-static-dist run summary" in out, out
 
@@ -72,3 +75,13 @@ def test_nothing_is_printed_when_lightnings_messages_are_silenced(
         lightning_log.setLevel(level)
     out = "".join(capfd.readouterr()) + caplog.text
     assert "step 2/4" not in out and "run summary" not in out, out
+
+
+def test_a_batch_is_counted_in_tokens_only_when_it_holds_token_ids() -> None:
+    ids = torch.zeros(4, 16, dtype=torch.long)  # (batch, sequence) of token ids
+    assert batch_size_of((ids, ids)) == (64, "tokens")
+    assert batch_size_of({"input_ids": ids}) == (64, "tokens")
+    assert batch_size_of(torch.randn(4, 3, 8, 8)) == (4, "samples")  # images
+    assert batch_size_of([torch.randn(4, 32), torch.ones(4)]) == (4, "samples")  # feature rows
+    assert batch_size_of(torch.arange(4)) == (4, "samples")  # class labels, one per sample
+    assert batch_size_of("text") == (0, "samples")

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from _dist import fresh_job_env
 
 from lightning_static_dist.cli import report, train_main
@@ -71,6 +72,13 @@ def test_train_config_error_exits_2_before_any_process_group(override: str, name
     assert elapsed < 60, f"a config error took {elapsed:.0f} s to report"
 
 
+def test_train_without_arguments_asks_for_the_config_only(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="2"):
+        train_main([])
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line == "lsd-train: error: the following arguments are required: config", last_line
+
+
 def test_train_callback_constructor_error_exits_2() -> None:
     result = lsd_train(CPU_CONFIG, "callbacks.run_summary.warmup_steps=-1", timeout=120)
     assert result.returncode == 2, result.stderr
@@ -83,13 +91,33 @@ def test_print_config_shows_the_merged_overrides(capsys: pytest.CaptureFixture[s
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(sys, "path", list(sys.path))  # train_main puts the working directory on sys.path
     train_main([CPU_CONFIG, "trainer.max_steps=7", "strategy.sync.bucket_mb=10", "model.n_layer=2", "--print-config"])
-    printed = json.loads(capsys.readouterr().out)
+    printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["trainer"]["max_steps"] == 7
     assert printed["trainer"]["devices"] == 2
     assert printed["strategy"]["sync"]["bucket_mb"] == 10.0
     assert printed["model"]["class_path"] == "lightning_static_dist.examples.charlm.CharGPT"
-    assert printed["model"]["init_args"]["n_layer"] == 2
-    assert printed["callbacks"]["run_summary"] == {"enabled": True, "options": {"warmup_steps": 5, "print_every_n_steps": 25}}
+    assert printed["model"]["n_layer"] == 2  # a run file's shape: the arguments beside class_path
+    assert printed["callbacks"]["run_summary"] == {"enabled": True, "warmup_steps": 5, "print_every_n_steps": 25}
+
+
+def test_print_config_output_trains_as_a_run_file(tmp_path: Path) -> None:
+    # lsd-train charlm_cpu --print-config > x.yaml && lsd-train x.yaml: the printed file is a run file, taken as it is
+    tiny = ["model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=16", "data.block_size=16",
+            "data.batch_size=4", "data.max_bytes=20000", "trainer.max_steps=2", "trainer.val_check_interval=2",
+            "trainer.limit_val_batches=1", "trainer.devices=1", f"trainer.default_root_dir={tmp_path}",
+            "callbacks.overlap_monitor.enabled=false", "callbacks.run_summary.warmup_steps=1"]
+    printed = lsd_train("charlm_cpu", *tiny, "--print-config", timeout=120)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    run_file = tmp_path / "x.yaml"
+    run_file.write_text(printed.stdout)
+    trained = lsd_train(str(run_file), timeout=240)
+    assert trained.returncode == 0, (trained.stdout + trained.stderr)[-3000:]
+    (summary,) = tmp_path.glob("lightning_logs/version_*/summary.json")
+    figures = json.loads(summary.read_text())
+    assert figures["steps"] == 2
+    assert figures["tokens_per_s"] > 0 and "samples_per_s" not in figures  # CharGPT's batches are token ids
+    again = lsd_train(str(run_file), "--print-config", timeout=120)  # and it reads back to the same run file
+    assert again.stdout == printed.stdout
 
 
 # ------------------------------------------------------------------------------------ lsd-report
@@ -108,7 +136,7 @@ SUMMARY = {
     "sync_collectives": 31,
     "bytes_sent_per_rank": 2640000,
     "bytes_per_round": 88000,
-    "bucket_plan": "1 buckets [0.08MiB/16p]",
+    "bucket_plan": "1 bucket [0.08MiB/16p]",
 }
 
 
@@ -163,7 +191,7 @@ def test_report_prints_metrics_and_summary_and_plots(tmp_path: Path) -> None:
     assert "lightning-static-dist run summary" in text
     assert summary_row(text, "world_size") == ["world_size", "2"]
     assert summary_row(text, "bytes_sent_per_rank") == ["bytes_sent_per_rank", "2,640,000"]
-    assert summary_row(text, "bucket_plan")[1:] == ["1", "buckets", "[0.08MiB/16p]"]
+    assert summary_row(text, "bucket_plan")[1:] == ["1", "bucket", "[0.08MiB/16p]"]
     png = log_dir / "curves.png"
     assert f"plot: {png}" in text
     assert png.read_bytes()[:8] == PNG_MAGIC

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import statistics
 import time
 from typing import Any, Optional
@@ -23,6 +24,7 @@ from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.compile import CompileFailure, compile_regions, find_regions
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.config import ConfigError
+from lightning_static_dist.sync.plan import param_specs, plan_buckets
 
 
 def tiny_gpt(n_layer: int = 3) -> CharGPT:
@@ -491,3 +493,53 @@ def test_static_shapes_drop_the_short_last_batch_and_keep_the_validation_schedul
     assert trainer.global_step == 4  # 2 full batches per epoch
     assert model.val_steps == 2  # validation still ran at the end of each epoch
     assert strategy.compile_report is not None and strategy.compile_report.recompiles == []
+
+
+def test_one_piece_and_one_bucket_are_said_in_the_singular() -> None:
+    # a model small enough for one gradient bucket: the graph is cut into one piece, and the output says so in English
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+    report = compile_regions(model, CompileConfig(enabled=True, backend="aot_eager"), split=(1 << 30, 1 << 30))
+    model(torch.randn(2, 4)).sum().backward()
+    assert report.splitter is not None and report.splitter.pieces == 1, report.summary()
+    assert "cut into 1 piece at the gradient buckets" in report.summary(), report.summary()
+    params = list(model.parameters())
+    plan = plan_buckets(param_specs(params, range(len(params))), first_bucket_bytes=1 << 20, bucket_bytes=1 << 20)
+    assert plan.describe().startswith("1 bucket [") and "/4p]" in plan.describe(), plan.describe()
+
+
+class _WithAMetric(L.LightningModule):
+    """A user's model keeping a running mean with torchmetrics inside the compiled step (the metric's own ``reset``
+    and ``forward`` move its states with ``.to(device)``: library code, not the user's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torchmetrics
+
+        self.layer = nn.Linear(4, 1)
+        self.mean_loss = torchmetrics.MeanMetric()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.layer(batch).square().mean()
+        self.mean_loss(loss.detach())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2)
+
+
+def test_device_transfers_in_library_code_are_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    # torchmetrics' .to(device) calls traced into the compiled step: once, in one line, not one warning per place
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        strategy=StaticDistStrategy(compile={"enabled": True, "backend": "aot_eager"}))
+    with caplog.at_level(logging.WARNING, logger="lightning_static_dist"):
+        trainer.fit(_WithAMetric())
+    warned = [r.getMessage() for r in caplog.records if "device transfer" in r.getMessage()]
+    assert len(warned) == 1 and "from library code" in warned[0] and "torchmetrics/metric.py:" in warned[0], warned
+    report = trainer.strategy.compile_report
+    assert report.placement == [] and report.library_transfers, report.summary()  # nothing of the user's own
+    lines = [line for line in report.summary().splitlines() if "device transfer" in line]
+    assert len(lines) == 1 and "from library code" in lines[0] and "torchmetrics/metric.py:" in lines[0], lines

@@ -11,11 +11,23 @@ import pytest
 
 from _configs import CPU_CONFIG, assert_one_line_naming
 from lightning_static_dist import ConfigError, StaticDistStrategy, load_run_config
+from lightning_static_dist.ddp_arguments import check_process_group_backend
 
 
 @pytest.mark.parametrize("backend", ["gloo", "NCCL", "cpu:gloo,cuda:nccl"])
 def test_registered_process_group_backends_are_accepted(backend: str) -> None:
     assert StaticDistStrategy(process_group_backend=backend)._process_group_backend == backend
+
+
+@pytest.mark.parametrize(("backend", "shown"), [("", "''"), ("glooo", "'gloo', 'nccl'"),
+                                               ("cpu:gloo,cuda:ncl", "'cpu:gloo,cuda:ncl'")],
+                         ids=["empty", "typo", "typo-in-a-pair"])
+def test_an_unknown_process_group_backend_is_one_line_naming_it(backend: str, shown: str) -> None:
+    # checked when the process group starts (tests/test_strategy.py: ..._registered_after_the_strategy_is_built...)
+    StaticDistStrategy(process_group_backend=backend)  # built: a backend may be registered after this
+    with pytest.raises(ConfigError) as excinfo:
+        check_process_group_backend(backend)
+    assert_one_line_naming(excinfo.value, "process_group_backend", shown)
 
 
 def test_any_mapping_is_a_sync_section_beside_ddps_bucket_arguments() -> None:

@@ -261,6 +261,37 @@ def test_compiled_model_trains_like_ddp_with_the_graph_cut_at_the_buckets(ddp_we
     assert ours["metrics"]["static_dist/recompiles"] == 0 and ours["metrics"]["static_dist/compile_s"] > 0
 
 
+def _metrics_on_rank_zero_only(fabric: L.Fabric) -> bytes:
+    """The user's loop that logs from rank 0 only (``if fabric.global_rank == 0: fabric.log_dict(...)``)."""
+    fabric.seed_everything(7)
+    model = make_model()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    batches = list(fabric.setup_dataloaders(make_loader()))
+    seen = []
+    for step in range(STEPS):
+        x, y = batches[step]
+        fabric.backward(F.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        if fabric.global_rank == 0:
+            seen.append(fabric.strategy.metrics())
+    gathered = fabric.all_gather(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return pickle.dumps({"seen": seen, "ranks_agree": bool(torch.equal(gathered[0], gathered[1]))})
+
+
+def test_metrics_are_rank_local_and_always_hold_the_synchronisers_figures() -> None:
+    # called on rank 0 alone, every step, with the timeline recorded every other step: no collective inside (rank 1
+    # never calls it), the synchroniser's own figures at every step, the overlap figures once per recorded step
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=static_dist(monitor_every_n_steps=2, timeout_s=60))
+    facts = pickle.loads(fabric.launch(_metrics_on_rank_zero_only))
+    assert facts["ranks_agree"]
+    for step, figures in enumerate(facts["seen"]):
+        assert figures["static_dist/sync_rounds"] == step + 1, figures
+        assert figures["static_dist/sync_buckets"] >= 1 and figures["static_dist/sync_round_bytes"] > 0, figures
+        assert figures["static_dist/sync_bytes_sent"] >= (step + 1) * figures["static_dist/sync_round_bytes"]  # (+ masks)
+        assert ("static_dist/overlap_ratio" in figures) is (step % 2 == 0), (step, figures)  # steps 0 and 2 recorded
+
+
 class _PowerSGDModule(L.LightningModule):
     """The same model, data and optimizer, for the Trainer strategy."""
 

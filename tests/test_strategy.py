@@ -130,6 +130,25 @@ def test_the_readme_lightning_cli_file_trains(tmp_path: Any) -> None:
     assert "TRAINED 2 3 100.0 fp32 True aot_eager 600.0 ['GraphReport', 'OverlapMonitor', 'RunSummary']" in done.stdout, done.stdout[-2000:]
 
 
+@pytest.mark.parametrize(("field", "named"), [
+    ("sync.bucket_mbb=5", "strategy.sync.bucket_mbb: unknown key; did you mean 'bucket_mb'?"),
+    ("sync.bucket_mb=abc", "strategy.sync.bucket_mb='abc': expected float"),
+], ids=["misspelt", "invalid"])
+def test_a_bad_strategy_field_under_lightning_cli_is_one_line_on_stderr(tmp_path: Any, field: str, named: str) -> None:
+    # the user's script, run as a user runs it: the strategy's one line, no jsonargparse traceback around it
+    import subprocess
+    import sys
+
+    (tmp_path / "main.py").write_text(_CLI_SCRIPT)
+    done = subprocess.run([sys.executable, "main.py", "fit", "--trainer.strategy=lightning_static_dist.StaticDistStrategy",
+                           f"--trainer.strategy.{field}"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=fresh_job_env())
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert len(lines) <= 4 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[-1].startswith("main.py: error: ") and named in lines[-1], lines
+
+
 def test_lightning_cli_shows_and_checks_the_typed_sections(capsys: Any) -> None:
     from lightning.pytorch.cli import LightningCLI
 
@@ -138,9 +157,10 @@ def test_lightning_cli_shows_and_checks_the_typed_sections(capsys: Any) -> None:
         LightningCLI(BoringModel, run=False, args=["--print_config", strategy, "--trainer.strategy.sync.bucket_mb=50"])
     shown = capsys.readouterr().out
     assert "bucket_mb: 50.0" in shown and "reduce_dtype: fp32" in shown and "first_bucket_mb: 1.0" in shown, shown
-    # a typo in a field: the strategy's own one-line error, inside jsonargparse's report of what it tried
-    with pytest.raises(ValueError, match="strategy.sync.bucket_mbb: unknown key; did you mean 'bucket_mb'"):
+    # a typo in a field: the strategy's own one-line error, as a parse error (status 2)
+    with pytest.raises(SystemExit, match="2"):
         LightningCLI(BoringModel, run=False, args=[strategy, "--trainer.strategy.sync.bucket_mbb=5"])
+    assert "strategy.sync.bucket_mbb: unknown key; did you mean 'bucket_mb'" in capsys.readouterr().err
     cli = LightningCLI(BoringModel, run=False, args=[
         "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.logger=false", strategy,
         "--trainer.strategy.sync.reduce_dtype=bf16"])
@@ -282,6 +302,49 @@ def test_ddps_keyword_arguments_carry_over(tmp_path: Any) -> None:
     for rank in range(2):
         with open(os.path.join(str(tmp_path), f"timeout{rank}.json")) as f:
             assert json.load(f) == {"timeout_s": 37.0, "bucket_mb": 5.0}
+
+
+_LATER_BACKEND_SCRIPT = """
+import sys
+import lightning as L
+import torch.distributed as dist
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning_static_dist import StaticDistStrategy
+
+
+def gloo_by_another_name(store, rank, size, timeout):
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+class SayBackend(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        print("BACKEND", trainer.global_rank, dist.get_backend(), flush=True)
+
+
+strategy = StaticDistStrategy(process_group_backend=sys.argv[1])  # built first, as a vendor's plugin would find it
+dist.Backend.register_backend("lsd_vendor", gloo_by_another_name, devices=["cpu"])  # registered after
+L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+          callbacks=[SayBackend()]).fit(BoringModel())
+"""
+
+
+@pytest.mark.parametrize(("backend", "expected"), [("lsd_vendor", "BACKEND 1 lsd_vendor"),
+                                                    ("lsd_vendr", "process_group_backend='lsd_vendr': allowed:")],
+                         ids=["registered-after-the-strategy", "typo"])
+def test_a_backend_registered_after_the_strategy_is_built_runs_the_process_group(tmp_path: Any, backend: str,
+                                                                                  expected: str) -> None:
+    # as DDP (Lightning's test_ddp_process_group_backend[foo-*]): the name is looked up when the group starts, on
+    # 2 real ranks (Lightning's launcher re-runs the script, which registers the backend in every rank)
+    import subprocess
+    import sys
+
+    (tmp_path / "main.py").write_text(_LATER_BACKEND_SCRIPT)
+    done = subprocess.run([sys.executable, "main.py", backend], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240, env=fresh_job_env())
+    output = done.stdout + done.stderr
+    assert expected in output, output[-3000:]
+    assert (done.returncode == 0) is (backend == "lsd_vendor"), output[-3000:]
 
 
 def _bf16_average(state: Any, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:

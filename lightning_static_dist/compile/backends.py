@@ -74,8 +74,14 @@ class RecordingBackend:
         params = sum(isinstance(x, nn.Parameter) and x.requires_grad for x in example_inputs)
         self._report.graphs.append(GraphRecord(len(gm.graph.nodes), _structure(gm), time.perf_counter() - started,
                                                self._report.active_region, params))
-        for transfer in _device_transfers(gm):
-            if transfer not in self._report.placement:
+        for transfer, in_library in _device_transfers(gm):
+            if in_library:  # not the user's to change: one line for all of them, once (the report lists where)
+                if not self._report.library_transfers:
+                    log.warning("static_dist: device transfers inside compiled graphs from library code, the first at"
+                                f" {transfer}; not yours to move (the compile report lists every place)")
+                if transfer not in self._report.library_transfers:
+                    self._report.library_transfers.append(transfer)
+            elif transfer not in self._report.placement:
                 self._report.placement.append(transfer)
                 log.warning(f"static_dist: device transfer inside a compiled graph: {transfer}")
         return compiled

@@ -34,6 +34,7 @@ from lightning_static_dist.compile.report import CompileFailure, CompileReport, 
 from lightning_static_dist.compile.split import BucketGraphSplitter
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.config import ConfigError
+from lightning_static_dist.wording import counted
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ def compile_regions(module: nn.Module, config: CompileConfig, report: Optional[C
         _compile_method(module, method, report.around_blocks, backend, dataclasses.replace(config, fullgraph=False),
                         report, _RegionForward)
     report.backend = recording  # (the optimizer step, compiled later, is never cut)
-    log.debug(f"compiled {len(report.regions)} regions of {type(module).__name__} with {config.backend}")
+    log.debug(f"compiled {counted(len(report.regions), 'region')} of {type(module).__name__} with {config.backend}")
     return report
 
 
@@ -238,7 +239,7 @@ def drop_short_last_batch(loader: Any) -> None:
     if not batches.drop_last and remainder:
         batches.drop_last = True  # BatchSampler reads it on every epoch
         rank_zero_warn(
-            f"static_dist: the last training batch of each epoch would hold {remainder} samples instead of"
+            f"static_dist: the last training batch of each epoch would hold {counted(remainder, 'sample')} instead of"
             f" {batches.batch_size} and compile a second graph; it is dropped (strategy.compile.dynamic=false)."
             " Set strategy.compile.dynamic=true to keep it."
         )

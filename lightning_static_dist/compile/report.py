@@ -2,7 +2,8 @@
 
 What is recorded (:class:`CompileReport`): every graph the backend compiled (node count, structural hash), graph
 breaks with reason and user location, recompiles with the guard that failed, device transfers found inside graphs
-(placement belongs to the strategy, not the graph), seconds spent compiling, and regions that fell back to eager.
+(placement belongs to the strategy, not the graph; a library's own, e.g. torchmetrics', are one line for all: they are
+not the user's to move), seconds spent compiling, and regions that fell back to eager.
 Graph breaks and recompiles are read from dynamo's own artifact loggers (``graph_breaks``, ``recompiles``), which
 this module enables quietly — they print nothing unless the user asked for them with ``TORCH_LOGS``. The helpers
 that read a traced graph (:func:`_structure`, :func:`_device_transfers`) and the frame dynamo is compiling
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+
+from lightning_static_dist.wording import counted
 
 if TYPE_CHECKING:  # for the annotation only: the report holds the splitter the regions were cut with
     from lightning_static_dist.compile.split import BucketGraphSplitter
@@ -61,7 +64,10 @@ class CompileReport:
     fallbacks: dict[str, str] = field(default_factory=dict)
     """Region -> the reason it runs eagerly."""
     placement: list[str] = field(default_factory=list)
-    """Device transfers found inside captured graphs, with their source location."""
+    """Device transfers found inside captured graphs in the user's own code, with their source location."""
+    library_transfers: list[str] = field(default_factory=list)
+    """Where device transfers inside captured graphs come from library code (``torchmetrics/metric.py:767``, called
+    from the user's line): not the user's to move, so reported in one line, not one line each."""
     backend: Any = None
     """The recording backend the regions were compiled with (shared, so dynamo's cache is too)."""
     around_blocks: Optional[str] = None
@@ -102,7 +108,7 @@ class CompileReport:
             *[f"  - {guard}" for guard in self.recompiles[:10]],
         ]
         if self.splitter is not None:
-            lines.insert(2, f"  cut into {self.splitter.pieces} pieces at the gradient buckets (one autograd node"
+            lines.insert(2, f"  cut into {counted(self.splitter.pieces, 'piece')} at the gradient buckets (one autograd node"
                             " each: their collectives overlap backward)")
             lines.extend(f"  - NOT cut, its gradients are ready only at its end: {why}" for why in self.splitter.uncut)
         lines.extend(self.notes)
@@ -119,6 +125,8 @@ class CompileReport:
         if self.placement:
             lines.append("device transfers inside graphs (placement belongs to the strategy):")
             lines.extend(f"  - {p}" for p in self.placement[:10])
+        if self.library_transfers:
+            lines.append(library_transfers_line(self.library_transfers))
         return "\n".join(lines)
 
 
@@ -133,27 +141,55 @@ def _structure(gm: torch.fx.GraphModule) -> str:
 _TRANSFER_METHODS = {"to", "cuda", "cpu"}
 
 
-def _device_transfers(gm: torch.fx.GraphModule) -> list[str]:
-    """Nodes that move a tensor to an explicit device inside the graph, with their user source line."""
+def _device_transfers(gm: torch.fx.GraphModule) -> list[tuple[str, bool]]:
+    """Nodes that move a tensor to an explicit device inside the graph: ``(what, in_library)``. ``what`` is the node
+    at the line that produced it, or, when that line is a library's (:func:`is_library_path`), the library's line
+    and the user's line that called into it (``torchmetrics/metric.py:767 (from train.py:14)``)."""
     found = []
     for node in gm.graph.nodes:
         explicit = any(isinstance(a, (torch.device, str)) and _looks_like_device(a) for a in node.args[1:])
         explicit = explicit or "device" in node.kwargs
         is_move = (node.op == "call_method" and node.target in _TRANSFER_METHODS and (node.target != "to" or explicit))
-        if is_move:
-            found.append(f"{node.format_node()[:120]} at {_user_location(node)}")
+        if not is_move:
+            continue
+        frames = _frames(node)
+        if frames and is_library_path(frames[-1][0]):
+            user = next((f"{path}:{line}" for path, line, _ in reversed(frames) if not is_library_path(path)), None)
+            where = f"{_in_library(frames[-1][0])}:{frames[-1][1]}"
+            found.append((where + (f" (from {user})" if user else ""), True))
+        else:
+            at = f"{frames[-1][0]}:{frames[-1][1]}: {frames[-1][2]}" if frames else "<unknown location>"
+            found.append((f"{node.format_node()[:120]} at {at}", False))
     return found
 
 
-def _user_location(node: torch.fx.Node) -> str:
-    """``file:line: code`` of the user code that produced ``node`` (from dynamo's stack trace meta)."""
+def _frames(node: torch.fx.Node) -> list[tuple[str, str, str]]:
+    """``(file, line, code)`` of each frame in the stack that produced ``node`` (dynamo's stack trace meta),
+    outermost first."""
     trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-    for i in range(len(trace) - 1, -1, -1):
-        match = re.match(r'\s*File "(.+)", line (\d+)', trace[i])
+    frames = []
+    for i, text in enumerate(trace):
+        match = re.match(r'\s*File "(.+)", line (\d+)', text)
         if match:
-            code = trace[i + 1].strip() if i + 1 < len(trace) else ""
-            return f"{match.group(1)}:{match.group(2)}: {code}"
-    return "<unknown location>"
+            frames.append((match.group(1), match.group(2), trace[i + 1].strip() if i + 1 < len(trace) else ""))
+    return frames
+
+
+def is_library_path(path: str) -> bool:
+    """Whether ``path`` is a library's file (an installed package, or this one), not the user's own code."""
+    return "site-packages" in path or "dist-packages" in path or "lightning_static_dist" in path
+
+
+def _in_library(path: str) -> str:
+    """A library file's path from its package on (``torchmetrics/metric.py``)."""
+    return re.split(r"(?:site|dist)-packages/", path)[-1]
+
+
+def library_transfers_line(where: list[str]) -> str:
+    """The one line that reports every device transfer a library's code makes inside the compiled graphs."""
+    shown = ", ".join(where[:3]) + (" ..." if len(where) > 3 else "")
+    return (f"device transfers inside graphs from library code: {counted(len(where), 'place')} ({shown}); not"
+            " yours to move, and harmless when source and target are the same device")
 
 
 def _looks_like_device(value: Any) -> bool:
@@ -228,8 +264,7 @@ class _DynamoLogCapture(logging.Handler):
         """The innermost frame of the user's own code in dynamo's "User code traceback" (not torch, Lightning
         or this package): where ``self.log(...)`` was called, not where Lightning's ``log`` breaks."""
         frames = re.findall(r'File "([^"]+)", line (\d+)', message.split("User code traceback:", 1)[-1])
-        own = [f"{path}:{line}" for path, line in frames
-               if "site-packages" not in path and "dist-packages" not in path and "lightning_static_dist" not in path]
+        own = [f"{path}:{line}" for path, line in frames if not is_library_path(path)]
         return own[-1] if own else None
 
 

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_static_dist.wording import counted
+
 log = logging.getLogger(__name__)
 
 
@@ -80,7 +82,7 @@ class BucketGraphSplitter:
         first = self.pieces
         self._record_pieces(gm, compiled, params)
         self._splitter.buckets = []  # (DDPOptimizer keeps them for its tests: they hold the traced graph's nodes)
-        log.debug(f"static_dist: graph cut into {self.pieces - first} pieces at the gradient buckets")
+        log.debug(f"static_dist: graph cut into {counted(self.pieces - first, 'piece')} at the gradient buckets")
         return compiled
 
     def _record_pieces(self, gm: torch.fx.GraphModule, compiled: Any, params: dict[int, nn.Parameter]) -> None:

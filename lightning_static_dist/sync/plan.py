@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from lightning_static_dist.wording import counted
+
 MiB = 1 << 20
 
 
@@ -127,7 +129,7 @@ class BucketPlan:
     def describe(self) -> str:
         """A one-line summary, identical on every rank for identical plans."""
         sizes = ", ".join(f"{b.nbytes / MiB:.2f}MiB/{len(b.param_indices)}p" for b in self.buckets)
-        return f"{len(self.buckets)} buckets [{sizes}]"
+        return f"{counted(len(self.buckets), 'bucket')} [{sizes}]"
 
 
 def param_specs(params: Sequence[torch.Tensor], indices: Sequence[int]) -> list[ParamSpec]:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lightning_static_dist.fingerprint import RankMismatchError
 from lightning_static_dist.sync.buffer import BucketBuffer
+from lightning_static_dist.wording import counted
 
 ROUND_MODULUS = 1 << 20  # pass numbers in the step check: sums of their squares stay exact in int64 for any world
 
@@ -96,6 +97,6 @@ def next_collective_mismatch(record_as: int, buffer: BucketBuffer,
     rows = [tuple(t.tolist()) for t in everyone]
     if len(set(rows)) == 1:
         return None
-    listing = "; ".join(f"rank {r}: bucket {b}, {n} values, {p} parameters, backward pass {k}"
+    listing = "; ".join(f"rank {r}: bucket {b}, {counted(n, 'value')}, {counted(p, 'parameter')}, backward pass {k}"
                         for r, (b, n, p, k) in enumerate(rows))
     return RankMismatchError(f"static_dist: ranks disagree on the next gradient collective — {listing}")
