@@ -8,14 +8,27 @@ curves parted (the same under ``ddp``). A user's plain ``DataLoader`` still does
 from __future__ import annotations
 
 import csv
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_resume import lsd_train
+from _dist import fresh_job_env
+from test_resume import REPO, TINY, lsd_train
 
 #: an epoch of 8 batches per rank (133 windows of 33 bytes, 67 per rank): 12 steps cross into the second epoch
 SHORT_EPOCHS = ["data.max_bytes=4500", "trainer.log_every_n_steps=1", "callbacks.model_checkpoint.every_n_train_steps=6"]
+
+
+def ddp_train(root: Path, *args: str) -> str:
+    """The same job as :func:`lsd_train`'s under Lightning's ``ddp`` (tests/_ddp_run.py); its output."""
+    cmd = [sys.executable, str(REPO / "tests" / "_ddp_run.py"), "charlm_cpu", *TINY, f"trainer.default_root_dir={root}",
+           *args]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env={**fresh_job_env(), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout + done.stderr
 
 
 def losses(root: Path) -> dict[int, str]:
@@ -35,13 +48,16 @@ def final_weights(root: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.multiprocess
-def test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_run_did(tmp_path: Path) -> None:
+@pytest.mark.parametrize("train", [lsd_train, pytest.param(ddp_train, marks=pytest.mark.slow)],
+                         ids=["static_dist", "ddp"])
+def test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_run_did(tmp_path: Path, train) -> None:
     """12 steps at once, against 6 steps, then resumed from the step-6 checkpoint (batch 6 of an 8-batch epoch) to 12:
-    the same weights, bit for bit, and the same loss at every step, the epoch boundary after the resume included."""
+    the same weights, bit for bit, and the same loss at every step, the epoch boundary after the resume included.
+    Under Lightning's ddp too: the position is the data module's, whatever the strategy."""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    lsd_train(whole, *SHORT_EPOCHS, "trainer.max_steps=12")
-    lsd_train(parts, *SHORT_EPOCHS, "trainer.max_steps=6")
-    out = lsd_train(parts, *SHORT_EPOCHS, "trainer.max_steps=12", "ckpt_path=last")
+    train(whole, *SHORT_EPOCHS, "trainer.max_steps=12")
+    train(parts, *SHORT_EPOCHS, "trainer.max_steps=6")
+    out = train(parts, *SHORT_EPOCHS, "trainer.max_steps=12", "ckpt_path=last")
     assert "epoch=0-step=6.ckpt" in out
 
     expected, resumed = losses(whole), losses(parts)

@@ -331,7 +331,9 @@ def _read_bytes(files: list[Path], max_bytes: int) -> bytes:
 
 
 class CharDataModule(LightningDataModule):
-    """Bytes of a text file, a folder of text files, or (by default) the Python standard library's sources.
+    """Bytes of a text file, a folder of text files, or (by default) the Python standard library's sources. Under a
+    Trainer its training loader is a :class:`ResumableLoader`: a fit resumed from a mid-epoch checkpoint goes on with
+    the batch the checkpoint was written after.
 
     Example::
 
@@ -396,12 +398,18 @@ class CharDataModule(LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        # the sampler Lightning would put in (this rank's share, reshuffled every epoch from the run's seed), ours so
-        # that a mid-epoch checkpoint keeps the loader's place; a DistributedSampler, so Lightning leaves it in
         # drop_last=True: every step sees the same batch shape (no recompilation, no odd-sized last step)
         dataset = ByteWindows(self.train_data, self.block_size)
-        world, rank = (1, 0) if self.trainer is None else (self.trainer.world_size, self.trainer.global_rank)
-        sampler = ResumableSampler(dataset, num_replicas=world, rank=rank, seed=int(os.getenv("PL_GLOBAL_SEED", 0)))
+        if self.trainer is None:
+            # outside a Trainer (Fabric, a notebook): shuffle=True, and Fabric's setup_dataloaders puts in the
+            # DistributedSampler that gives each rank its share
+            return DataLoader(dataset, batch_size=self.batch_size, shuffle=True, drop_last=True,
+                              num_workers=self.num_workers)
+        # the sampler Lightning would put in (this rank's share, reshuffled every epoch from the run's seed), ours so
+        # that a mid-epoch checkpoint keeps the loader's place; a DistributedSampler, so Lightning leaves it in
+        shares = self.trainer.distributed_sampler_kwargs or {"num_replicas": 1, "rank": 0}
+        sampler = ResumableSampler(dataset, num_replicas=shares["num_replicas"], rank=shares["rank"],
+                                   seed=int(os.getenv("PL_GLOBAL_SEED", 0)))
         return ResumableLoader(dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True,
                                num_workers=self.num_workers)
 
