@@ -12,6 +12,10 @@ Defined here
     Reads ``trainer.fit_loop.epoch_loop._batches_that_stepped``, the step Lightning's own logger connector (and its
     ``LearningRateMonitor``) logs a training step's metrics at, so that figures logged straight to the loggers land in
     the same rows as ``self.log``'s. A public "logging step" on the trainer would retire it.
+:func:`train_loaders` (used by ``participants/resume.py``)
+    Reads ``trainer.fit_loop._combined_loader.flattened``, the training loaders as Lightning iterates them (after its
+    sampler is put in), which are the ones whose ``state_dict`` its checkpoints keep. ``trainer.train_dataloader`` is
+    public but gives the user's nesting of them, not the flat list. A public flat list would retire it.
 :func:`allow_compiled_models_in_trainer` (called by ``strategy.py``)
     Replaces ``lightning.pytorch.trainer.trainer._verify_strategy_supports_compile``, which accepts
     ``trainer.fit(torch.compile(model))`` only for the strategies it lists by type (SingleDevice, DDP, FSDP). A
@@ -260,3 +264,17 @@ def lightning_log_step(trainer: Any) -> int:
         logger.log_metrics({"static_dist/recompiles": 0.0}, step=lightning_log_step(trainer))
     """
     return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+# ------------------------------------------------------------------------------------------- training loaders
+
+
+def train_loaders(trainer: Any) -> list[Any]:
+    """The training loaders of the fit, flat, as Lightning iterates them and saves their state (empty before setup).
+
+    Example::
+
+        plain = [loader for loader in train_loaders(trainer) if not hasattr(loader, "state_dict")]
+    """
+    combined = trainer.fit_loop._combined_loader
+    return [] if combined is None else list(combined.flattened)

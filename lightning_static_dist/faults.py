@@ -104,9 +104,47 @@ def store_reachable() -> bool:
         return False
 
 
+#: How launchers name a process's node (torchrun, Lightning's launcher, SLURM), and how many processes a node runs.
+_NODE_VARIABLES = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID")
+_PER_NODE_VARIABLES = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def _env_int(names: tuple[str, ...]) -> Optional[int]:
+    """The first of ``names`` set, as an integer (SLURM writes ``2(x3)`` for "2 on each of 3 nodes")."""
+    value = next((os.environ[name] for name in names if os.environ.get(name)), "")
+    digits = re.match(r"\d+", value)
+    return int(digits.group()) if digits else None
+
+
+def node_of(rank: int) -> Optional[int]:
+    """The node ``rank`` runs on, where the job spans more than one (``None``: one node, or the launcher does not say).
+
+    This process's own node is its launcher's word for it (``GROUP_RANK``, ``NODE_RANK``, ``SLURM_NODEID``); another
+    rank's follows from the processes per node, as torchrun, Lightning and SLURM number the ranks node by node.
+    """
+    per_node = _env_int(_PER_NODE_VARIABLES)
+    world = _env_int(("WORLD_SIZE", "SLURM_NTASKS"))
+    if per_node is None or world is None or world <= per_node:
+        return None
+    own = _env_int(_NODE_VARIABLES) if rank == _env_int(("RANK", "SLURM_PROCID")) else None
+    return own if own is not None else rank // per_node
+
+
+def _named(ranks: list[int]) -> str:
+    """``rank 1``, or ``ranks 1, 3``; each with its node where the job spans several: ``rank 1 (node 1)``."""
+    nodes = [node_of(r) for r in ranks]
+    named = [f"{r}" if node is None else f"{r} (node {node})" for r, node in zip(ranks, nodes)]
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(named)}"
+
+
 def failure_line(rank: int, who: str, step: int, reason: str) -> str:
     """The one line every failure path prints: who stopped, during which collective, at which step, and why."""
-    return f"static_dist: rank {rank}: {who} during {in_flight()} at step {step} ({reason})"
+    return f"static_dist: {_named([rank])}: {who} during {in_flight()} at step {step} ({reason})"
+
+
+def stopped_participating(ranks: list[int]) -> str:
+    """Who stopped, as :func:`failure_line` takes it: ``rank 1 (node 1) stopped participating``."""
+    return f"{_named(ranks)} stopped participating"
 
 
 def diagnose(err: BaseException, rank: int, world: int, step: int) -> str:
@@ -115,7 +153,7 @@ def diagnose(err: BaseException, rank: int, world: int, step: int) -> str:
     if missing is None:
         who = STORE_HOST_GONE
     elif missing:
-        who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} stopped participating"
+        who = stopped_participating(missing)
     else:
         who = "every rank answered the roll call, yet the collective failed"
     reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)

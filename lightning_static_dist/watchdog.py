@@ -36,7 +36,8 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch.distributed as dist
 
-from lightning_static_dist.faults import STORE_HOST_GONE, failure_line, in_flight, rendezvous_store, store_reachable
+from lightning_static_dist.faults import (STORE_HOST_GONE, failure_line, in_flight, rendezvous_store, stopped_participating,
+                                         store_reachable)
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ class PeerWatchdog:
                 continue
             reason = self._death(beat, now - last.since)
             if reason is not None:
-                who = f"rank {peer} stopped participating"
+                who = stopped_participating([peer])
                 # the first death posted stays: every rank reports that one
                 store.compare_set(_DEATH_KEY, "", json.dumps([who, f"{reason}, seen by rank {self.rank}"]))
                 return who, reason

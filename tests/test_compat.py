@@ -223,3 +223,10 @@ def test_the_log_step_is_lightning_s_count_of_optimizer_steps_taken() -> None:
 
     trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
     assert compat.lightning_log_step(trainer) == 0  # an instance attribute of the epoch loop: checked on a trainer
+
+
+def test_the_training_loaders_are_read_where_lightning_keeps_them_flat() -> None:
+    import lightning as L
+
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    assert compat.train_loaders(trainer) == []  # the fit loop's attribute exists before setup (None until then)

@@ -8,14 +8,17 @@ the same Python version reads the same bytes (the file list is sorted, not left 
 
 The model follows nanoGPT (pre-LN blocks, tied input/output embeddings, scaled init of residual
 projections); the data is cut into non-overlapping windows so that an epoch has a well-defined length that
-a ``DistributedSampler`` can split evenly across ranks.
+a ``DistributedSampler`` can split evenly across ranks. Its training loader keeps its place in the epoch in the
+checkpoint (:class:`ResumableLoader`), so a run resumed from a mid-epoch checkpoint sees the batches the uninterrupted
+run would have seen.
 """
 
 import math
 import os
 import sysconfig
 from pathlib import Path
-from typing import Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -24,7 +27,7 @@ import torchmetrics
 from lightning import LightningDataModule, LightningModule
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
 
@@ -231,6 +234,76 @@ class ByteWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+class ResumableSampler(DistributedSampler):
+    """Lightning's own choice of sampler (a ``DistributedSampler`` of this rank's share, reshuffled every epoch from
+    the run's seed), which can begin its next epoch a number of samples in: where a resumed epoch picks up.
+
+    Example::
+
+        sampler = ResumableSampler(ds, num_replicas=2, rank=0, seed=1234)
+        sampler.set_epoch(3)
+        sampler.start_at(64)   # the next iteration skips this rank's first 64 samples of epoch 3, once
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self._start = 0
+
+    def start_at(self, samples: int) -> None:
+        """Skip ``samples`` of this rank's share in the next iteration only."""
+        self._start = samples
+
+    @override
+    def __iter__(self) -> Iterator[int]:
+        start, self._start = self._start, 0
+        # __len__ stays the whole epoch's: Lightning counts the epoch's batches before it restores the position,
+        # and expects the resumed iterator to give only the batches left (it adds those done to its own count)
+        return iter(list(super().__iter__())[start:])
+
+
+class ResumableLoader(DataLoader):
+    """A ``DataLoader`` over a :class:`ResumableSampler` whose position in the epoch is part of its state: Lightning's
+    fit loop saves a loader's ``state_dict`` in every checkpoint and hands it back to ``load_state_dict`` when a fit
+    resumes, before the loader's first iteration.
+
+    The position is counted in batches the loader gave out (with ``num_workers > 0`` its workers read ahead from the
+    sampler; what they read ahead was not trained on). The state holds no rank's own data, only the epoch and the
+    batch: the checkpoint keeps rank 0's, and every rank resumes from it.
+
+    Example::
+
+        loader = ResumableLoader(ds, batch_size=8, sampler=ResumableSampler(ds, 2, 0, seed=0), drop_last=True)
+        loader.load_state_dict({"epoch": 0, "batches": 5})
+        next(iter(loader))  # this rank's sixth batch of epoch 0
+    """
+
+    sampler: ResumableSampler
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._epoch, self._batches = 0, 0
+        self._resume: Optional[tuple[int, int]] = None
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "batches": self._batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = (state["epoch"], state["batches"])
+
+    @override
+    def __iter__(self) -> Iterator[Any]:
+        # a generator: its body runs at the first batch, after Lightning's set_epoch (which follows its iter())
+        resume, self._resume = self._resume, None
+        self._epoch, self._batches = self.sampler.epoch, 0
+        # a checkpoint written as an epoch ended resumes at the next epoch's start
+        if resume is not None and resume[0] == self._epoch and 0 < resume[1] < len(self):
+            self._batches = resume[1]
+            self.sampler.start_at(self._batches * self.batch_size)
+        for batch in super().__iter__():
+            self._batches += 1
+            yield batch
+
+
 _CORPUS_SUFFIXES = (".py", ".txt", ".md")
 # test suites are full of deliberately odd bytes; idlelib/lib2to3 are large and unrepresentative
 _SKIPPED_STDLIB_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"}
@@ -258,7 +331,9 @@ def _read_bytes(files: list[Path], max_bytes: int) -> bytes:
 
 
 class CharDataModule(LightningDataModule):
-    """Bytes of a text file, a folder of text files, or (by default) the Python standard library's sources.
+    """Bytes of a text file, a folder of text files, or (by default) the Python standard library's sources. Under a
+    Trainer its training loader is a :class:`ResumableLoader`: a fit resumed from a mid-epoch checkpoint goes on with
+    the batch the checkpoint was written after.
 
     Example::
 
@@ -323,11 +398,20 @@ class CharDataModule(LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        # shuffle=True: under a distributed strategy Lightning swaps in a DistributedSampler and copies
-        # this flag into it, so the shards keep being reshuffled every epoch
         # drop_last=True: every step sees the same batch shape (no recompilation, no odd-sized last step)
-        return DataLoader(ByteWindows(self.train_data, self.block_size), batch_size=self.batch_size, shuffle=True,
-                          drop_last=True, num_workers=self.num_workers)
+        dataset = ByteWindows(self.train_data, self.block_size)
+        if self.trainer is None:
+            # outside a Trainer (Fabric, a notebook): shuffle=True, and Fabric's setup_dataloaders puts in the
+            # DistributedSampler that gives each rank its share
+            return DataLoader(dataset, batch_size=self.batch_size, shuffle=True, drop_last=True,
+                              num_workers=self.num_workers)
+        # the sampler Lightning would put in (this rank's share, reshuffled every epoch from the run's seed), ours so
+        # that a mid-epoch checkpoint keeps the loader's place; a DistributedSampler, so Lightning leaves it in
+        shares = self.trainer.distributed_sampler_kwargs or {"num_replicas": 1, "rank": 0}
+        sampler = ResumableSampler(dataset, num_replicas=shares["num_replicas"], rank=shares["rank"],
+                                   seed=int(os.getenv("PL_GLOBAL_SEED", 0)))
+        return ResumableLoader(dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True,
+                               num_workers=self.num_workers)
 
     @override
     def val_dataloader(self) -> DataLoader:

@@ -30,6 +30,7 @@ from lightning_static_dist.participants.gradients import (
     SyncSchedule,
 )
 from lightning_static_dist.participants.recording import PhaseRecording
+from lightning_static_dist.participants.resume import MidEpochResume
 from lightning_static_dist.participants.runtime import PeerWatch, SigtermAgreement, SimulationMark
 from lightning_static_dist.participants.sharded import ShardedSync
 
@@ -51,6 +52,7 @@ class Participants:
         CompressionState  compression: the auto trial, and the compressor's state in checkpoints
         SyncSchedule      sync.schedule=auto: the trial of the two schedules, and its choice in checkpoints
         SimulationMark    strategy.simulate: checkpoints say they were written in a simulated world
+        MidEpochResume    a fit resumed mid-epoch with a loader that keeps no position: one line saying so
         PhaseRecording    the overlap monitor's recorder: marks forward, backward and optimizer phases
 
     The order keeps what must come first first: the buffers before the embeddings' gather before the recorder's
@@ -77,7 +79,7 @@ class Participants:
         self.ordered: tuple[StepParticipant, ...] = (
             BufferBroadcast(view), self.sharded, self.hooks, self.graph, self.compile, self.nonfinite,
             self.embeddings, SigtermAgreement(view), PeerWatch(view, failed=failed), self.compression,
-            self.schedule, SimulationMark(view), self.recording,
+            self.schedule, SimulationMark(view), MidEpochResume(view), self.recording,
         )
 
     # ----------------------------------------------------------------------------- the checkpoint phases' answers
