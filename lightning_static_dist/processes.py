@@ -289,6 +289,26 @@ class DataParallelProcesses(ParallelStrategy):
         if self.world_size > 1 and self._host_group is None:  # once per strategy: every later stage reuses it
             self._host_group = loop_patches.host_group(timeout)
 
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        self._release_mesh_groups()
+
+    def _release_mesh_groups(self) -> None:
+        """Destroy the groups the mesh made for itself (the default group, and the host group every later stage
+        reuses, stay): each stage builds its own mesh, and groups left behind would outlive the fit, into the
+        interpreter's teardown. Not after a failure (a peer may be gone; the process ends without teardown anyway),
+        and not in a simulated world (its groups are the world)."""
+        mesh = self._mesh
+        if mesh is None or self._failed or self.simulation is not None or not torch.distributed.is_initialized():
+            return
+        keep = {id(_group.WORLD), id(self._host_group)}
+        for dim in range(mesh.ndim):
+            group = mesh.get_group(dim)
+            if id(group) not in keep:
+                keep.add(id(group))  # (a group serving two dimensions is destroyed once)
+                torch.distributed.destroy_process_group(group)
+
     def _start_simulated_world(self, simulation: SimulateConfig, timeout: timedelta) -> None:
         """The default group as rank 0 of the simulated world (its backend registered with torch.distributed)."""
         self._process_group_backend = SIMULATED_BACKEND

@@ -444,9 +444,9 @@ class StaticDistStrategy(DataParallelProcesses):
                 self._failed, mismatch = True, err
         for participant in self._parts.ordered:
             participant.teardown(self._failed)
-        self._failed = False
 
-        super().teardown()
+        super().teardown()  # (the processes' part reads whether this rank failed)
+        self._failed = False
         if mismatch is not None:
             raise mismatch
 
