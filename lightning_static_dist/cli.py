@@ -125,8 +125,15 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         trainer, model, datamodule = build_trainer_inputs(cfg)
     except ConfigError as err:
         parser.exit(2, f"lsd-train: error: {err}\n")
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lightning_static_dist.loop import SIGTERM_EXIT
+
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    except SIGTERMException as stop:
+        # every rank stopped at the step they agreed on and wrote its checkpoint (loop.py): not "finished" (status 0)
+        exit_without_native_teardown(stop.code or SIGTERM_EXIT)
     except Exception:
         failure = getattr(trainer.strategy, "failure", None)
         if failure is None:

@@ -337,6 +337,10 @@ class DataParallelProcesses(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if isinstance(exception, SIGTERMException):
+            return  # every rank stopped at the step they agreed on (loop.py): no failure, every peer is there
         mark_run_failed()  # the exit-time teardown must not wait for peers that may be gone
         self._failed = True
         if self.world_size > 1 and is_collective_failure(exception):

@@ -373,6 +373,8 @@ class StaticDistStrategy(DataParallelProcesses):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)  # the failure recorded (and diagnosed) first
+        if not self._failed:
+            return  # an agreed stop (SIGTERM): every rank finished its step, nothing to abandon
         for participant in self._parts.ordered:
             participant.on_exception(exception)
 

@@ -140,30 +140,57 @@ def test_killing_rank_zero_stops_rank_one_with_one_line(tmp_path: Any) -> None:
     assert seconds < 60
 
 
+def stopped_with_checkpoint(code: int, err: str) -> int:
+    """The step an agreed SIGTERM stop named in its one line, after checking the exit status (143, as Lightning's
+    ``SIGTERMException`` from Lightning-AI/pytorch-lightning#21623 on) and the checkpoint the line names: it loads,
+    at that step."""
+    assert code == 143, err[-3000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("static_dist: SIGTERM")]
+    found = re.fullmatch(r"static_dist: SIGTERM: every rank stopped at step (\d+); checkpoint (.+); exiting with status"
+                         r" 143", line)
+    assert found, line
+    step, path = int(found[1]), found[2]
+    assert os.path.basename(path) == f"preempted-step={step}.ckpt", path
+    state = torch.load(path, weights_only=True)
+    assert state["global_step"] == step and "state_dict" in state and state["optimizer_states"]
+    assert "Traceback" not in err, err[-3000:]
+    return step
+
+
 @pytest.mark.parametrize("signalled", [0, pytest.param(1, marks=pytest.mark.slow)])  # (both: tests/test_host_syncs.py)
 def test_a_sigterm_on_any_rank_stops_every_rank_at_the_same_step(tmp_path: Any, signalled: int) -> None:
     # the ranks' flags combined (their maximum), read LAG steps after the round that carries them: one rank
     # signalled at step 3 (rank 0's handler also forwards the signal to rank 1, as Lightning's does) -> both start
-    # the same step last, at most 3 + LAG, and leave through Lightning's SIGTERMException (a SystemExit without a code: exit 0, as
-    # under ddp). Before, a rank signalled alone stopped alone at the end of its batch, leaving the other in a collective
+    # the same step last, at most 3 + LAG, write one checkpoint of the step after it (collective: every rank at the
+    # same point) and exit 143: a scheduler or torchrun reads exit 0 as "finished". Before, a rank signalled alone
+    # stopped alone at the end of its batch, leaving the other in a collective; then exit 0 and no checkpoint
     from lightning_static_dist.loop import LAG
 
     code, err, seconds = lsd_train(tmp_path, "model.fault=sigterm", f"model.fault_rank={signalled}", "model.fault_step=3")
     last = last_steps(err)
-    assert code == 0, err[-2000:]
+    step = stopped_with_checkpoint(code, err)
     # the same step on both; the latest the round started at step 4 allows, or one earlier when the forwarded signal
     # reached a rank still before its step-3 round (the maximum then already carries it)
     assert last[0] == last[1] and 3 + LAG - 1 <= last[0] <= 3 + LAG, (last, err[-4000:])  # the log: a rare miss
+    assert step == last[0] + 1  # stopped before its next step: the checkpoint holds every step taken
     assert seconds < 60
+    if signalled == 1:
+        return
+    # resumed from it: `ckpt_path=last` finds it, and the run goes on from that step to the end
+    code, err, _ = lsd_train(tmp_path, "model.fault=print_steps", "ckpt_path=last")
+    assert code == 0, err[-3000:]
+    assert f"resuming from {tmp_path}" in err and f"preempted-step={step}.ckpt" in err, err[-3000:]
+    assert min(int(s) for s in re.findall(r"rank \d+ starts step (\d+)", err)) == step, err[-3000:]
 
 
 def test_a_sigterm_during_validation_stops_every_rank_after_it(tmp_path: Any) -> None:
     # no flag round runs in validation: the ranks agree at its end (the strategy's on_validation_end), and every rank
-    # stops before the next training step; Lightning's own check would have stopped rank 1 mid-validation alone
+    # writes the checkpoint there and stops before the next training step; Lightning's own check would have stopped
+    # rank 1 mid-validation alone
     code, err, seconds = lsd_train(tmp_path, "model.fault=sigterm_in_val", "model.fault_rank=1", "model.fault_step=4",
                                    "trainer.val_check_interval=4", "trainer.limit_val_batches=3")
     last = last_steps(err)
-    assert code == 0, err[-2000:]
+    assert stopped_with_checkpoint(code, err) == 4
     assert last == {0: 3, 1: 3}, (last, err[-4000:])
     assert seconds < 60
 
