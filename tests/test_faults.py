@@ -89,6 +89,51 @@ def test_a_rank_killed_while_its_peer_is_blocked_ends_the_job_with_one_line(tmp_
     assert seconds < 60
 
 
+@pytest.mark.parametrize("fault, rank, error", [
+    ("raise_timeout", 1, "RuntimeError: timeout while waiting for the data server"),
+    ("raise_oom", 0, "torch.OutOfMemoryError: CUDA out of memory"),
+])
+def test_an_exception_on_one_rank_prints_its_traceback_once_and_ends_the_job(tmp_path: Any, fault: str, rank: int,
+                                                                           error: str) -> None:
+    # the rank's own error (its message may say "timeout": where it came from decides, not its words) is printed
+    # with its traceback, once; the other rank, left in a collective, says which rank stopped; exit 1 within 20 s.
+    # Before, a RuntimeError saying "timeout" was taken for a collective failure and its traceback dropped
+    code, err, _ = lsd_train(tmp_path, f"model.fault={fault}", f"model.fault_rank={rank}", "model.fault_step=3")
+    ended = time.time()
+    assert code == 1, err[-3000:]
+    assert err.count("Traceback (most recent call last)") == 1 and err.count(error) == 1, err[-4000:]
+    who = "rank 1 stopped participating" if rank == 1 else STORE_HOST_GONE
+    (line,) = failure_lines(err)
+    assert line.startswith(f"static_dist: rank {1 - rank}: {who} during "), line
+    (raised,) = [float(line.rsplit(" ", 1)[1]) for line in err.splitlines() if line.startswith(f"rank {rank} raises at ")]
+    assert ended - raised < 20, ended - raised
+
+
+def test_a_collective_failure_is_told_by_where_it_came_from_not_by_its_words() -> None:
+    import torch.distributed as dist
+
+    from lightning_static_dist import faults
+    from lightning_static_dist.faults import in_flight, is_collective_failure, waiting_in
+
+    def raised(make: Any, filename: str = __file__) -> BaseException:
+        try:
+            exec(compile("raise make()", filename, "exec"), {"make": make})
+        except BaseException as err:
+            return err
+        raise AssertionError("nothing raised")
+
+    torch_distributed = os.path.join(os.path.dirname(dist.__file__), "distributed_c10d.py")
+    assert not is_collective_failure(raised(lambda: RuntimeError("timeout talking to the socket of a peer")))
+    assert not is_collective_failure(raised(lambda: torch.OutOfMemoryError("out of memory")))
+    assert is_collective_failure(raised(lambda: RuntimeError("Connection closed by peer"), torch_distributed))
+    assert is_collective_failure(raised(lambda: dist.DistBackendError("anything")))
+    with pytest.raises(RuntimeError) as caught, waiting_in("the all-reduce of bucket 2"):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error")  # what Work.wait() raises, from our line
+    assert is_collective_failure(caught.value) and in_flight() == "the all-reduce of bucket 2"
+    faults._failed_in.clear()  # (what diagnose does once it has said so)
+    assert not is_collective_failure(raised(lambda: RuntimeError("the same words, later, from the user's code")))
+
+
 def test_a_slow_step_on_one_rank_is_no_death(tmp_path: Any) -> None:
     # rank 1 sleeps 6 s inside a step while rank 0 waits in the gradient all-reduce: both alive, the job finishes
     code, err, _ = lsd_train(tmp_path, "model.fault=hang", "model.fault_rank=1", "model.fault_step=3", "model.hang_s=6")
