@@ -12,6 +12,7 @@ import csv
 import json
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -128,14 +129,20 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         trainer, model, datamodule = build_trainer_inputs(cfg)
     except ConfigError as err:
         parser.exit(2, f"lsd-train: error: {err}\n")
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lightning_static_dist.loop import SIGTERM_EXIT
+
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    except SIGTERMException as stop:
+        # every rank stopped at the step they agreed on and wrote its checkpoint (loop.py): not "finished" (status 0)
+        exit_without_native_teardown(stop.code or SIGTERM_EXIT)
     except Exception:
-        failure = getattr(trainer.strategy, "failure", None)
-        if failure is None:
-            raise
-        # the strategy printed the one line that says what happened; no stack trace on top of it, and no
-        # interpreter shutdown either: it would try to tear down process groups whose peers are gone
+        if getattr(trainer.strategy, "failure", None) is None:
+            traceback.print_exc()  # this rank's own error (its peers' line names this rank): its traceback, once
+        # a collective failure: the strategy printed the one line that says what happened, no stack trace on top of
+        # it. Either way no interpreter shutdown: it would try to tear down process groups whose peers are gone
         exit_after_failure(1)
     # done: Python's exit handlers run, the native teardown (where Gloo threads sometimes abort) does not
     exit_without_native_teardown(0)

@@ -102,8 +102,9 @@ Left where they are (so that this list is the whole inventory)
 ``loop.py``
     Here ``_TrainingEpochLoop._broadcast_sigterm_tensor`` is replaced on one trainer's loop instance, and the class
     of ``Trainer._signal_connector`` (``_SignalConnector``) is swapped for a subclass with its own
-    ``_sigterm_notifier_fn``. Lightning's step-start SIGTERM broadcast reads a device tensor on the host, so it
-    synchronises the GPU at every step.
+    ``_sigterm_notifier_fn`` and ``_slurm_sigusr_handler_fn`` (the requeue deferred to a step every rank agrees on;
+    the name of its checkpoint from ``Trainer._checkpoint_connector.hpc_save_path``). Lightning's step-start SIGTERM
+    broadcast reads a device tensor on the host, so it synchronises the GPU at every step.
     ``loop.py``'s docstring explains the rest. Lightning-AI/pytorch-lightning#21640, an open PR, would make that
     broadcast run every N steps; that reduces the cost but does not retire the patch. What would retire it is a loop
     that stops reading the flag through the device.

@@ -31,25 +31,26 @@ import torch.distributed as dist
 from lightning_static_dist.ddp_arguments import device_backend
 
 _current: list[str] = []
-_failed_in: list[str] = []  # the innermost marked collective an exception left (the stack is unwound by then)
+_failed_in: list[tuple[str, BaseException]] = []  # the innermost marked collective an exception left, and the exception
+# (the stack is unwound by then)
 
 #: Who is missing when the rendezvous store no longer answers: the process that hosts it.
 STORE_HOST_GONE = "rank 0 (the host of the rendezvous store) is gone"
 
-#: Substrings of the errors Gloo and NCCL raise when a peer is gone or a collective timed out.
-_SIGNATURES = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout", "nccl", "gloo",
-               "peer", "socket")
+#: Where torch's collectives, their Python side, live: an error raised there came from communication.
+_TORCH_DISTRIBUTED = os.path.dirname(dist.__file__) + os.sep
 
 
 @contextmanager
 def waiting_in(what: str) -> Iterator[None]:
-    """Mark the collective being waited on, for the failure message."""
+    """Mark the collective being waited on, for the failure message (and for :func:`is_collective_failure`: an error
+    that leaves this block came from the collective)."""
     _current.append(what)
     try:
         yield
-    except BaseException:
+    except BaseException as err:
         if not _failed_in:
-            _failed_in.append(what)
+            _failed_in.append((what, err))
         raise
     finally:
         _current.pop()
@@ -58,15 +59,33 @@ def waiting_in(what: str) -> Iterator[None]:
 def in_flight(unmarked: str = "a collective") -> str:
     """The collective that failed (or is being waited on); ``unmarked`` when none is. Also read from the peer
     watchdog's thread: each list is read once (a slice), as the main thread may pop it between a test and an index."""
-    failed, current = _failed_in[:1], _current[-1:]
+    failed, current = [what for what, _ in _failed_in[:1]], _current[-1:]
     return (failed or current or [unmarked])[0]
 
 
 def is_collective_failure(err: BaseException) -> bool:
-    """Whether ``err`` is a communication failure (a peer gone, a collective timed out)."""
-    dist_error = getattr(dist, "DistError", ())
-    text = str(err).lower()
-    return isinstance(err, dist_error) or (isinstance(err, RuntimeError) and any(s in text for s in _SIGNATURES))
+    """Whether ``err`` is a communication failure (a peer gone, a collective timed out), told by where it came from,
+    not by its message: a ``torch.distributed`` error type (``DistBackendError``, ``DistNetworkError``,
+    ``DistStoreError`` ...), or a ``RuntimeError`` raised while waiting in a marked collective (:func:`waiting_in`) or
+    inside ``torch.distributed`` itself (a collective of Lightning's, or of the user's code; Gloo raises plain
+    ``RuntimeError``). A ``RuntimeError("... timeout ...")`` of the user's own, or an out-of-memory error, is not one:
+    its rank prints its traceback."""
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    if not isinstance(err, RuntimeError) or isinstance(err, torch.OutOfMemoryError):
+        return False
+    return any(failed is err for _, failed in _failed_in[:1]) or _raised_in_torch_distributed(err)
+
+
+def _raised_in_torch_distributed(err: BaseException) -> bool:
+    """Whether the innermost frame of ``err``'s traceback is torch.distributed's Python code (where a native collective
+    call raises)."""
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_TORCH_DISTRIBUTED)
 
 
 def missing_ranks(rank: int, world: int, wait_s: float = 3.0) -> Optional[list[int]]:

@@ -29,10 +29,24 @@ from whichever rank the signal reaches, at whatever point of the step it arrives
 collective the other ranks issue next on that group. The connector's subclass keeps the handler's log line, its
 forwarding of the signal to the ranks its launcher started, and its flag, and leaves that broadcast out.
 
+At the agreed stop every rank writes one checkpoint (a collective: every rank is at the same point), rank 0 prints one
+line naming the signal, the step and the file, and ``fit`` ends with Lightning's ``SIGTERMException`` carrying exit
+status 143 (:data:`SIGTERM_EXIT`; Lightning 2.6's carries none, read as 0, "finished", by torchrun and schedulers).
+The checkpoint is ``preempted-step=<N>.ckpt`` in the ``ModelCheckpoint``'s folder (else ``default_root_dir``), where
+``lsd-train ckpt_path=last`` finds it. Lightning's own ``ModelCheckpoint(save_on_exception=True)`` would save too (on
+every rank, as the exception reaches every rank at the same step); it is not needed.
+
+SLURM's requeue signal (``SIGUSR1`` under ``SLURMEnvironment(auto_requeue=True)``) rides the same rounds: Lightning's
+handler writes the hpc checkpoint — a collective here — from inside the signal handler, wherever in the step the
+signal lands, so two ranks signalled at different points cross their collectives. The subclass's handler only counts
+the request; at the step the ranks agree on, every rank runs Lightning's handler (loggers finalised, the hpc
+checkpoint written, ``scontrol requeue`` from rank 0), once per request, and training goes on, as with Lightning.
+
 Private Lightning API: ``_TrainingEpochLoop._broadcast_sigterm_tensor`` (replaced on this trainer's loop instance
 only, where it exists) and ``Trainer._signal_connector`` (its class swapped, on this trainer only, for a subclass
-whose ``received_sigterm`` is a property and whose ``_sigterm_notifier_fn`` does not broadcast; the handler is
-registered after the strategy's setup, so it is the subclass's). Retire this module when Lightning's loop stops reading the flag through
+whose ``received_sigterm`` is a property, whose ``_sigterm_notifier_fn`` does not broadcast and whose
+``_slurm_sigusr_handler_fn`` defers; the handlers are registered after the strategy's setup, so they are the
+subclass's), ``Trainer._checkpoint_connector.hpc_save_path`` (the hpc checkpoint's name, for the line). Retire this module when Lightning's loop stops reading the flag through
 the device.
 """
 
@@ -42,8 +56,11 @@ import collections
 import contextlib
 import functools
 import logging
+import os
+import signal
+import sys
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,6 +74,20 @@ _PATCHED = "_broadcast_sigterm_tensor"
 #: steps between starting a round of the flags' all-reduce and reading it
 LAG = 2
 _ROUND = "the all-reduce of the ranks' SIGTERM flags"
+#: the exit status of a run stopped by SIGTERM: 128 + the signal's number, what a shell reports for a process the
+#: signal ended (Lightning's own ``SIGTERMException`` carries it from Lightning-AI/pytorch-lightning#21623 on; 2.6
+#: leaves it ``None``, which Python turns into 0: "finished", to torchrun and to schedulers)
+SIGTERM_EXIT = 128 + signal.SIGTERM
+
+
+def sigterm_exit() -> BaseException:
+    """Lightning's ``SIGTERMException`` with :data:`SIGTERM_EXIT` as its exit status, on any Lightning version."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    stop = SIGTERMException()
+    if not stop.code:
+        stop.code = SIGTERM_EXIT
+    return stop
 
 
 @functools.cache
@@ -87,13 +118,24 @@ def _agreeing(connector_class: type) -> type:
                     launcher.kill(signum)  # the ranks this process started get the signal too, as in Lightning
             self.received_sigterm = True
 
+        def _slurm_sigusr_handler_fn(self, signum: Any, frame: Any) -> None:
+            # Lightning's handler saves a checkpoint (a collective here) from inside the signal handler, wherever in
+            # the step the signal lands: counted here, and acted on at the step every rank agrees on
+            # (HostSigtermBroadcast._requeue runs Lightning's handler there)
+            self.__dict__["own_requeues"] = self.__dict__.get("own_requeues", 0) + 1
+
     AgreedSigterm.__name__ = AgreedSigterm.__qualname__ = f"AgreedSigterm{connector_class.__name__}"
     return AgreedSigterm
 
 
 class HostSigtermBroadcast:
-    """The ranks' SIGTERM flags, combined host to host every step (their maximum) and read ``lag`` steps later; every
-    rank stops at the same step.
+    """The ranks' SIGTERM flags and SLURM requeue requests, combined host to host every step (their maximum) and read
+    ``lag`` steps later; every rank stops (or requeues) at the same step.
+
+    ``checkpoint``: called on every rank at the agreed stop, before ``SIGTERMException`` (exit status
+    :data:`SIGTERM_EXIT`) is raised; it writes a checkpoint (a collective) and returns its path. ``requeue``: called on
+    every rank at the agreed step after a requeue signal (``SIGUSR1`` under SLURM with auto-requeue); it writes the
+    hpc checkpoint and requeues the job (rank 0) and returns the checkpoint's path.
 
     Example::
 
@@ -102,9 +144,13 @@ class HostSigtermBroadcast:
         check.close()    # at the end of fit: waits for the rounds in flight, gives back the connector's flag
     """
 
-    def __init__(self, trainer: Any, group: Optional[dist.ProcessGroup], lag: int = LAG) -> None:
+    def __init__(self, trainer: Any, group: Optional[dist.ProcessGroup], lag: int = LAG,
+                 checkpoint: Optional[Callable[[], str]] = None, requeue: Optional[Callable[[], str]] = None) -> None:
         self._group = group
         self._lag = lag
+        self._checkpoint, self._requeue = checkpoint, requeue
+        self._requeued = 0  # the requeue requests acted on (a count: the rounds in flight after one still carry it)
+        self._step = (lambda: trainer.global_step) if hasattr(trainer, "global_step") else (lambda: -1)
         self._in_flight: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
         self._connector = trainer._signal_connector
         self._connector_class = type(self._connector)
@@ -114,38 +160,56 @@ class HostSigtermBroadcast:
         self._connector.__class__ = _agreeing(self._connector_class)
         self._connector.received_sigterm = own
 
-    def _own_flag(self) -> torch.Tensor:
-        return torch.tensor([1 if self._connector.__dict__.get("own_sigterm", False) else 0], dtype=torch.int32)
+    def _own_flags(self) -> torch.Tensor:
+        """This rank's flags, as one round carries them: [SIGTERM received, requeue requests received]."""
+        state = self._connector.__dict__
+        return torch.tensor([1 if state.get("own_sigterm", False) else 0, state.get("own_requeues", 0)],
+                            dtype=torch.int32)
 
-    def _agreed(self, carried: bool) -> bool:
-        """A completed round's verdict (``carried``: it carried a flag); if so, the agreed flag from now on."""
-        if carried:
+    def _agreed(self, flags: torch.Tensor) -> bool:
+        """A completed round's verdict: whether it carried a SIGTERM (the agreed flag from now on). A requeue request
+        it carries, not acted on yet, is acted on first (every rank reads the same round at the same point)."""
+        sigterm, requeues = flags.tolist()  # a CPU tensor Gloo wrote: no device involved
+        if requeues > self._requeued:
+            self._requeued = requeues
+            if self._requeue is not None:
+                path = self._requeue()
+                _say(f"static_dist: requeue signal (SIGUSR1): every rank saved {path} at step {self._step()}; job"
+                     " requeued, training goes on until the scheduler stops it")
+        if sigterm:
             self._connector.__dict__["_agreed_sigterm"] = True
-        return carried
+        return sigterm == 1
+
+    def _stop(self) -> BaseException:
+        """The agreed stop: the checkpoint written on every rank, one line, and the exception that ends ``fit``."""
+        path = self._checkpoint() if self._checkpoint is not None else None
+        _say(f"static_dist: SIGTERM: every rank stopped at step {self._step()}"
+             + (f"; checkpoint {path}" if path else "") + f"; exiting with status {SIGTERM_EXIT}")
+        return sigterm_exit()
 
     def __call__(self) -> None:
-        flag = self._own_flag()
-        self._in_flight.append((dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag))
+        flags = self._own_flags()
+        self._in_flight.append((dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flags))
         if len(self._in_flight) <= self._lag:
             return
         work, oldest = self._in_flight.popleft()
         with waiting_in(_ROUND):
             work.wait()
-        if self._agreed(oldest.item() == 1):  # a CPU tensor Gloo wrote: no device involved
-            from lightning.pytorch.utilities.exceptions import SIGTERMException
-
+        if self._agreed(oldest):
             with contextlib.suppress(Exception):
                 self._drain()
                 dist.barrier(group=self._group)  # as Lightning does: no rank left waiting in a collective
-            raise SIGTERMException()
+            raise self._stop()
 
     def agree(self) -> None:
         """One blocking round now (collective: every rank calls it at the same point, e.g. at the end of a
-        validation); a flag set on any rank becomes the agreed flag, which Lightning's next check acts on."""
-        flag = self._own_flag()
+        validation); a SIGTERM on any rank stops every rank here, after the checkpoint."""
+        flags = self._own_flags()
         with waiting_in(_ROUND):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        self._agreed(flag.item() == 1)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        if self._agreed(flags):
+            self._drain()  # (every rank started the same rounds: none is left waiting in one)
+            raise self._stop()
 
     def _drain(self) -> None:
         while self._in_flight:
@@ -162,8 +226,35 @@ class HostSigtermBroadcast:
         self._in_flight.clear()
         own = self._connector.__dict__.pop("own_sigterm", False)
         self._connector.__dict__.pop("_agreed_sigterm", None)
+        self._connector.__dict__.pop("own_requeues", None)
         self._connector.__class__ = self._connector_class
         self._connector.received_sigterm = own
+
+
+def _say(line: str) -> None:
+    """A line for the job, from global rank 0 (every rank reached the same point)."""
+    if dist.get_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def save_at_stop(trainer: Any) -> str:
+    """Write the checkpoint of an agreed SIGTERM stop (collective: every rank calls it at the same step) and return
+    its path: ``preempted-step=<N>.ckpt`` in the run's checkpoint folder (the ``ModelCheckpoint``'s ``dirpath``),
+    else in ``default_root_dir``; ``lsd-train ckpt_path=last`` resumes from it."""
+    callback = trainer.checkpoint_callback
+    folder = getattr(callback, "dirpath", None) or trainer.default_root_dir
+    path = os.path.join(folder, f"preempted-step={trainer.global_step}.ckpt")
+    trainer.save_checkpoint(path)
+    return path
+
+
+def requeue_at_agreed_step(trainer: Any, connector_class: type) -> str:
+    """Lightning's SLURM auto-requeue handler (``_SignalConnector._slurm_sigusr_handler_fn``: loggers finalised, the
+    hpc checkpoint written on every rank, ``scontrol requeue`` from rank 0), run at a step every rank agreed on instead
+    of inside the signal handler. Returns the checkpoint's path."""
+    path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+    connector_class._slurm_sigusr_handler_fn(trainer._signal_connector, signal.SIGUSR1, None)
+    return path
 
 
 def host_group(timeout: Optional[timedelta] = None) -> Optional[dist.ProcessGroup]:
@@ -193,12 +284,15 @@ def _installed(trainer: Any) -> Optional[HostSigtermBroadcast]:
 
 
 def install(trainer: Any, group: Optional[dist.ProcessGroup]) -> bool:
-    """Put :class:`HostSigtermBroadcast` in place of the loop's device broadcast; ``False`` where this Lightning has
-    no such method or there is no host group (the loop is left as it is)."""
+    """Put :class:`HostSigtermBroadcast` in place of the loop's device broadcast, with the checkpoint of an agreed
+    stop and the deferred SLURM requeue; ``False`` where this Lightning has no such method or there is no host group
+    (the loop is left as it is)."""
     loop = _epoch_loop(trainer)
     if group is None or loop is None or not hasattr(type(loop), _PATCHED):
         return False
-    setattr(loop, _PATCHED, HostSigtermBroadcast(trainer, group))
+    check = HostSigtermBroadcast(trainer, group, checkpoint=lambda: save_at_stop(trainer),
+                                 requeue=lambda: requeue_at_agreed_step(trainer, check._connector_class))
+    setattr(loop, _PATCHED, check)
     return True
 
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -94,6 +95,41 @@ def nccl_options(backend: str, comm_sms: Optional[int]) -> dict[str, Any]:
     if isinstance(least, int) and least > comm_sms:  # (unset, it reads as a negative sentinel: left alone)
         options.config.min_ctas = comm_sms
     return {"pg_options": options}
+
+
+#: the launch variables read as integers, and the least value each may take
+_INTEGER_VARIABLES = {"WORLD_SIZE": (1, "the number of processes in the job"), "RANK": (0, "this process's rank"),
+                      "LOCAL_RANK": (0, "this process's rank on its node"), "NODE_RANK": (0, "this node's rank")}
+
+
+def check_launch_environment(environ: Mapping[str, str], hosts_store: bool) -> None:
+    """Refuse a launch variable that cannot work, with one line naming it, before any process starts: ``MASTER_PORT``
+    not a port number, or (``hosts_store``: this process will open the rendezvous store on it) a port some other
+    process already listens on; ``WORLD_SIZE`` below 1; a rank that is not an integer >= 0. Otherwise each would fail
+    later: a ``ValueError`` from deep inside Lightning, a store that never binds, or ranks waiting for a world of 0."""
+    port = environ.get("MASTER_PORT")
+    if port is not None and not (port.strip().isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"MASTER_PORT={port!r}: must be a TCP port number (an integer 1-65535), or unset to let"
+                          " Lightning pick a free one")
+    for name, (least, meaning) in _INTEGER_VARIABLES.items():
+        value = environ.get(name)
+        if value is not None and not (value.strip().isdigit() and int(value) >= least):
+            raise ConfigError(f"{name}={value!r}: must be an integer >= {least} ({meaning}), or unset")
+    if port is not None and hosts_store and _port_in_use(int(port)):
+        raise ConfigError(f"MASTER_PORT={port}: the port is already in use on this machine (another job's"
+                          " rendezvous?); set MASTER_PORT to a free port, or unset it to let Lightning pick one")
+
+
+def _port_in_use(port: int) -> bool:
+    """Whether a process listens on ``port`` here (bound as torch's TCP store binds it: every interface, reusing a
+    port that only lingers from a closed connection)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return True
+    return False
 
 
 class DataParallelProcesses(ParallelStrategy):
@@ -233,6 +269,10 @@ class DataParallelProcesses(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        environment = self.cluster_environment
+        # this process opens the rendezvous store when it starts the ranks itself and is on the first node
+        check_launch_environment(os.environ, hosts_store=not environment.creates_processes_externally
+                                 and environment.node_rank() == 0)
         self._check_simulation()
         # in the launching process, before any rank starts: a mesh that cannot fit the world is a config error
         resolve_mesh_shape(self._config.mesh, self._ranks_in_world())
@@ -290,6 +330,26 @@ class DataParallelProcesses(ParallelStrategy):
         if self.world_size > 1 and self._host_group is None:  # once per strategy: every later stage reuses it
             self._host_group = loop_patches.host_group(timeout)
 
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        self._release_mesh_groups()
+
+    def _release_mesh_groups(self) -> None:
+        """Destroy the groups the mesh made for itself (the default group, and the host group every later stage
+        reuses, stay): each stage builds its own mesh, and groups left behind would outlive the fit, into the
+        interpreter's teardown. Not after a failure (a peer may be gone; the process ends without teardown anyway),
+        and not in a simulated world (its groups are the world)."""
+        mesh = self._mesh
+        if mesh is None or self._failed or self.simulation is not None or not torch.distributed.is_initialized():
+            return
+        keep = {id(_group.WORLD), id(self._host_group)}
+        for dim in range(mesh.ndim):
+            group = mesh.get_group(dim)
+            if id(group) not in keep:
+                keep.add(id(group))  # (a group serving two dimensions is destroyed once)
+                torch.distributed.destroy_process_group(group)
+
     def _start_simulated_world(self, simulation: SimulateConfig, timeout: timedelta) -> None:
         """The default group as rank 0 of the simulated world (its backend registered with torch.distributed)."""
         self._process_group_backend = SIMULATED_BACKEND
@@ -318,6 +378,10 @@ class DataParallelProcesses(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if isinstance(exception, SIGTERMException):
+            return  # every rank stopped at the step they agreed on (loop.py): no failure, every peer is there
         mark_run_failed()  # the exit-time teardown must not wait for peers that may be gone
         self._failed = True
         if self.world_size > 1 and is_collective_failure(exception):

@@ -415,6 +415,8 @@ class StaticDistStrategy(DataParallelProcesses):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)  # the failure recorded (and diagnosed) first
+        if not self._failed:
+            return  # an agreed stop (SIGTERM): every rank finished its step, nothing to abandon
         for participant in self._parts.ordered:
             participant.on_exception(exception)
 
@@ -486,9 +488,9 @@ class StaticDistStrategy(DataParallelProcesses):
                 self._failed, mismatch = True, err
         for participant in self._parts.ordered:
             participant.teardown(self._failed)
-        self._failed = False
 
-        super().teardown()
+        super().teardown()  # (the processes' part reads whether this rank failed)
+        self._failed = False
         if mismatch is not None:
             raise mismatch
 

@@ -24,6 +24,7 @@ that is alive but stuck is left to the process group's timeout.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -40,6 +41,8 @@ from lightning_static_dist.faults import (STORE_HOST_GONE, failure_line, in_flig
                                          store_reachable)
 
 log = logging.getLogger(__name__)
+
+THREAD_NAME = "static_dist-peer-watchdog"
 
 _DEATH_KEY = "static_dist/death"
 """The first death a rank saw, ``[who, reason]``: every rank reads it, also those that do not watch the dead one."""
@@ -143,9 +146,13 @@ class PeerWatchdog:
             return
         self._stop, self._clean = threading.Event(), True  # an old thread that outlived its join keeps its own event
         self._store = _own_client(rendezvous_store(), timeout_s=2 * self.interval_s)
-        self._thread = threading.Thread(target=self._run, args=(self._stop,), name="static_dist-peer-watchdog",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(self._stop,), name=THREAD_NAME, daemon=True)
         self._thread.start()
+        # a process that never tears the strategy down (Lightning's own spawn launcher, a script's setup_environment
+        # alone) must not reach the interpreter's finalisation with this thread inside a store call: CPython 3.11
+        # ends such a daemon thread with pthread_exit, whose unwinding through pybind11's GIL release is
+        # std::terminate (SIGABRT, "terminate called without an active exception"). atexit runs before that.
+        atexit.register(self.stop)
 
     def stop(self, clean: bool = True) -> None:
         """Stop, quietly (nothing happens when stopped). ``clean``: the last heartbeat says so, and the peers do not
@@ -154,6 +161,7 @@ class PeerWatchdog:
         thread, self._thread = self._thread, None
         if thread is None:
             return
+        atexit.unregister(self.stop)
         self._clean = clean
         self._stop.set()  # from here on the thread neither prints nor exits
         thread.join(timeout=5.0)

@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Any
 
+import torch
+
 from lightning_static_dist.examples.charlm import CharGPT
 
 
@@ -27,7 +29,11 @@ class FaultyCharGPT(CharGPT):
     (a NaN loss), ``kill_in_save`` (SIGKILL while writing the checkpoint), ``sigterm`` (SIGTERM itself, as a
     scheduler would), ``sigterm_in_val`` (the same, in the first validation batch after step ``fault_step``),
     ``kill_peer_while_blocked`` (SIGKILL itself, printing the time, while every other rank sleeps ``hang_s`` outside
-    any collective: no error can reach them, as on NCCL behind a device read).
+    any collective: no error can reach them, as on NCCL behind a device read), ``sigusr1`` (SLURM's requeue signal,
+    to itself: rank 0 inside ``training_step``, every other rank inside ``on_after_backward``, at ``fault_step``),
+    ``raise_timeout`` (a ``RuntimeError`` of the user's own whose message says "timeout"), ``raise_oom``
+    (``torch.OutOfMemoryError``); each ``raise_*`` prints the time it raises at;
+    ``print_steps`` (no fault: the step lines only).
     ``save_every``: ``trainer.save_checkpoint`` to ``<default_root_dir>/ckpt/last.ckpt`` every N steps. With a
     fault, each rank prints each step it starts."""
 
@@ -48,6 +54,10 @@ class FaultyCharGPT(CharGPT):
         if self._faulty_here("kill_in_save"):
             checkpoint["poison"] = _KillWhilePickled()
 
+    def on_after_backward(self) -> None:
+        if self.fault == "sigusr1" and self.global_rank != 0 and self.global_step == self.fault_step:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
         if batch_idx == 0 and self._faulty_here("sigterm_in_val"):
             os.kill(os.getpid(), signal.SIGTERM)
@@ -65,6 +75,13 @@ class FaultyCharGPT(CharGPT):
             time.sleep(self.hang_s)
         if self._faulty_here("sigterm"):
             os.kill(os.getpid(), signal.SIGTERM)
+        if self.fault == "sigusr1" and self.global_rank == 0 and self.global_step == self.fault_step:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        if self.fault.startswith("raise_") and self.global_rank == self.fault_rank and self.global_step == self.fault_step:
+            print(f"rank {self.global_rank} raises at {time.time():.3f}", file=sys.stderr, flush=True)
+            if self.fault == "raise_oom":
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+            raise RuntimeError("timeout while waiting for the data server (injected, the user's own error)")
         if self._faulty_here("hang"):
             time.sleep(self.hang_s)
         loss = super().training_step(batch, batch_idx)

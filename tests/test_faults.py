@@ -89,6 +89,51 @@ def test_a_rank_killed_while_its_peer_is_blocked_ends_the_job_with_one_line(tmp_
     assert seconds < 60
 
 
+@pytest.mark.parametrize("fault, rank, error", [
+    ("raise_timeout", 1, "RuntimeError: timeout while waiting for the data server"),
+    ("raise_oom", 0, "torch.OutOfMemoryError: CUDA out of memory"),
+])
+def test_an_exception_on_one_rank_prints_its_traceback_once_and_ends_the_job(tmp_path: Any, fault: str, rank: int,
+                                                                           error: str) -> None:
+    # the rank's own error (its message may say "timeout": where it came from decides, not its words) is printed
+    # with its traceback, once; the other rank, left in a collective, says which rank stopped; exit 1 within 20 s.
+    # Before, a RuntimeError saying "timeout" was taken for a collective failure and its traceback dropped
+    code, err, _ = lsd_train(tmp_path, f"model.fault={fault}", f"model.fault_rank={rank}", "model.fault_step=3")
+    ended = time.time()
+    assert code == 1, err[-3000:]
+    assert err.count("Traceback (most recent call last)") == 1 and err.count(error) == 1, err[-4000:]
+    who = "rank 1 stopped participating" if rank == 1 else STORE_HOST_GONE
+    (line,) = failure_lines(err)
+    assert line.startswith(f"static_dist: rank {1 - rank}: {who} during "), line
+    (raised,) = [float(line.rsplit(" ", 1)[1]) for line in err.splitlines() if line.startswith(f"rank {rank} raises at ")]
+    assert ended - raised < 20, ended - raised
+
+
+def test_a_collective_failure_is_told_by_where_it_came_from_not_by_its_words() -> None:
+    import torch.distributed as dist
+
+    from lightning_static_dist import faults
+    from lightning_static_dist.faults import in_flight, is_collective_failure, waiting_in
+
+    def raised(make: Any, filename: str = __file__) -> BaseException:
+        try:
+            exec(compile("raise make()", filename, "exec"), {"make": make})
+        except BaseException as err:
+            return err
+        raise AssertionError("nothing raised")
+
+    torch_distributed = os.path.join(os.path.dirname(dist.__file__), "distributed_c10d.py")
+    assert not is_collective_failure(raised(lambda: RuntimeError("timeout talking to the socket of a peer")))
+    assert not is_collective_failure(raised(lambda: torch.OutOfMemoryError("out of memory")))
+    assert is_collective_failure(raised(lambda: RuntimeError("Connection closed by peer"), torch_distributed))
+    assert is_collective_failure(raised(lambda: dist.DistBackendError("anything")))
+    with pytest.raises(RuntimeError) as caught, waiting_in("the all-reduce of bucket 2"):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error")  # what Work.wait() raises, from our line
+    assert is_collective_failure(caught.value) and in_flight() == "the all-reduce of bucket 2"
+    faults._failed_in.clear()  # (what diagnose does once it has said so)
+    assert not is_collective_failure(raised(lambda: RuntimeError("the same words, later, from the user's code")))
+
+
 def test_a_slow_step_on_one_rank_is_no_death(tmp_path: Any) -> None:
     # rank 1 sleeps 6 s inside a step while rank 0 waits in the gradient all-reduce: both alive, the job finishes
     code, err, _ = lsd_train(tmp_path, "model.fault=hang", "model.fault_rank=1", "model.fault_step=3", "model.hang_s=6")
@@ -140,30 +185,57 @@ def test_killing_rank_zero_stops_rank_one_with_one_line(tmp_path: Any) -> None:
     assert seconds < 60
 
 
+def stopped_with_checkpoint(code: int, err: str) -> int:
+    """The step an agreed SIGTERM stop named in its one line, after checking the exit status (143, as Lightning's
+    ``SIGTERMException`` from Lightning-AI/pytorch-lightning#21623 on) and the checkpoint the line names: it loads,
+    at that step."""
+    assert code == 143, err[-3000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("static_dist: SIGTERM")]
+    found = re.fullmatch(r"static_dist: SIGTERM: every rank stopped at step (\d+); checkpoint (.+); exiting with status"
+                         r" 143", line)
+    assert found, line
+    step, path = int(found[1]), found[2]
+    assert os.path.basename(path) == f"preempted-step={step}.ckpt", path
+    state = torch.load(path, weights_only=True)
+    assert state["global_step"] == step and "state_dict" in state and state["optimizer_states"]
+    assert "Traceback" not in err, err[-3000:]
+    return step
+
+
 @pytest.mark.parametrize("signalled", [0, pytest.param(1, marks=pytest.mark.slow)])  # (both: tests/test_host_syncs.py)
 def test_a_sigterm_on_any_rank_stops_every_rank_at_the_same_step(tmp_path: Any, signalled: int) -> None:
     # the ranks' flags combined (their maximum), read LAG steps after the round that carries them: one rank
     # signalled at step 3 (rank 0's handler also forwards the signal to rank 1, as Lightning's does) -> both start
-    # the same step last, at most 3 + LAG, and leave through Lightning's SIGTERMException (a SystemExit without a code: exit 0, as
-    # under ddp). Before, a rank signalled alone stopped alone at the end of its batch, leaving the other in a collective
+    # the same step last, at most 3 + LAG, write one checkpoint of the step after it (collective: every rank at the
+    # same point) and exit 143: a scheduler or torchrun reads exit 0 as "finished". Before, a rank signalled alone
+    # stopped alone at the end of its batch, leaving the other in a collective; then exit 0 and no checkpoint
     from lightning_static_dist.loop import LAG
 
     code, err, seconds = lsd_train(tmp_path, "model.fault=sigterm", f"model.fault_rank={signalled}", "model.fault_step=3")
     last = last_steps(err)
-    assert code == 0, err[-2000:]
+    step = stopped_with_checkpoint(code, err)
     # the same step on both; the latest the round started at step 4 allows, or one earlier when the forwarded signal
     # reached a rank still before its step-3 round (the maximum then already carries it)
     assert last[0] == last[1] and 3 + LAG - 1 <= last[0] <= 3 + LAG, (last, err[-4000:])  # the log: a rare miss
+    assert step == last[0] + 1  # stopped before its next step: the checkpoint holds every step taken
     assert seconds < 60
+    if signalled == 1:
+        return
+    # resumed from it: `ckpt_path=last` finds it, and the run goes on from that step to the end
+    code, err, _ = lsd_train(tmp_path, "model.fault=print_steps", "ckpt_path=last")
+    assert code == 0, err[-3000:]
+    assert f"resuming from {tmp_path}" in err and f"preempted-step={step}.ckpt" in err, err[-3000:]
+    assert min(int(s) for s in re.findall(r"rank \d+ starts step (\d+)", err)) == step, err[-3000:]
 
 
 def test_a_sigterm_during_validation_stops_every_rank_after_it(tmp_path: Any) -> None:
     # no flag round runs in validation: the ranks agree at its end (the strategy's on_validation_end), and every rank
-    # stops before the next training step; Lightning's own check would have stopped rank 1 mid-validation alone
+    # writes the checkpoint there and stops before the next training step; Lightning's own check would have stopped
+    # rank 1 mid-validation alone
     code, err, seconds = lsd_train(tmp_path, "model.fault=sigterm_in_val", "model.fault_rank=1", "model.fault_step=4",
                                    "trainer.val_check_interval=4", "trainer.limit_val_batches=3")
     last = last_steps(err)
-    assert code == 0, err[-2000:]
+    assert stopped_with_checkpoint(code, err) == 4
     assert last == {0: 3, 1: 3}, (last, err[-4000:])
     assert seconds < 60
 
