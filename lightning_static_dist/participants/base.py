@@ -81,8 +81,10 @@ class StepContext(Protocol):
 
     @property
     def trainer_loop(self) -> Any:
-        """The ``Trainer`` whose loop :class:`~lightning_static_dist.participants.runtime.SigtermAgreement` patches
-        (the one participant bound to Lightning's loop); ``None`` under Fabric."""
+        """The ``Trainer``, for the participants bound to Lightning's loop:
+        :class:`~lightning_static_dist.participants.runtime.SigtermAgreement` patches it, and
+        :class:`~lightning_static_dist.participants.resume.MidEpochResume` reads where a resumed fit starts;
+        ``None`` under Fabric."""
         ...
 
 

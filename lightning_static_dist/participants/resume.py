@@ -14,11 +14,12 @@ Example (the strategy builds it in its ``__init__``)::
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
+from typing import Any
+
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_static_dist.compat import train_loaders
-from lightning_static_dist.participants.base import StepParticipant, StrategyView
+from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
 
 
 def is_resumable(loader: object) -> bool:
@@ -33,15 +34,17 @@ class MidEpochResume(StepParticipant):
     def __init__(self, view: StrategyView) -> None:
         self._view = view
         self._first_batch = True
+        self._trainer: Any = None
 
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup(self, context: StepContext) -> None:
         self._first_batch = True  # once per fit
+        self._trainer = context.trainer_loop  # Lightning's fit loop knows the position (Fabric has no such loop)
 
     def on_train_batch_start(self) -> None:
-        if not self._first_batch or self._view.lightning_module is None:
+        trainer = self._trainer
+        if not self._first_batch or trainer is None:
             return
         self._first_batch = False
-        trainer = self._view.lightning_module.trainer
         batch = trainer.fit_loop.epoch_loop.batch_idx  # a fit's first batch is its epoch's first unless resumed
         if batch == 0:
             return
