@@ -61,15 +61,16 @@ def _open_tqdm_bar(trainer: pl.Trainer) -> Any:
 
 def batch_size_of(batch: Any) -> tuple[int, str]:
     """What a batch holds, counted in its own unit: ``(n, "tokens")`` when the input tensor (``x`` of ``(x, y)``, a
-    tensor, or the first tensor value) holds integer ids — a language model's token ids, counted one by one — else
-    ``(n, "samples")``, its first dimension (images, feature rows). ``(0, "samples")`` without a tensor."""
+    tensor, or the first tensor value) is a 2-D tensor of ``int64``/``int32`` ids — a language model's
+    ``(batch, sequence)`` token ids, counted one by one — else ``(n, "samples")``, its first dimension (images, also
+    ``uint8`` ones, feature rows). ``(0, "samples")`` without a tensor."""
     if isinstance(batch, (list, tuple)) and batch:
         batch = batch[0]
     elif isinstance(batch, dict):
         batch = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
     if not isinstance(batch, torch.Tensor):
         return 0, "samples"
-    if batch.dim() >= 2 and not (batch.is_floating_point() or batch.is_complex() or batch.dtype == torch.bool):
+    if batch.dim() == 2 and batch.dtype in (torch.int64, torch.int32):
         return batch.numel(), "tokens"
     return (batch.shape[0] if batch.dim() else 1), "samples"
 

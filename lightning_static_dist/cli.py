@@ -109,7 +109,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         epilog="Example: lsd-train charlm_cpu trainer.max_steps=100 strategy.sync.bucket_mb=10 (a shipped config by"
                " name, or a run file's path)",
     )
-    parser.add_argument("config", help="YAML run file (top level: seed, model, data, trainer, strategy, callbacks),"
+    parser.add_argument("config", help="YAML run file (top level: seed, model, data, trainer, strategy, callbacks, ckpt_path),"
                         " or the name of a shipped one (charlm_cpu, charlm_gpu)")
     # default=[]: without it argparse (before Python 3.13) lists an empty "*" positional as required
     parser.add_argument("overrides", nargs="*", default=[], help="dotted.key=value overrides, merged over the file")
@@ -226,7 +226,8 @@ def _why_no_metrics(run_dir: str) -> str:
     summary = next((p for p in logged if p.endswith("summary.json")), None)
     if summary is not None:
         with open(summary) as f:
-            steps = f" (it ran {counted(json.load(f).get('steps'), 'step')})"
+            ran = json.load(f).get("steps")
+            steps = f" (it ran {counted(ran, 'step')})" if isinstance(ran, int) else ""
     return (f"lsd-report: the run in {os.path.dirname(logged[-1])!r} logged no metrics{steps}: Lightning writes them"
             " every trainer.log_every_n_steps steps (default 50), so a shorter run writes none; run again with"
             " trainer.log_every_n_steps=1 (or a value below its steps)")

@@ -95,8 +95,9 @@ Left where they are (so that this list is the whole inventory)
     ``_MultiProcessingLauncher`` in the same way. A grace period in Lightning's observer would retire the first
     group, and a launcher hook that runs when a rank finishes would retire the second.
 ``fabric.py``
-    ``_StrategyRegistry``, ``_BackwardSyncControl`` (subclassed, for ``no_backward_sync``), ``_PATH``, and the
-    ``_configure_launcher`` override.
+    ``_StrategyRegistry``, ``_BackwardSyncControl`` (subclassed, for ``no_backward_sync``), ``_PATH``, the
+    ``_configure_launcher`` override, and Fabric's ``_MultiProcessingLauncher._wrapping_function`` (overridden as in
+    ``launcher.py``).
 ``engine.py``
     ``_StrategyRegistry`` (a type).
 ``loop.py``

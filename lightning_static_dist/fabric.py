@@ -77,10 +77,6 @@ from lightning_static_dist.sync.config import SyncConfig
 
 log = logging.getLogger(__name__)
 
-#: With the monitor off (``monitor_every_n_steps=0``), the compile counts :meth:`StaticDistFabricStrategy.metrics`
-#: returns are aggregated over the ranks every this many optimizer steps (Lightning's ``log_every_n_steps`` default).
-COMPILE_FIGURES_EVERY_N_STEPS = 50
-
 
 def sync_figures(sync: GradientSynchronizer) -> dict[str, float]:
     """The synchroniser's own figures, rank-local (equal on every rank: one plan, one round count)."""
@@ -211,7 +207,6 @@ class StaticDistFabricStrategy(DDPStrategy):
         self._step_open = False
         self._steps = 0
         self._overlap_figures: dict[str, float] = {}
-        self._compile_figures: dict[str, float] = {}
         self._aggregate: Optional[RankAggregate] = None
         log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
 
@@ -261,38 +256,39 @@ class StaticDistFabricStrategy(DDPStrategy):
         bytes this rank sent so far) and ``sync_round_bytes`` (those of the latest round). Once per recorded step
         (``monitor_every_n_steps``), the overlap figures (``overlap_ratio``, ``comm_ms``, ``bytes_sent``,
         ``compression_ratio`` ...: the mean over ranks, and ``_max``), as the Trainer's ``OverlapMonitor`` logs them.
-        With ``strategy.compile``, ``graph_breaks``, ``recompiles`` and ``compile_s`` (the maximum over ranks, as
-        ``GraphReport`` logs them; brought up to date every ``monitor_every_n_steps`` steps, or every
-        ``COMPILE_FIGURES_EVERY_N_STEPS`` with the monitor off). Figures nothing measured (NaN) are left out.
+        The overlap figures are combined over the ranks in ``optimizer.step()`` of each recorded step: one small
+        all-gather, which on CUDA the host waits for (``monitor_every_n_steps=0`` records nothing and combines
+        nothing). With ``strategy.compile``, this rank's ``graph_breaks``, ``recompiles`` and ``compile_s`` (the
+        ranks compile the same graphs: that is checked before the first bucket collective). Figures nothing measured
+        (NaN) are left out.
         """
         figures = sync_figures(self._synchronizer) if self._synchronizer is not None else {}
         overlap, self._overlap_figures = self._overlap_figures, {}  # once per recorded step, as the monitor logs them
         figures.update(overlap)
-        figures.update(self._compile_figures)
+        report = self._compile_report
+        if report is not None:
+            figures.update({"static_dist/graph_breaks": float(len(report.graph_breaks)),
+                            "static_dist/recompiles": float(len(report.recompiles)),
+                            "static_dist/compile_s": float(report.compile_s)})
         return {name: value for name, value in figures.items() if not math.isnan(value)}
 
     def _aggregate_figures(self, timeline: Optional[StepTimeline]) -> None:
-        """After an optimizer step (every rank is here): a recorded step's overlap figures and, on the cadence, the
-        compile counts, aggregated over the ranks for :meth:`metrics` to hand out."""
+        """After an optimizer step (every rank is here): a recorded step's overlap figures, aggregated over the ranks
+        for :meth:`metrics` to hand out."""
         if timeline is not None:  # the same steps are recorded on every rank: they all aggregate, or none does
             if self._aggregate is None:
                 self._aggregate = RankAggregate(len(METRICS)).to(self.root_device)
             self._overlap_figures = aggregate_over_ranks(self._aggregate, METRICS, step_metrics(timeline), "",
                                                          self.world_size, no_max=("trigger_delay_worst_bucket_ms",))
-        report = self._compile_report
-        if report is not None and (self._steps - 1) % (self._monitor_every or COMPILE_FIGURES_EVERY_N_STEPS) == 0:
-            counts = torch.tensor([len(report.graph_breaks), len(report.recompiles), report.compile_s],
-                                  dtype=torch.float64, device=self.root_device)
-            counts = self.all_reduce(counts, reduce_op="max")
-            self._compile_figures = dict(zip(("static_dist/graph_breaks", "static_dist/recompiles",
-                                              "static_dist/compile_s"), counts.tolist()))
 
     # ------------------------------------------------------------------------------------- processes and ranks
 
     @override
     def _configure_launcher(self) -> None:
-        # in the launching process, before any rank starts: a mesh that cannot fit the world is a config error
+        # in the launching process, before any rank starts: a mesh that cannot fit the world is a config error, and
+        # so is a backend torch does not know now (checked again in each rank, at setup_environment)
         resolve_mesh_shape(self._config.mesh, self.num_nodes * self.num_processes)
+        check_process_group_backend(self._process_group_backend)
         if self._start_method == "popen":
             super()._configure_launcher()
         else:

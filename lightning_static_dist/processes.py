@@ -273,6 +273,8 @@ class DataParallelProcesses(ParallelStrategy):
         # this process opens the rendezvous store when it starts the ranks itself and is on the first node
         check_launch_environment(os.environ, hosts_store=not environment.creates_processes_externally
                                  and environment.node_rank() == 0)
+        # before any rank starts, against the backends torch knows now (again in each rank, at setup_distributed)
+        check_process_group_backend(self._process_group_backend)
         self._check_simulation()
         # in the launching process, before any rank starts: a mesh that cannot fit the world is a config error
         resolve_mesh_shape(self._config.mesh, self._ranks_in_world())

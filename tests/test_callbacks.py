@@ -82,6 +82,7 @@ def test_a_batch_is_counted_in_tokens_only_when_it_holds_token_ids() -> None:
     assert batch_size_of((ids, ids)) == (64, "tokens")
     assert batch_size_of({"input_ids": ids}) == (64, "tokens")
     assert batch_size_of(torch.randn(4, 3, 8, 8)) == (4, "samples")  # images
+    assert batch_size_of(torch.zeros(4, 3, 8, 8, dtype=torch.uint8)) == (4, "samples")  # images as bytes
     assert batch_size_of([torch.randn(4, 32), torch.ones(4)]) == (4, "samples")  # feature rows
     assert batch_size_of(torch.arange(4)) == (4, "samples")  # class labels, one per sample
     assert batch_size_of("text") == (0, "samples")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -175,9 +176,13 @@ def _frames(node: torch.fx.Node) -> list[tuple[str, str, str]]:
     return frames
 
 
+_THIS_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def is_library_path(path: str) -> bool:
     """Whether ``path`` is a library's file (an installed package, or this one), not the user's own code."""
-    return "site-packages" in path or "dist-packages" in path or "lightning_static_dist" in path
+    return ("site-packages" in path or "dist-packages" in path
+            or os.path.abspath(path).startswith(_THIS_PACKAGE))
 
 
 def _in_library(path: str) -> str:

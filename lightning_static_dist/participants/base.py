@@ -56,7 +56,9 @@ from lightning_static_dist.overlap.recorder import StepRecorder
 class StepContext(Protocol):
     """What a participant knows of the run it serves, whichever front end drives it: Lightning's ``Trainer``
     (``strategy.py`` builds one from the trainer) or Fabric's loop. Handed to the setup phases; afterwards the
-    view's :attr:`StrategyView.context` is the same object. A participant never reads the ``Trainer`` itself."""
+    view's :attr:`StrategyView.context` is the same object. A participant never reads the ``Trainer`` itself, apart
+    from the two bound to Lightning's own loop (:attr:`trainer_loop`; ``tests/test_architecture.py`` holds the
+    list)."""
 
     @property
     def fitting(self) -> bool:
