@@ -48,8 +48,12 @@ RESUME_ENV = "LSD_RESUME_FROM"
 def find_last_checkpoint(roots: Sequence[str]) -> Optional[str]:
     """The newest checkpoint under any of ``roots`` (searched whole: every ``version_N`` folder, not only the
     newest, which is where Lightning's own ``ckpt_path="last"`` looks): a ``.ckpt`` file or a sharded checkpoint's
-    directory; the newest by modification time, then by path. ``None`` when there is none."""
+    directory, or the ``<name>.ckpt.old`` a save that crashed between its two renames left without a ``<name>.ckpt``;
+    the newest by modification time, then by path. ``None`` when there is none."""
     from lightning_static_dist.checkpoint import is_sharded_checkpoint
+
+    def kept(names: list[str]) -> list[str]:  # not a write that never finished, nor an old one beside its new one
+        return [n for n in names if not n.endswith(".tmp") and not (n.endswith(".ckpt.old") and n[:-4] in names)]
 
     found: list[tuple[float, str]] = []
     for root in roots:
@@ -58,9 +62,9 @@ def find_last_checkpoint(roots: Sequence[str]) -> Optional[str]:
                 found.append((os.path.getmtime(dirpath), dirpath))
                 dirnames[:] = []  # (its .distcp files are not checkpoints of their own)
                 continue
-            dirnames[:] = [d for d in dirnames if not d.endswith(".tmp")]  # a write that never finished
+            dirnames[:] = kept(dirnames)
             found += [(os.path.getmtime(os.path.join(dirpath, f)), os.path.join(dirpath, f))
-                      for f in filenames if f.endswith(".ckpt")]
+                      for f in kept(filenames) if f.endswith((".ckpt", ".ckpt.old"))]
     return max(found)[1] if found else None
 
 
