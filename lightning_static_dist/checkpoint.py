@@ -15,15 +15,19 @@ The directory is written as ``<path>.tmp`` and renamed when every rank has finis
 the previous checkpoint as it was; a full checkpoint's file (:func:`save_full`) the same way. The ranks agree on the
 outcome of every save and every resume (:func:`agree_on`): where one rank's part fails (a full disk, a damaged file),
 every rank raises the same one-line :class:`CheckpointError` naming the file, instead of one rank raising and the
-others waiting for it in the next collective. :func:`consolidate` (``lsd-consolidate DIR OUT.ckpt``) turns a
+others waiting for it in the next collective. Checkpoints are read as untrusted input: ``lightning_meta.pt`` with
+``weights_only`` as the caller asks (torch's default: ``True``), DCP's ``.metadata`` through an allow-list of the
+classes it holds (:class:`MetadataUnpickler`). :func:`consolidate` (``lsd-consolidate DIR OUT.ckpt``) turns a
 directory into the file an unsharded run would have written; the strategy does this for the last checkpoint at the
 end of ``fit``.
 """
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -40,6 +44,7 @@ from torch import Tensor
 from lightning_static_dist.config.check import check_fields
 
 META_FILE = "lightning_meta.pt"
+DCP_METADATA = ".metadata"  # the name torch.distributed.checkpoint's FileSystemWriter gives its index
 MODEL = "model/"
 OPTIM = "optim/"
 
@@ -382,12 +387,60 @@ def _replace(new: str, path: str) -> None:
     _remove(old)
 
 
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` index through an allow-list of the classes it holds. DCP's own
+    ``FileSystemReader.read_metadata`` calls ``pickle.load`` on it, which runs whatever a planted file's
+    ``__reduce__`` says; here any other global is an ``UnpicklingError``, before anything is called.
+
+    Example::
+
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    """
+
+    #: module -> the names in it a ``.metadata`` file refers to (torch 2.6 - 2.13)
+    ALLOWED = {
+        "torch.distributed.checkpoint.metadata": ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                                  "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                                  "StorageMeta", "_MEM_FORMAT_ENCODING"),
+        "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+        "torch.serialization": ("_get_layout",),  # (a layout pickles as its name, read back by this function)
+        "torch": ("Size",),
+        "pathlib": ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"),  # (StorageMeta.checkpoint_id)
+        "collections": ("OrderedDict",),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in self.ALLOWED.get(module, ()):
+            return getattr(importlib.import_module(module), name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):  # a dtype pickles as its name
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{DCP_METADATA} refers to {module}.{name}, which is none of the classes a"
+                                     " checkpoint's index holds: refused (a planted file?)")
+
+
+def _metadata_reader(path: str) -> Any:
+    """DCP's ``FileSystemReader`` for ``path``, reading the index through :class:`MetadataUnpickler`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class CheckedReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with open(os.path.join(path, DCP_METADATA), "rb") as f:
+                metadata = MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:  # (as DCP's own reader does)
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return CheckedReader(path)
+
+
 def stored_tensors(path: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Every tensor a sharded checkpoint holds: name -> (shape, dtype), from its metadata."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata = _metadata_reader(path).read_metadata()
     return {name: (entry.size, entry.properties.dtype) for name, entry in metadata.state_dict_metadata.items()
             if isinstance(entry, TensorStorageMetadata)}
 
@@ -401,14 +454,17 @@ def read_tensors(path: str, names: Iterable[str], stored: Optional[Mapping[str, 
     tensors = {name: torch.empty(stored[name][0], dtype=stored[name][1]) for name in names}
     with warnings.catch_warnings():  # no_dist: DCP warns that it assumes one process, which is what was asked
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(tensors, checkpoint_id=path, no_dist=no_dist)
+        dcp.load(tensors, storage_reader=_metadata_reader(path), no_dist=no_dist)
     return tensors
 
 
-def load_sharded(path: str, no_dist: bool = False) -> dict[str, Any]:
+def load_sharded(path: str, no_dist: bool = False, weights_only: Optional[bool] = None) -> dict[str, Any]:
     """Lightning's checkpoint dict from a sharded directory, with the model's state whole and the optimizer's left
-    on disk: ``optimizer_states`` holds a :class:`ShardedOptimizerState` to be cut by whoever loads it."""
-    meta = torch.load(os.path.join(path, META_FILE), weights_only=False)
+    on disk: ``optimizer_states`` holds a :class:`ShardedOptimizerState` to be cut by whoever loads it.
+
+    ``weights_only`` is ``torch.load``'s for ``lightning_meta.pt`` (``None``: torch's default, ``True``; ``False``
+    only for a checkpoint you trust, as with ``Trainer.fit(weights_only=False)``)."""
+    meta = torch.load(os.path.join(path, META_FILE), weights_only=weights_only)
     stored = stored_tensors(path)
     model = read_tensors(path, [n for n in stored if n.startswith(MODEL)], stored, no_dist=no_dist)
     checkpoint = dict(meta["lightning"])

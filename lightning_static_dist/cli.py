@@ -253,7 +253,7 @@ def report_main(argv: Optional[Sequence[str]] = None) -> None:
 
 def consolidate_main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of ``lsd-consolidate``: a sharded checkpoint directory -> one plain Lightning checkpoint file."""
-    from lightning_static_dist.checkpoint import consolidate, is_sharded_checkpoint
+    from lightning_static_dist.checkpoint import consolidate, is_sharded_checkpoint, reason_of
 
     parser = argparse.ArgumentParser(
         prog="lsd-consolidate", description="Write the plain Lightning checkpoint of a sharded (reduce_scatter) one.")
@@ -262,5 +262,10 @@ def consolidate_main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     if not is_sharded_checkpoint(args.checkpoint_dir):
         parser.exit(2, f"{args.checkpoint_dir}: not a sharded checkpoint directory (no lightning_meta.pt in it)\n")
-    consolidate(args.checkpoint_dir, args.out)
+    try:
+        consolidate(args.checkpoint_dir, args.out)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # a damaged or planted checkpoint (DCP's error is a BaseException): one line
+        parser.exit(1, f"lsd-consolidate: cannot consolidate {args.checkpoint_dir}: {reason_of(err, reading=True)}\n")
     print(f"wrote {args.out}")

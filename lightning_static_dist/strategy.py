@@ -452,15 +452,15 @@ class StaticDistStrategy(DataParallelProcesses):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Read the checkpoint on every rank. A damaged or foreign checkpoint (truncated, a file missing, another
-        model's) raises the same one-line :class:`~lightning_static_dist.checkpoint.CheckpointError` on every rank,
-        naming the file."""
+        """Read the checkpoint on every rank, ``weights_only`` as the caller asks (``None``: torch's default, a
+        weights-only load). A damaged or foreign checkpoint (truncated, a file missing, another model's) raises the
+        same one-line :class:`~lightning_static_dist.checkpoint.CheckpointError` on every rank, naming the file."""
         self._resuming_from = os.fspath(checkpoint_path)
         return self._agree_on_resume(lambda: self._read_checkpoint(checkpoint_path, weights_only))
 
     def _read_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool]) -> dict[str, Any]:
         if is_sharded_checkpoint(checkpoint_path):  # collective: every rank reads the model's tensors
-            return load_sharded(os.fspath(checkpoint_path))
+            return load_sharded(os.fspath(checkpoint_path), weights_only=weights_only)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         for participant in self._parts.ordered:
             participant.load_state_dict(checkpoint)  # setup ran first: each takes its own entries out

@@ -5,18 +5,27 @@ what is left on disk.
 - a save that fails in the OS (a full disk, a file-size limit, no permission), full and sharded: every rank names the
   file and the error, exit 1, the previous checkpoint intact and alone;
 - a save that crashed between its two renames: ``ckpt_path=last`` resumes from the ``.old`` it left;
-- a damaged or foreign checkpoint on resume: every rank names the file and what is wrong, exit 1, no traceback.
+- a damaged or foreign checkpoint on resume: every rank names the file and what is wrong, exit 1, no traceback;
+- a planted pickle (a ``__reduce__`` that writes a marker file) in a sharded checkpoint: it does not run, through
+  ``Trainer.fit(ckpt_path=...)`` nor through ``lsd-consolidate``.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
+import subprocess
+import sys
+from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from test_faults import failure_lines, lsd_train
+from _dist import fresh_job_env
+from _mesh_fit import fit, static
+from test_faults import ROOT, failure_lines, lsd_train
 from test_resume import summaries
 
 from lightning_static_dist.checkpoint import consolidate, is_sharded_checkpoint
@@ -143,3 +152,73 @@ def test_a_damaged_checkpoint_ends_every_rank_with_one_line_naming_it(tmp_path: 
     assert code == 1, err[-4000:]
     assert_every_rank_says(err, f"cannot resume from {ckpt}: ", words)
     assert seconds < 30
+
+
+# ------------------------------------------------------------------------------------------ untrusted input
+
+
+class _Planted:
+    """Unpickled, it opens ``marker`` for writing: the file appears. What a hostile checkpoint would run instead."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (open, (str(self.marker), "w"))
+
+
+def _plant(ckpt: Path, where: str, marker: Path) -> None:
+    """Replace the sharded checkpoint's ``lightning_meta.pt`` (``meta``) or DCP's ``.metadata`` (``index``) with a
+    pickle that writes ``marker``, and check that it would, loaded as torch and DCP used to load them."""
+    if where == "meta":
+        torch.save({"lightning": {}, "x": _Planted(marker)}, ckpt / "lightning_meta.pt")
+        torch.load(ckpt / "lightning_meta.pt", weights_only=False)
+    else:
+        (ckpt / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
+        pickle.loads((ckpt / ".metadata").read_bytes())
+    assert marker.exists()  # the plant works
+    marker.unlink()
+
+
+@pytest.mark.parametrize("where", ["meta", "index"])
+def test_a_planted_pickle_in_a_sharded_checkpoint_does_not_run_on_resume(tmp_path: Path, saved: dict[str, Path],
+                                                                         where: str) -> None:
+    # lsd-train resumes through Trainer.fit(ckpt_path=...): the strategy read lightning_meta.pt with
+    # weights_only=False and DCP reads .metadata with pickle.load; either ran the planted code on every rank
+    ckpt, marker = tmp_path / "planted.ckpt", tmp_path / "marker"
+    shutil.copytree(saved["sharded"], ckpt)
+    _plant(ckpt, where, marker)
+    code, err, seconds = lsd_train(tmp_path, f"ckpt_path={ckpt}", *SHARDED)
+    assert not marker.exists()
+    assert code == 1, err[-4000:]
+    refused = "weights-only load refuses" if where == "meta" else "none of the classes a checkpoint's index holds"
+    assert_every_rank_says(err, f"cannot resume from {ckpt}: ", refused)
+    assert seconds < 30
+
+
+@pytest.mark.parametrize("where", ["meta", "index"])
+def test_a_planted_pickle_does_not_run_in_lsd_consolidate(tmp_path: Path, saved: dict[str, Path], where: str) -> None:
+    ckpt, marker = tmp_path / "planted.ckpt", tmp_path / "marker"
+    shutil.copytree(saved["sharded"], ckpt)
+    _plant(ckpt, where, marker)
+    lsd_consolidate = os.path.join(os.path.dirname(sys.executable), "lsd-consolidate")
+    done = subprocess.run([lsd_consolidate, str(ckpt), str(tmp_path / "out.ckpt")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=fresh_job_env())
+    assert not marker.exists()
+    assert done.returncode == 1, done.stderr[-4000:]
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"lsd-consolidate: cannot consolidate {ckpt}: "), line
+    assert not (tmp_path / "out.ckpt").exists()
+
+
+def test_the_callers_weights_only_reaches_a_sharded_checkpoint(tmp_path: Path) -> None:
+    # Trainer.fit(weights_only=...) went nowhere with a sharded checkpoint (its lightning_meta.pt was always read
+    # with weights_only=False): now None means torch's weights-only load, and False, the caller's trust, is honoured
+    fit(str(tmp_path / "two"), 2, static(1, 2, checkpoint={"consolidate_at_end": False}), steps=2, save_at=2)
+    ckpt = tmp_path / "two" / "stepstep=2.ckpt"
+    meta = torch.load(ckpt / "lightning_meta.pt", weights_only=True)
+    meta["lightning"]["hyper_parameters"]["ratio"] = Fraction(1, 3)  # a class torch's weights-only load refuses
+    torch.save(meta, ckpt / "lightning_meta.pt")
+    with pytest.raises(Exception, match=r"weights-only load refuses .* GLOBAL fractions.Fraction"):
+        fit(str(tmp_path / "untrusted"), 2, static(1, 2), steps=3, ckpt_path=str(ckpt))
+    fit(str(tmp_path / "trusted"), 2, static(1, 2), steps=3, ckpt_path=str(ckpt), weights_only=False)
