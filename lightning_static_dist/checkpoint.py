@@ -519,6 +519,4 @@ def consolidate(path: str, out: str) -> None:
     if "optimizer_states" in checkpoint:
         checkpoint["optimizer_states"] = [s.full(no_dist=True) if isinstance(s, ShardedOptimizerState) else s
                                           for s in checkpoint["optimizer_states"]]
-    tmp = f"{out}.tmp"
-    torch.save(checkpoint, tmp)
-    _replace(tmp, out)
+    save_full(checkpoint, out)

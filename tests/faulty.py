@@ -45,7 +45,8 @@ class FaultyCharGPT(CharGPT):
     scheduler would), ``sigterm_in_val`` (the same, in the first validation batch after step ``fault_step``),
     ``kill_peer_while_blocked`` (SIGKILL itself, printing the time, while every other rank sleeps ``hang_s`` outside
     any collective: no error can reach them, as on NCCL behind a device read).
-    ``save_fails`` (the save at ``fault_step`` fails in the OS as ``save_error`` says: :func:`break_writes`).
+    ``save_fails`` (the save at ``fault_step`` fails in the OS as ``save_error`` says: :func:`break_writes`),
+    ``save_fails_at_end`` (the same for every write after training, as the consolidation of a sharded checkpoint).
     ``save_every``: ``trainer.save_checkpoint`` to ``<default_root_dir>/ckpt/last.ckpt`` every N steps. With a
     fault, each rank prints each step it starts."""
 
@@ -64,6 +65,10 @@ class FaultyCharGPT(CharGPT):
             if self._faulty_here("save_fails"):
                 break_writes(self.save_error, path)
             self.trainer.save_checkpoint(path)
+
+    def on_train_end(self) -> None:
+        if self.fault == "save_fails_at_end" and self.global_rank == self.fault_rank:
+            break_writes(self.save_error, os.path.join(self.trainer.default_root_dir, "ckpt", "last.ckpt"))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self._faulty_here("kill_in_save"):

@@ -84,6 +84,22 @@ def test_a_save_that_fails_ends_every_rank_with_one_line_and_keeps_the_previous_
     assert seconds < 60
 
 
+def test_a_consolidation_at_the_end_that_fails_ends_every_rank_with_one_line_and_keeps_the_sharded_one(
+    tmp_path: Path,
+) -> None:
+    # strategy.checkpoint.consolidate_at_end: rank 0 turns the last sharded checkpoint into a file after training;
+    # before, its write failing was rank 0's traceback, rank 1's "rank 0 is gone" after the barrier, and a .tmp left
+    code, err, seconds = lsd_train(tmp_path, "model.fault=save_fails_at_end", "model.save_error=efbig",
+                                   "model.fault_rank=0", "trainer.max_steps=4", "model.save_every=4", *SHARDED)
+    directory = tmp_path / "ckpt"
+    assert code == 1, err[-4000:]
+    assert_every_rank_says(err, f"could not write the checkpoint {directory / 'last.ckpt'}: rank 0",
+                           "[Errno 27] File too large")
+    assert os.listdir(directory) == ["last.ckpt"]
+    assert is_sharded_checkpoint(str(directory / "last.ckpt")) and saved_step(str(directory / "last.ckpt")) == 4
+    assert seconds < 60
+
+
 # ------------------------------------------------------------------------- a crash between the two renames
 
 

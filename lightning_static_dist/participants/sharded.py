@@ -24,7 +24,13 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_static_dist.checkpoint import ShardedOptimizerState, consolidate, is_sharded_checkpoint, save_sharded
+from lightning_static_dist.checkpoint import (
+    ShardedOptimizerState,
+    agree_on,
+    consolidate,
+    is_sharded_checkpoint,
+    save_sharded,
+)
 from lightning_static_dist.compat import unwrap_optimizer
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.faults import waiting_in
@@ -212,7 +218,9 @@ class ShardedSync(StepParticipant):
             rank_zero_info(f"static_dist: the last sharded checkpoint ({path}) holds rank 0's shards of a simulated"
                            " world; not consolidated")
             return
-        if self._view.is_global_zero and is_sharded_checkpoint(path):
-            consolidate(path, path)
-            rank_zero_info(f"static_dist: consolidated the last sharded checkpoint into a plain file: {path}")
-        self._view.barrier()
+        view = self._view
+        # rank 0's write, its outcome agreed on (the agreement is also the barrier): a full disk here is every
+        # rank's one line, and the sharded checkpoint stays as it was
+        agree_on(lambda: consolidate(path, path) if view.is_global_zero and is_sharded_checkpoint(path) else None,
+                 path, view.global_rank, group=view.host_group)
+        rank_zero_info(f"static_dist: consolidated the last sharded checkpoint into a plain file: {path}")
