@@ -193,7 +193,7 @@ class ShardedSync(StepParticipant):
                 "shapes": sync.state_shard.original_shapes(),
                 "has_optimizer": bool(states)}
         with waiting_in("writing the sharded checkpoint"):
-            save_sharded(path, meta, model_state, pieces, self._view.global_rank)
+            save_sharded(path, meta, model_state, pieces, self._view.global_rank, group=self._view.host_group)
         self._last_sharded_checkpoint = path
         return True
 
