@@ -12,19 +12,30 @@ A sharded checkpoint is a directory (at the path Lightning chose, e.g. ``epoch=0
   parameters ...) and the optimizer's param groups in full form.
 
 The directory is written as ``<path>.tmp`` and renamed when every rank has finished, so a failure mid-save leaves
-the previous checkpoint as it was. :func:`consolidate` (``lsd-consolidate DIR OUT.ckpt``) turns a directory into the
-file an unsharded run would have written; the strategy does this for the last checkpoint at the end of ``fit``.
+the previous checkpoint as it was; a full checkpoint's file (:func:`save_full`) the same way. The ranks agree on the
+outcome of every save and every resume (:func:`agree_on`): where one rank's part fails (a full disk, a damaged file),
+every rank raises the same one-line :class:`CheckpointError` naming the file, instead of one rank raising and the
+others waiting for it in the next collective. Checkpoints are read as untrusted input: ``lightning_meta.pt`` with
+``weights_only`` as the caller asks (torch's default: ``True``), DCP's ``.metadata`` through an allow-list of the
+classes it holds (:class:`MetadataUnpickler`). :func:`consolidate` (``lsd-consolidate DIR OUT.ckpt``) turns a
+directory into the file an unsharded run would have written; the strategy does this for the last checkpoint at the
+end of ``fit``.
 """
 
 from __future__ import annotations
 
+import importlib
+import io
 import os
+import pickle
+import re
 import shutil
+import sys
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,8 +44,11 @@ from torch import Tensor
 from lightning_static_dist.config.check import check_fields
 
 META_FILE = "lightning_meta.pt"
+DCP_METADATA = ".metadata"  # the name torch.distributed.checkpoint's FileSystemWriter gives its index
 MODEL = "model/"
 OPTIM = "optim/"
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -63,6 +77,99 @@ class CheckpointConfig:
 
 def is_sharded_checkpoint(path: Any) -> bool:
     return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, META_FILE))
+
+
+# ------------------------------------------------------------------------------- failures the ranks agree on
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that could not be written or read: one line naming the file and what is wrong, raised on every
+    rank alike (:func:`agree_on`), which ``lsd-train`` prints instead of a traceback before it exits 1.
+
+    Example::
+
+        static_dist: rank 1: could not write the checkpoint runs/x/last.ckpt: rank 0: [Errno 28] No space left on
+        device (nothing was replaced: the previous checkpoints are as they were)
+    """
+
+
+#: What a reader's error says about a checkpoint, in the words of someone who has to fix it: (a piece of the error's
+#: text or its type's name, what it means). The first that matches is put before the error's own words.
+_DAMAGE = (
+    ("PytorchStreamReader", "not a whole checkpoint file (truncated, or not written by torch.save)"),
+    ("EOFError", "not a whole checkpoint file (truncated, or not written by torch.save)"),
+    ("Weights only load failed", "it holds objects a weights-only load refuses (load it with weights_only=False"
+                                 " only if you trust where it came from)"),
+    ("UnpicklingError", "not a checkpoint file that loads safely"),
+    ("Error(s) in loading state_dict", "another model's checkpoint (its parameters do not match this model's)"),
+    ("doesn't match the size of optimizer's group", "another model's or optimizer's checkpoint"),
+    ("IsADirectoryError", f"a directory without {META_FILE}: not a sharded checkpoint, or its save never finished"),
+    ("FileNotFoundError", "a file of the checkpoint is missing"),
+    ("MetadataIndex", "a piece its index lists is in none of its files (from a world whose ranks did not all write,"
+                      " as a simulated world's, where only rank 0 does?)"),
+    ("a rank's pieces are missing", "it lacks optimizer state this world's ranks need (from a world whose ranks"
+                                    " did not all write, as a simulated world's, where only rank 0 does?)"),
+)
+
+
+def reason_of(err: BaseException, reading: bool = False) -> str:
+    """One line for what went wrong: the error's own words (every line joined, no C++ source location), for DCP's
+    :class:`CheckpointException` those of the first rank whose part failed; when ``reading``, what the error means
+    for the checkpoint first (:data:`_DAMAGE`)."""
+    failures = _dcp_failures(err)
+    if failures:
+        rank, (inner, _) = min(failures.items())
+        return f"rank {rank}'s part: {reason_of(inner, reading)}"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if "Weights only load failed" in str(err):  # torch's advice takes 10 lines; the refused global is the point
+        lines = [line for line in lines[1:] if "global" in line.lower()][:1] or lines[:1]
+    text = re.sub(r"\[enforce fail at [^\]]*\]\s*\.?\s*", "", " ".join(lines))[:300]
+    text = text if isinstance(err, OSError) else f"{type(err).__name__}: {text}" if text else type(err).__name__
+    meaning = next((m for key, m in _DAMAGE if key in str(err) or key == type(err).__name__), None) if reading else None
+    return f"{meaning}: {text}" if meaning else text
+
+
+def _dcp_failures(err: BaseException) -> Optional[dict[int, Any]]:
+    """DCP's ``CheckpointException`` (a ``BaseException``) gathers every rank's error: rank -> (error, trace).
+    ``None`` for any other error (DCP not imported yet: it cannot have raised; it is slow to import)."""
+    dcp = sys.modules.get("torch.distributed.checkpoint")
+    return err.failures if dcp is not None and isinstance(err, dcp.CheckpointException) else None
+
+
+def agree_on(attempt: Callable[[], T], path: Any, rank: int, *, reading: bool = False, group: Optional[Any] = None,
+             undo: Optional[Callable[[], None]] = None) -> T:
+    """``attempt()`` on this rank (a part of writing the checkpoint at ``path``, or of resuming from it when
+    ``reading``), then the ranks agree on its outcome: a collective, every rank calls it once its attempt is over.
+    Where any rank failed, every rank calls ``undo`` and raises the same :class:`CheckpointError`, naming the first
+    rank that failed.
+
+    Example::
+
+        agree_on(lambda: save_full(checkpoint, path) if rank == 0 else None, path, rank)
+    """
+    failure: Optional[str] = None
+    cause: Optional[BaseException] = None
+    result: Any = None
+    try:
+        result = attempt()
+    except BaseException as err:
+        failures = _dcp_failures(err)
+        if failures is None and not isinstance(err, Exception):
+            raise  # (KeyboardInterrupt, SystemExit: not the checkpoint's fault)
+        cause, failure = err, reason_of(err, reading)
+        if failures is None:  # (DCP's error names the failing rank itself, the same on every rank)
+            failure = f"rank {rank}: {failure}"
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        outcomes: list[Optional[str]] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(outcomes, failure, group=group)
+        failure = next((outcome for outcome in outcomes if outcome is not None), None)
+    if failure is None:
+        return result
+    if undo is not None:
+        undo()
+    doing = "cannot resume from" if reading else "could not write the checkpoint"
+    kept = "" if reading else " (nothing was replaced: the previous checkpoints are as they were)"
+    raise CheckpointError(f"static_dist: rank {rank}: {doing} {os.fspath(path)}: {failure}{kept}") from cause
 
 
 # ------------------------------------------------------------------------------------------- state as pieces
@@ -171,45 +278,169 @@ def full_state_from_pieces(source: PieceSource, shapes: Mapping[int, torch.Size]
 
 
 def save_sharded(path: str, meta: dict[str, Any], model_state: Mapping[str, Tensor], pieces: Mapping[str, Tensor],
-                 rank: int) -> None:
-    """Write a sharded checkpoint directory at ``path`` (collective: every rank calls it with its own pieces)."""
+                 rank: int, group: Optional[Any] = None) -> None:
+    """Write a sharded checkpoint directory at ``path`` (collective: every rank calls it with its own pieces). A rank
+    whose part fails (DCP gathers its writers' errors to every rank; ``lightning_meta.pt`` and the rename are rank
+    0's) fails the save on every rank alike (:func:`agree_on`): the half-written ``<path>.tmp`` is removed and the
+    checkpoint at ``path``, if any, is left as it was."""
     import torch.distributed.checkpoint as dcp
 
     tmp = f"{os.fspath(path)}.tmp"
-    if rank == 0 and os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    dist.barrier()
+    # a save that crashed left its half: removed before any rank writes (the agreement is the barrier)
+    agree_on(lambda: _remove(tmp) if rank == 0 else None, path, rank, group=group)
     tensors = {**{MODEL + k: v.detach() for k, v in model_state.items() if torch.is_tensor(v)}, **pieces}
     meta = {**meta, "model_extra": {k: v for k, v in model_state.items() if not torch.is_tensor(v)}}
-    dcp.save(tensors, checkpoint_id=tmp)
-    if rank == 0:
-        torch.save(meta, os.path.join(tmp, META_FILE))
+
+    def write() -> None:
+        dcp.save(tensors, storage_writer=_writer_naming_os_errors(tmp))
+        if rank == 0:
+            _write_file(meta, os.path.join(tmp, META_FILE))
+            _replace(tmp, path)
+
+    agree_on(write, path, rank, group=group, undo=lambda: _remove(tmp) if rank == 0 else None)
+
+
+def save_full(checkpoint: Mapping[str, Any], path: str) -> None:
+    """Write a Lightning checkpoint file at ``path`` (one process). Serialised in memory first, as Lightning's
+    ``_atomic_save`` does, so a process killed meanwhile leaves nothing on disk; then written to ``<path>.tmp``
+    beside it (not to a temporary file elsewhere, whose move onto another file system is a copy that a full disk
+    can cut short over the previous checkpoint), flushed to the disk, and put in place by :func:`_replace`. A write
+    that fails leaves no ``.tmp`` behind and the previous checkpoint as it was."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    try:
+        _write_file(checkpoint, tmp)
         _replace(tmp, path)
-    dist.barrier()
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _write_file(obj: Any, path: str) -> None:
+    """``torch.save`` into memory, then the bytes to ``path``, flushed to the disk. Through Python's own file, so a
+    failed write is the OS's ``OSError`` (``torch.save`` to a path or a stream reports one as "file write failed"
+    or "unexpected pos")."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    with open(path, "wb") as f:
+        f.write(buffer.getbuffer())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _os_error_in(err: BaseException) -> Optional[OSError]:
+    """The ``OSError`` behind ``err`` (``err`` itself, or what it was raised while handling): torch's zip writer
+    turns a short write into ``RuntimeError: unexpected pos ...``, the OS's error left in its ``__context__``."""
+    seen: Optional[BaseException] = err
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _writer_naming_os_errors(path: str) -> Any:
+    """DCP's ``FileSystemWriter`` for ``path``, raising the OS's own error when a write fails: DCP sends each rank's
+    error to the others pickled, which keeps no ``__context__``, and "unexpected pos 704 vs 598" says nothing of a
+    full disk."""
+    import torch.distributed.checkpoint as dcp
+
+    class Writer(dcp.FileSystemWriter):
+        def write_data(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().write_data(*args, **kwargs)
+            except Exception as err:
+                os_error = _os_error_in(err)
+                if os_error is None or os_error is err:
+                    raise
+                raise os_error from err
+
+    return Writer(path)
+
+
+def _remove(path: str) -> None:
+    """Remove a file, a link (not what it points to) or a directory tree at ``path``, if there is one."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
 
 
 def _replace(new: str, path: str) -> None:
     """Put ``new`` (a file or a directory) at ``path``; the old one is moved aside first and removed last, so a
-    failure in between leaves one of the two whole under its own name."""
+    failure in between leaves one of the two whole under its own name (a crash between the renames leaves
+    ``<path>.old``, which ``lsd-train``'s ``ckpt_path=last`` finds), and a failed second rename puts the old one
+    back."""
     old = f"{path}.old"
     if os.path.lexists(path):
         if os.path.islink(path):
             os.remove(path)  # Lightning's save_last="link": the link goes, what it points to stays
         else:
+            _remove(old)  # (an earlier save's, stopped before its last step: the one at `path` is newer)
             os.replace(path, old)
-    os.replace(new, path)
-    if os.path.isdir(old):
-        shutil.rmtree(old)
-    elif os.path.lexists(old):
-        os.remove(old)
+    try:
+        os.replace(new, path)
+    except BaseException:
+        if os.path.lexists(old):
+            os.replace(old, path)
+        raise
+    _remove(old)
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` index through an allow-list of the classes it holds. DCP's own
+    ``FileSystemReader.read_metadata`` calls ``pickle.load`` on it, which runs whatever a planted file's
+    ``__reduce__`` says; here any other global is an ``UnpicklingError``, before anything is called.
+
+    Example::
+
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    """
+
+    #: module -> the names in it a ``.metadata`` file refers to (torch 2.6 - 2.13)
+    ALLOWED = {
+        "torch.distributed.checkpoint.metadata": ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                                  "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                                  "StorageMeta", "_MEM_FORMAT_ENCODING"),
+        "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+        "torch.serialization": ("_get_layout",),  # (a layout pickles as its name, read back by this function)
+        "torch": ("Size",),
+        "pathlib": ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"),  # (StorageMeta.checkpoint_id)
+        "collections": ("OrderedDict",),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in self.ALLOWED.get(module, ()):
+            return getattr(importlib.import_module(module), name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):  # a dtype pickles as its name
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{DCP_METADATA} refers to {module}.{name}, which is none of the classes a"
+                                     " checkpoint's index holds: refused (a planted file?)")
+
+
+def _metadata_reader(path: str) -> Any:
+    """DCP's ``FileSystemReader`` for ``path``, reading the index through :class:`MetadataUnpickler`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class CheckedReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with open(os.path.join(path, DCP_METADATA), "rb") as f:
+                metadata = MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:  # (as DCP's own reader does)
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return CheckedReader(path)
 
 
 def stored_tensors(path: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Every tensor a sharded checkpoint holds: name -> (shape, dtype), from its metadata."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata = _metadata_reader(path).read_metadata()
     return {name: (entry.size, entry.properties.dtype) for name, entry in metadata.state_dict_metadata.items()
             if isinstance(entry, TensorStorageMetadata)}
 
@@ -223,14 +454,17 @@ def read_tensors(path: str, names: Iterable[str], stored: Optional[Mapping[str, 
     tensors = {name: torch.empty(stored[name][0], dtype=stored[name][1]) for name in names}
     with warnings.catch_warnings():  # no_dist: DCP warns that it assumes one process, which is what was asked
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(tensors, checkpoint_id=path, no_dist=no_dist)
+        dcp.load(tensors, storage_reader=_metadata_reader(path), no_dist=no_dist)
     return tensors
 
 
-def load_sharded(path: str, no_dist: bool = False) -> dict[str, Any]:
+def load_sharded(path: str, no_dist: bool = False, weights_only: Optional[bool] = None) -> dict[str, Any]:
     """Lightning's checkpoint dict from a sharded directory, with the model's state whole and the optimizer's left
-    on disk: ``optimizer_states`` holds a :class:`ShardedOptimizerState` to be cut by whoever loads it."""
-    meta = torch.load(os.path.join(path, META_FILE), weights_only=False)
+    on disk: ``optimizer_states`` holds a :class:`ShardedOptimizerState` to be cut by whoever loads it.
+
+    ``weights_only`` is ``torch.load``'s for ``lightning_meta.pt`` (``None``: torch's default, ``True``; ``False``
+    only for a checkpoint you trust, as with ``Trainer.fit(weights_only=False)``)."""
+    meta = torch.load(os.path.join(path, META_FILE), weights_only=weights_only)
     stored = stored_tensors(path)
     model = read_tensors(path, [n for n in stored if n.startswith(MODEL)], stored, no_dist=no_dist)
     checkpoint = dict(meta["lightning"])
@@ -285,6 +519,4 @@ def consolidate(path: str, out: str) -> None:
     if "optimizer_states" in checkpoint:
         checkpoint["optimizer_states"] = [s.full(no_dist=True) if isinstance(s, ShardedOptimizerState) else s
                                           for s in checkpoint["optimizer_states"]]
-    tmp = f"{out}.tmp"
-    torch.save(checkpoint, tmp)
-    _replace(tmp, out)
+    save_full(checkpoint, out)

@@ -50,8 +50,12 @@ RESUME_ENV = "LSD_RESUME_FROM"
 def find_last_checkpoint(roots: Sequence[str]) -> Optional[str]:
     """The newest checkpoint under any of ``roots`` (searched whole: every ``version_N`` folder, not only the
     newest, which is where Lightning's own ``ckpt_path="last"`` looks): a ``.ckpt`` file or a sharded checkpoint's
-    directory; the newest by modification time, then by path. ``None`` when there is none."""
+    directory, or the ``<name>.ckpt.old`` a save that crashed between its two renames left without a ``<name>.ckpt``;
+    the newest by modification time, then by path. ``None`` when there is none."""
     from lightning_static_dist.checkpoint import is_sharded_checkpoint
+
+    def kept(names: list[str]) -> list[str]:  # not a write that never finished, nor an old one beside its new one
+        return [n for n in names if not n.endswith(".tmp") and not (n.endswith(".ckpt.old") and n[:-4] in names)]
 
     found: list[tuple[float, str]] = []
     for root in roots:
@@ -60,9 +64,9 @@ def find_last_checkpoint(roots: Sequence[str]) -> Optional[str]:
                 found.append((os.path.getmtime(dirpath), dirpath))
                 dirnames[:] = []  # (its .distcp files are not checkpoints of their own)
                 continue
-            dirnames[:] = [d for d in dirnames if not d.endswith(".tmp")]  # a write that never finished
+            dirnames[:] = kept(dirnames)
             found += [(os.path.getmtime(os.path.join(dirpath, f)), os.path.join(dirpath, f))
-                      for f in filenames if f.endswith(".ckpt")]
+                      for f in kept(filenames) if f.endswith((".ckpt", ".ckpt.old"))]
     return max(found)[1] if found else None
 
 
@@ -256,7 +260,7 @@ def report_main(argv: Optional[Sequence[str]] = None) -> None:
 
 def consolidate_main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of ``lsd-consolidate``: a sharded checkpoint directory -> one plain Lightning checkpoint file."""
-    from lightning_static_dist.checkpoint import consolidate, is_sharded_checkpoint
+    from lightning_static_dist.checkpoint import consolidate, is_sharded_checkpoint, reason_of
 
     parser = argparse.ArgumentParser(
         prog="lsd-consolidate", description="Write the plain Lightning checkpoint of a sharded (reduce_scatter) one.")
@@ -265,5 +269,10 @@ def consolidate_main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     if not is_sharded_checkpoint(args.checkpoint_dir):
         parser.exit(2, f"{args.checkpoint_dir}: not a sharded checkpoint directory (no lightning_meta.pt in it)\n")
-    consolidate(args.checkpoint_dir, args.out)
+    try:
+        consolidate(args.checkpoint_dir, args.out)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # a damaged or planted checkpoint (DCP's error is a BaseException): one line
+        parser.exit(1, f"lsd-consolidate: cannot consolidate {args.checkpoint_dir}: {reason_of(err, reading=True)}\n")
     print(f"wrote {args.out}")

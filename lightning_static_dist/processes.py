@@ -47,6 +47,7 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_static_dist import loop as loop_patches
+from lightning_static_dist.checkpoint import CheckpointError
 from lightning_static_dist.compat import destroy_process_groups_at_exit, mark_run_failed
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.strategy_config import StrategyConfig
@@ -175,7 +176,8 @@ class DataParallelProcesses(ParallelStrategy):
         self._host_group: Optional[torch.distributed.ProcessGroup] = None
         self._failed = False
         self.failure: Optional[str] = None
-        """One line saying which rank stopped participating, and where, after a communication failure."""
+        """One line saying which rank stopped participating, and where, after a communication failure; or which
+        checkpoint could not be written or read, and why (every rank prints the same one)."""
 
     @property
     def config(self) -> StrategyConfig:
@@ -386,7 +388,11 @@ class DataParallelProcesses(ParallelStrategy):
             return  # every rank stopped at the step they agreed on (loop.py): no failure, every peer is there
         mark_run_failed()  # the exit-time teardown must not wait for peers that may be gone
         self._failed = True
-        if self.world_size > 1 and is_collective_failure(exception):
+        if isinstance(exception, CheckpointError):  # the ranks agreed on it: each says so, none waits for another
+            self.failure = str(exception)
+            sys.stderr.write(f"{self.failure}\n")  # one write: the other ranks' lines go to the same stream
+            sys.stderr.flush()
+        elif self.world_size > 1 and is_collective_failure(exception):
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
             step = trainer.global_step if trainer is not None else -1
             self.failure = diagnose(exception, self.global_rank, self.world_size, step)

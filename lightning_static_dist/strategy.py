@@ -23,18 +23,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, TypeVar, Union
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
@@ -44,8 +46,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_static_dist.checkpoint import (
     CheckpointConfig,
     ShardedOptimizerState,
+    agree_on,
     is_sharded_checkpoint,
     load_sharded,
+    save_full,
 )
 from lightning_static_dist.compat import allow_compiled_models_in_trainer
 from lightning_static_dist.compile import CompileReport
@@ -69,6 +73,7 @@ from lightning_static_dist.sync.graph import GraphGradientSync
 from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class TrainerContext:
@@ -199,6 +204,7 @@ class StaticDistStrategy(DataParallelProcesses):
         # Lightning's compile check, widened for this strategy only (once per process; others keep the original)
         allow_compiled_models_in_trainer()
         self._accumulating = False
+        self._resuming_from: Optional[str] = None  # the checkpoint being loaded, for the line a damaged one gets
         self._parts = Participants(self, failed=self.has_failed)
         self._context: Optional[TrainerContext] = None
         log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
@@ -430,6 +436,9 @@ class StaticDistStrategy(DataParallelProcesses):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self._agree_on_resume(lambda: self._load_model_state(checkpoint, strict))
+
+    def _load_model_state(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
         state = self._parts.model_state_to_load(checkpoint["state_dict"])
         if state is not checkpoint["state_dict"]:
             checkpoint = {**checkpoint, "state_dict": state}
@@ -443,6 +452,9 @@ class StaticDistStrategy(DataParallelProcesses):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self._agree_on_resume(lambda: self._load_optimizer_states(checkpoint))
+
+    def _load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
         if self._parts.load_optimizer_states(checkpoint):
             return
         states = checkpoint["optimizer_states"]
@@ -458,21 +470,50 @@ class StaticDistStrategy(DataParallelProcesses):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
+        """Write the checkpoint (sharded: every rank its part; full: rank 0 the file, beside it as ``.tmp`` first).
+        The ranks agree on the outcome: a write that fails on any rank (a full disk, no permission) raises the same
+        one-line :class:`~lightning_static_dist.checkpoint.CheckpointError` on every rank, and leaves the previous
+        checkpoint as it was."""
         for participant in self._parts.ordered:
             participant.check_in_step()  # no checkpoint of a step whose ranks were out of step
         if self._parts.write_checkpoint(checkpoint, filepath):
             return
         checkpoint.update(self._parts.state_dict())  # every rank gets here (Lightning writes on rank 0 only)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        agree_on(lambda: self._write_file(checkpoint, filepath, storage_options) if self.is_global_zero else None,
+                 filepath, self.global_rank, group=self.host_group)
+
+    def _write_file(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any]) -> None:
+        """Rank 0's part of a full save. Lightning's own ``TorchCheckpointIO`` writes through a temporary file in
+        ``/tmp`` moved into place, a copy where ``/tmp`` is another file system, which a full disk cuts short over
+        the previous checkpoint: a local file is written by :func:`~lightning_static_dist.checkpoint.save_full`
+        instead. A user's ``CheckpointIO``, or a remote path, is left to the plugin."""
+        plugin = self.checkpoint_io
+        if type(plugin) is TorchCheckpointIO and storage_options is None and isinstance(get_filesystem(filepath),
+                                                                                          LocalFileSystem):
+            save_full(checkpoint, os.fspath(filepath))
+        else:
+            plugin.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if is_sharded_checkpoint(checkpoint_path):
-            return load_sharded(os.fspath(checkpoint_path))  # collective: every rank reads the model's tensors
+        """Read the checkpoint on every rank, ``weights_only`` as the caller asks (``None``: torch's default, a
+        weights-only load). A damaged or foreign checkpoint (truncated, a file missing, another model's) raises the
+        same one-line :class:`~lightning_static_dist.checkpoint.CheckpointError` on every rank, naming the file."""
+        self._resuming_from = os.fspath(checkpoint_path)
+        return self._agree_on_resume(lambda: self._read_checkpoint(checkpoint_path, weights_only))
+
+    def _read_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool]) -> dict[str, Any]:
+        if is_sharded_checkpoint(checkpoint_path):  # collective: every rank reads the model's tensors
+            return load_sharded(os.fspath(checkpoint_path), weights_only=weights_only)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         for participant in self._parts.ordered:
             participant.load_state_dict(checkpoint)  # setup ran first: each takes its own entries out
         return checkpoint
+
+    def _agree_on_resume(self, attempt: Callable[[], T]) -> T:
+        """A part of resuming, its outcome agreed on by every rank (one line naming the checkpoint where one fails)."""
+        return agree_on(attempt, self._resuming_from or "the checkpoint", self.global_rank, reading=True,
+                        group=self.host_group)
 
     # -------------------------------------------------------------------------------------------- teardown
 

@@ -73,7 +73,7 @@ class _Record(L.Callback):
 
 def fit(tmp: str, devices: int, strategy: Any, steps: int = STEPS, ckpt_path: Optional[str] = None,
         save_at: Optional[int] = None, after: Any = None, extra_callbacks: tuple = (),
-        **trainer_kwargs: Any) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+        weights_only: Optional[bool] = None, **trainer_kwargs: Any) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     os.makedirs(tmp, exist_ok=True)
     L.seed_everything(0)
     model = tiny_gpt()
@@ -85,7 +85,8 @@ def fit(tmp: str, devices: int, strategy: Any, steps: int = STEPS, ckpt_path: Op
                    callbacks=callbacks, enable_checkpointing=save_at is not None, enable_progress_bar=False,
                    enable_model_summary=False, limit_val_batches=0, gradient_clip_val=CLIP, default_root_dir=tmp)
     trainer = L.Trainer(**{**options, **trainer_kwargs})
-    trainer.fit(model, datamodule=CharDataModule(block_size=16, batch_size=4, max_bytes=40_000), ckpt_path=ckpt_path)
+    trainer.fit(model, datamodule=CharDataModule(block_size=16, batch_size=4, max_bytes=40_000), ckpt_path=ckpt_path,
+                weights_only=weights_only)
     if after is not None:
         after(model, trainer)
     records = [torch.load(os.path.join(tmp, f"record_rank{r}.pt")) for r in range(devices)]

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import sys
 import time
@@ -24,6 +25,22 @@ class _KillWhilePickled:
         return (object, ())
 
 
+def break_writes(how: str, path: str) -> None:
+    """Make this process's next write of the checkpoint at ``path`` fail in the OS, for real: ``enospc`` (its
+    ``.tmp`` file is a link to ``/dev/full``, where every write is "No space left on device"), ``efbig`` (a 64 KiB
+    limit on the size of any file this process writes, SIGXFSZ ignored: "File too large"), ``eacces`` (its folder
+    made read-only: "Permission denied"; not for root, whom permissions do not stop)."""
+    if how == "enospc":
+        os.symlink("/dev/full", f"{path}.tmp")
+    elif how == "efbig":
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    elif how == "eacces":
+        os.chmod(os.path.dirname(path), 0o555)
+    else:
+        raise ValueError(f"save_error={how!r}: allowed: enospc, efbig, eacces")
+
+
 class FaultyCharGPT(CharGPT):
     """``fault``: ``kill`` (SIGKILL itself), ``hang`` (stop participating, alive, for ``hang_s`` seconds), ``nan``
     (a NaN loss), ``kill_in_save`` (SIGKILL while writing the checkpoint), ``sigterm`` (SIGTERM itself, as a
@@ -33,22 +50,31 @@ class FaultyCharGPT(CharGPT):
     to itself: rank 0 inside ``training_step``, every other rank inside ``on_after_backward``, at ``fault_step``),
     ``raise_timeout`` (a ``RuntimeError`` of the user's own whose message says "timeout"), ``raise_oom``
     (``torch.OutOfMemoryError``); each ``raise_*`` prints the time it raises at;
-    ``print_steps`` (no fault: the step lines only).
+    ``print_steps`` (no fault: the step lines only);
+    ``save_fails`` (the save at ``fault_step`` fails in the OS as ``save_error`` says: :func:`break_writes`),
+    ``save_fails_at_end`` (the same for every write after training, as the consolidation of a sharded checkpoint).
     ``save_every``: ``trainer.save_checkpoint`` to ``<default_root_dir>/ckpt/last.ckpt`` every N steps. With a
     fault, each rank prints each step it starts."""
 
     def __init__(self, fault: str = "none", fault_rank: int = 1, fault_step: int = 3, save_every: int = 0,
-                 hang_s: float = 3600.0, **kwargs: Any) -> None:
+                 hang_s: float = 3600.0, save_error: str = "enospc", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.fault, self.fault_rank, self.fault_step, self.save_every = fault, fault_rank, fault_step, save_every
-        self.hang_s = hang_s
+        self.hang_s, self.save_error = hang_s, save_error
 
     def _faulty_here(self, fault: str) -> bool:
         return self.fault == fault and self.global_rank == self.fault_rank and self.global_step == self.fault_step
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.save_every and self.global_step % self.save_every == 0:
-            self.trainer.save_checkpoint(os.path.join(self.trainer.default_root_dir, "ckpt", "last.ckpt"))
+            path = os.path.join(self.trainer.default_root_dir, "ckpt", "last.ckpt")
+            if self._faulty_here("save_fails"):
+                break_writes(self.save_error, path)
+            self.trainer.save_checkpoint(path)
+
+    def on_train_end(self) -> None:
+        if self.fault == "save_fails_at_end" and self.global_rank == self.fault_rank:
+            break_writes(self.save_error, os.path.join(self.trainer.default_root_dir, "ckpt", "last.ckpt"))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self._faulty_here("kill_in_save"):

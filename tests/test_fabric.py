@@ -93,7 +93,7 @@ def train(fabric: L.Fabric, steps: int = STEPS, accumulate: int = 1, checkpoint:
         facts["pieces"] = report.splitter.pieces if report.splitter is not None else 0
         facts["recompiles"] = len(report.recompiles)
     if isinstance(fabric.strategy, StaticDistFabricStrategy):
-        facts["metrics"] = fabric.strategy.metrics()  # every rank: the figures are aggregated over them
+        facts["metrics"] = fabric.strategy.metrics()  # (rank-local; the overlap figures were combined in optimizer.step)
     return facts
 
 

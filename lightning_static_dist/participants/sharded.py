@@ -23,7 +23,13 @@ import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_static_dist.checkpoint import ShardedOptimizerState, consolidate, is_sharded_checkpoint, save_sharded
+from lightning_static_dist.checkpoint import (
+    ShardedOptimizerState,
+    agree_on,
+    consolidate,
+    is_sharded_checkpoint,
+    save_sharded,
+)
 from lightning_static_dist.compat import unwrap_optimizer
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.faults import waiting_in
@@ -186,7 +192,7 @@ class ShardedSync(StepParticipant):
                 "shapes": sync.state_shard.original_shapes(),
                 "has_optimizer": bool(states)}
         with waiting_in("writing the sharded checkpoint"):
-            save_sharded(path, meta, model_state, pieces, self._view.global_rank)
+            save_sharded(path, meta, model_state, pieces, self._view.global_rank, group=self._view.host_group)
         self._last_sharded_checkpoint = path
         return True
 
@@ -211,7 +217,9 @@ class ShardedSync(StepParticipant):
             rank_zero_info(f"static_dist: the last sharded checkpoint ({path}) holds rank 0's shards of a simulated"
                            " world; not consolidated")
             return
-        if self._view.is_global_zero and is_sharded_checkpoint(path):
-            consolidate(path, path)
-            rank_zero_info(f"static_dist: consolidated the last sharded checkpoint into a plain file: {path}")
-        self._view.barrier()
+        view = self._view
+        # rank 0's write, its outcome agreed on (the agreement is also the barrier): a full disk here is every
+        # rank's one line, and the sharded checkpoint stays as it was
+        agree_on(lambda: consolidate(path, path) if view.is_global_zero and is_sharded_checkpoint(path) else None,
+                 path, view.global_rank, group=view.host_group)
+        rank_zero_info(f"static_dist: consolidated the last sharded checkpoint into a plain file: {path}")
