@@ -40,6 +40,12 @@ STORE_HOST_GONE = "rank 0 (the host of the rendezvous store) is gone"
 #: Where torch's collectives, their Python side, live: an error raised there came from communication.
 _TORCH_DISTRIBUTED = os.path.dirname(dist.__file__) + os.sep
 
+#: What the backends' own errors carry, where the error leaves a native ``Work.wait()`` or a traced collective
+#: (graph mode, ``_functional_collectives``) whose Python frame is the caller's: the source files and words of Gloo's
+#: and NCCL's C++ messages, never a user's own "timeout".
+_BACKEND_MARKERS = ("gloo/transport/", "processgroupgloo", "processgroupnccl", "nccl error", "ncclremoteerror",
+                    "connection closed by peer", "connection reset by peer", "timed out waiting")
+
 
 @contextmanager
 def waiting_in(what: str) -> Iterator[None]:
@@ -68,13 +74,22 @@ def is_collective_failure(err: BaseException) -> bool:
     not by its message: a ``torch.distributed`` error type (``DistBackendError``, ``DistNetworkError``,
     ``DistStoreError`` ...), or a ``RuntimeError`` raised while waiting in a marked collective (:func:`waiting_in`) or
     inside ``torch.distributed`` itself (a collective of Lightning's, or of the user's code; Gloo raises plain
-    ``RuntimeError``). A ``RuntimeError("... timeout ...")`` of the user's own, or an out-of-memory error, is not one:
-    its rank prints its traceback."""
+    ``RuntimeError``), or one carrying the backends' own source markers (a native ``Work.wait()`` or a traced
+    collective raises from the caller's frame). A ``RuntimeError("... timeout ...")`` of the user's own, or an
+    out-of-memory error, is not one: its rank prints its traceback."""
     if isinstance(err, getattr(dist, "DistError", ())):
         return True
     if not isinstance(err, RuntimeError) or isinstance(err, torch.OutOfMemoryError):
         return False
-    return any(failed is err for _, failed in _failed_in[:1]) or _raised_in_torch_distributed(err)
+    if any(failed is err for _, failed in _failed_in[:1]) or _raised_in_torch_distributed(err):
+        return True
+    text = str(err).lower()
+    return any(marker in text for marker in _BACKEND_MARKERS)
+
+
+def forget_failure() -> None:
+    """A collective's failure handled where it happened (the job stops anyway): no later line names it."""
+    _failed_in.clear()
 
 
 def _raised_in_torch_distributed(err: BaseException) -> bool:

@@ -32,8 +32,9 @@ forwarding of the signal to the ranks its launcher started, and its flag, and le
 At the agreed stop every rank writes one checkpoint (a collective: every rank is at the same point), rank 0 prints one
 line naming the signal, the step and the file, and ``fit`` ends with Lightning's ``SIGTERMException`` carrying exit
 status 143 (:data:`SIGTERM_EXIT`; Lightning 2.6's carries none, read as 0, "finished", by torchrun and schedulers).
-The checkpoint is ``preempted-step=<N>.ckpt`` in the ``ModelCheckpoint``'s folder (else ``default_root_dir``), where
-``lsd-train ckpt_path=last`` finds it. Lightning's own ``ModelCheckpoint(save_on_exception=True)`` would save too (on
+The checkpoint is ``last-preempted-step=<N>.ckpt`` in the ``ModelCheckpoint``'s folder (else ``default_root_dir``),
+where ``lsd-train ckpt_path=last`` and Lightning's ``ckpt_path="last"`` find it. With gradient accumulation the stop
+waits for the end of the accumulation window, so the checkpoint holds whole optimizer steps. Lightning's own ``ModelCheckpoint(save_on_exception=True)`` would save too (on
 every rank, as the exception reaches every rank at the same step); it is not needed.
 
 SLURM's requeue signal (``SIGUSR1`` under ``SLURMEnvironment(auto_requeue=True)``) rides the same rounds: Lightning's
@@ -53,7 +54,6 @@ the device.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import logging
 import os
@@ -65,7 +65,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_static_dist.faults import waiting_in
+from lightning_static_dist.faults import forget_failure, waiting_in
 from lightning_static_dist.simulate import is_simulated
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,14 @@ def sigterm_exit() -> BaseException:
     stop = SIGTERMException()
     if not stop.code:
         stop.code = SIGTERM_EXIT
+    stop.static_dist_agreed = True  # type: ignore[attr-defined]  (Lightning's own per-rank stops carry no mark)
     return stop
+
+
+def is_agreed_stop(exception: BaseException) -> bool:
+    """Whether ``exception`` is the stop every rank agreed on (:func:`sigterm_exit`), not a ``SIGTERMException`` that
+    Lightning's own per-rank check raised on one rank (validate or test, or a fit without the host group)."""
+    return bool(getattr(exception, "static_dist_agreed", False))
 
 
 @functools.cache
@@ -150,6 +157,8 @@ class HostSigtermBroadcast:
         self._lag = lag
         self._checkpoint, self._requeue = checkpoint, requeue
         self._requeued = 0  # the requeue requests acted on (a count: the rounds in flight after one still carry it)
+        self._stop_pending = False  # agreed, waiting for the end of the accumulation window
+        self._trainer = trainer
         self._step = (lambda: trainer.global_step) if hasattr(trainer, "global_step") else (lambda: -1)
         self._in_flight: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
         self._connector = trainer._signal_connector
@@ -176,29 +185,40 @@ class HostSigtermBroadcast:
                 path = self._requeue()
                 _say(f"static_dist: requeue signal (SIGUSR1): every rank saved {path} at step {self._step()}; job"
                      " requeued, training goes on until the scheduler stops it")
-        if sigterm:
-            self._connector.__dict__["_agreed_sigterm"] = True
         return sigterm == 1
 
     def _stop(self) -> BaseException:
         """The agreed stop: the checkpoint written on every rank, one line, and the exception that ends ``fit``."""
+        # from here on the connector answers the agreed flag (not before: Lightning's own end-of-batch check would
+        # stop this rank mid-window, without the checkpoint)
+        self._connector.__dict__["_agreed_sigterm"] = True
         path = self._checkpoint() if self._checkpoint is not None else None
         _say(f"static_dist: SIGTERM: every rank stopped at step {self._step()}"
              + (f"; checkpoint {path}" if path else "") + f"; exiting with status {SIGTERM_EXIT}")
         return sigterm_exit()
 
+    def _between_windows(self) -> bool:
+        """Whether the batch about to start opens a gradient-accumulation window (every batch does without
+        accumulation): a stop anywhere else would save a step whose micro-batches' gradients are not in the
+        checkpoint. The same on every rank (the same batches, the same ``accumulate_grad_batches``)."""
+        every = getattr(self._trainer, "accumulate_grad_batches", 1) or 1
+        progress = getattr(_epoch_loop(self._trainer), "batch_progress", None)
+        return every <= 1 or progress is None or progress.current.completed % every == 0
+
     def __call__(self) -> None:
         flags = self._own_flags()
         self._in_flight.append((dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flags))
-        if len(self._in_flight) <= self._lag:
-            return
-        work, oldest = self._in_flight.popleft()
-        with waiting_in(_ROUND):
-            work.wait()
-        if self._agreed(oldest):
-            with contextlib.suppress(Exception):
+        if len(self._in_flight) > self._lag:
+            work, oldest = self._in_flight.popleft()
+            with waiting_in(_ROUND):
+                work.wait()
+            self._stop_pending = self._agreed(oldest) or self._stop_pending
+        if self._stop_pending and self._between_windows():
+            try:
                 self._drain()
                 dist.barrier(group=self._group)  # as Lightning does: no rank left waiting in a collective
+            except Exception:
+                forget_failure()  # (a peer gone as the job stops: the stop goes on, and no later line names it)
             raise self._stop()
 
     def agree(self) -> None:
@@ -208,6 +228,8 @@ class HostSigtermBroadcast:
         with waiting_in(_ROUND):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
         if self._agreed(flags):
+            self._stop_pending = True
+        if self._stop_pending and self._between_windows():
             self._drain()  # (every rank started the same rounds: none is left waiting in one)
             raise self._stop()
 
@@ -239,11 +261,12 @@ def _say(line: str) -> None:
 
 def save_at_stop(trainer: Any) -> str:
     """Write the checkpoint of an agreed SIGTERM stop (collective: every rank calls it at the same step) and return
-    its path: ``preempted-step=<N>.ckpt`` in the run's checkpoint folder (the ``ModelCheckpoint``'s ``dirpath``),
-    else in ``default_root_dir``; ``lsd-train ckpt_path=last`` resumes from it."""
+    its path: ``last-preempted-step=<N>.ckpt`` in the run's checkpoint folder (the ``ModelCheckpoint``'s
+    ``dirpath``), else in ``default_root_dir``. ``lsd-train ckpt_path=last`` resumes from it, and so does Lightning's
+    own ``fit(ckpt_path="last")``, which takes the newest file whose name starts with ``last``."""
     callback = trainer.checkpoint_callback
     folder = getattr(callback, "dirpath", None) or trainer.default_root_dir
-    path = os.path.join(folder, f"preempted-step={trainer.global_step}.ckpt")
+    path = os.path.join(folder, f"last-preempted-step={trainer.global_step}.ckpt")
     trainer.save_checkpoint(path)
     return path
 

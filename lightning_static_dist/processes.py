@@ -13,6 +13,7 @@ Example (the strategy is the class users meet; this part of it, used from a hook
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -128,8 +129,8 @@ def _port_in_use(port: int) -> bool:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("", port))
-        except OSError:
-            return True
+        except OSError as err:
+            return err.errno == errno.EADDRINUSE  # (EACCES, a port below 1024 without root: torch's own error says so)
     return False
 
 
@@ -175,6 +176,7 @@ class DataParallelProcesses(ParallelStrategy):
         self._mesh: Optional[DeviceMesh] = None
         self._host_group: Optional[torch.distributed.ProcessGroup] = None
         self._failed = False
+        self._preempted = False  # the ranks' agreed SIGTERM stop (loop.py): every rank saved, none failed
         self.failure: Optional[str] = None
         """One line saying which rank stopped participating, and where, after a communication failure; or which
         checkpoint could not be written or read, and why (every rank prints the same one)."""
@@ -350,7 +352,8 @@ class DataParallelProcesses(ParallelStrategy):
         keep = {id(_group.WORLD), id(self._host_group)}
         for dim in range(mesh.ndim):
             group = mesh.get_group(dim)
-            if id(group) not in keep:
+            # Gloo's only: what aborted at exit; NCCL's are left to the exit's teardown (not tried on GPUs here)
+            if id(group) not in keep and torch.distributed.get_backend(group) == "gloo":
                 keep.add(id(group))  # (a group serving two dimensions is destroyed once)
                 torch.distributed.destroy_process_group(group)
 
@@ -376,16 +379,21 @@ class DataParallelProcesses(ParallelStrategy):
             self.cluster_environment.set_world_size(self._ranks_in_world())
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
+    @property
+    def preempted(self) -> bool:
+        """Whether ``fit`` ended at the ranks' agreed SIGTERM stop (its checkpoint written on every rank)."""
+        return self._preempted
+
     def has_failed(self) -> bool:
         """Whether this rank is reporting a failure itself (the peer watchdog's thread reads it)."""
         return self._failed
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-        if isinstance(exception, SIGTERMException):
+        if loop_patches.is_agreed_stop(exception):
+            self._preempted = True
             return  # every rank stopped at the step they agreed on (loop.py): no failure, every peer is there
+        # (Lightning's own per-rank SIGTERM stop, one rank alone, is a failure: its peers may wait in a collective)
         mark_run_failed()  # the exit-time teardown must not wait for peers that may be gone
         self._failed = True
         if isinstance(exception, CheckpointError):  # the ranks agreed on it: each says so, none waits for another

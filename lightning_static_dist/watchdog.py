@@ -152,7 +152,7 @@ class PeerWatchdog:
         # alone) must not reach the interpreter's finalisation with this thread inside a store call: CPython 3.11
         # ends such a daemon thread with pthread_exit, whose unwinding through pybind11's GIL release is
         # std::terminate (SIGABRT, "terminate called without an active exception"). atexit runs before that.
-        atexit.register(self.stop)
+        atexit.register(self._stop_at_exit)
 
     def stop(self, clean: bool = True) -> None:
         """Stop, quietly (nothing happens when stopped). ``clean``: the last heartbeat says so, and the peers do not
@@ -161,10 +161,15 @@ class PeerWatchdog:
         thread, self._thread = self._thread, None
         if thread is None:
             return
-        atexit.unregister(self.stop)
+        atexit.unregister(self._stop_at_exit)
         self._clean = clean
         self._stop.set()  # from here on the thread neither prints nor exits
         thread.join(timeout=5.0)
+
+    def _stop_at_exit(self) -> None:
+        """Stopped by the interpreter's exit, not by the strategy's teardown: clean only where this rank reported no
+        failure (a rank leaving on an uncaught error must still look gone to its peers)."""
+        self.stop(clean=not self._failed())
 
     def _run(self, stop: threading.Event) -> None:
         heard: dict[int, _Heard] = {}

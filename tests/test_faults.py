@@ -132,6 +132,12 @@ def test_a_collective_failure_is_told_by_where_it_came_from_not_by_its_words() -
     assert is_collective_failure(caught.value) and in_flight() == "the all-reduce of bucket 2"
     faults._failed_in.clear()  # (what diagnose does once it has said so)
     assert not is_collective_failure(raised(lambda: RuntimeError("the same words, later, from the user's code")))
+    # a native Work.wait() (an async collective's) or a traced collective (graph mode) raises from the caller's frame:
+    # Gloo's and NCCL's own messages say where they came from
+    gloo = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500"
+    assert is_collective_failure(raised(lambda: RuntimeError(gloo)))
+    assert is_collective_failure(raised(lambda: RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1968, remote process"
+                                                             " exited or there was a network error")))
 
 
 def test_a_slow_step_on_one_rank_is_no_death(tmp_path: Any) -> None:
@@ -195,7 +201,7 @@ def stopped_with_checkpoint(code: int, err: str) -> int:
                          r" 143", line)
     assert found, line
     step, path = int(found[1]), found[2]
-    assert os.path.basename(path) == f"preempted-step={step}.ckpt", path
+    assert os.path.basename(path) == f"last-preempted-step={step}.ckpt", path
     state = torch.load(path, weights_only=True)
     assert state["global_step"] == step and "state_dict" in state and state["optimizer_states"]
     assert "Traceback" not in err, err[-3000:]
@@ -224,8 +230,19 @@ def test_a_sigterm_on_any_rank_stops_every_rank_at_the_same_step(tmp_path: Any, 
     # resumed from it: `ckpt_path=last` finds it, and the run goes on from that step to the end
     code, err, _ = lsd_train(tmp_path, "model.fault=print_steps", "ckpt_path=last")
     assert code == 0, err[-3000:]
-    assert f"resuming from {tmp_path}" in err and f"preempted-step={step}.ckpt" in err, err[-3000:]
+    assert f"resuming from {tmp_path}" in err and f"last-preempted-step={step}.ckpt" in err, err[-3000:]
     assert min(int(s) for s in re.findall(r"rank \d+ starts step (\d+)", err)) == step, err[-3000:]
+
+
+def test_a_sigterm_inside_an_accumulation_window_stops_at_its_end(tmp_path: Any) -> None:
+    # with gradient accumulation a stop between two micro-batches would save a step whose first micro-batches'
+    # gradients are in no checkpoint (the resumed window would close with fewer): the ranks stop where a window ends
+    code, err, _ = lsd_train(tmp_path, "model.fault=sigterm", "model.fault_rank=1", "model.fault_step=2",
+                             "trainer.accumulate_grad_batches=4")
+    step = stopped_with_checkpoint(code, err)
+    (path,) = re.findall(r"; checkpoint (.+); exiting with status 143", err)
+    progress = torch.load(path, weights_only=True)["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    assert progress["total"]["completed"] == 4 * step, progress  # whole windows only, each one optimizer step
 
 
 def test_a_sigterm_during_validation_stops_every_rank_after_it(tmp_path: Any) -> None:

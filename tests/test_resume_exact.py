@@ -79,3 +79,29 @@ def test_a_mid_epoch_resume_from_a_plain_dataloader_says_it_is_not_exact(tmp_pat
     assert lines == ["static_dist: resumed mid-epoch (epoch 0, batch 6, step 6) with a training loader that keeps no"
                      " position (DataLoader has no state_dict/load_state_dict): its epoch starts again from the first"
                      " batch, so the run does not continue bit for bit"], out[-3000:]
+
+
+def test_a_position_saved_at_another_world_size_or_batch_size_restarts_the_epoch_and_says_so(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    # a position in batches names the same samples only in the same geometry: 2 ranks x 4 then, 1 x 4 or 2 x 8 now
+    # would repeat or skip samples silently; the epoch starts again instead, with one line
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from lightning_static_dist.examples.charlm import ResumableLoader, ResumableSampler
+
+    data = TensorDataset(torch.arange(64))
+
+    def loader(replicas: int, batch: int) -> ResumableLoader:
+        return ResumableLoader(data, batch_size=batch, sampler=ResumableSampler(data, replicas, 0, seed=3), drop_last=True)
+
+    saved = {**loader(2, 4).state_dict(), "batches": 3}
+    same = loader(2, 4)
+    same.load_state_dict(saved)
+    whole = [b[0].tolist() for b in loader(2, 4)]
+    assert [b[0].tolist() for b in same] == whole[3:]  # the same geometry: where it stopped
+    for replicas, batch in ((1, 4), (2, 8)):
+        other = loader(replicas, batch)
+        other.load_state_dict(saved)
+        assert len(list(other)) == len(other)  # the whole epoch
+        assert "at another world size or batch size (2 x 4 then" in capfd.readouterr().err

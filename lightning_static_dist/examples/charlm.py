@@ -15,6 +15,7 @@ run would have seen.
 
 import math
 import os
+import sys
 import sysconfig
 from pathlib import Path
 from collections.abc import Iterator
@@ -285,9 +286,18 @@ class ResumableLoader(DataLoader):
         self._resume: Optional[tuple[int, int]] = None
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "batches": self._batches}
+        # the geometry too: a position in batches means the same samples only at the same world size and batch size
+        return {"epoch": self._epoch, "batches": self._batches, "num_replicas": self.sampler.num_replicas,
+                "batch_size": self.batch_size or 1}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        saved = (state.get("num_replicas", self.sampler.num_replicas), state.get("batch_size", self.batch_size or 1))
+        if saved != (self.sampler.num_replicas, self.batch_size or 1):
+            if self.sampler.rank == 0 and state["batches"]:
+                print(f"static_dist: resumed mid-epoch at another world size or batch size ({saved[0]} x {saved[1]}"
+                      f" then, {self.sampler.num_replicas} x {self.batch_size} now): epoch {state['epoch']} starts"
+                      " again from its first batch, so the run does not continue bit for bit", file=sys.stderr)
+            return
         self._resume = (state["epoch"], state["batches"])
 
     @override

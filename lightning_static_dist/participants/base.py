@@ -127,6 +127,11 @@ class StrategyView(Protocol):
     def synchronizer(self) -> Any: ...
 
     @property
+    def preempted(self) -> bool:
+        """Whether ``fit`` ended at the ranks' agreed SIGTERM stop (its checkpoint already written on every rank)."""
+        ...
+
+    @property
     def context(self) -> Optional[StepContext]:
         """The run's :class:`StepContext` once a stage's setup began; ``None`` before."""
         ...

@@ -204,7 +204,8 @@ class ShardedSync(StepParticipant):
         self._gather_hooks = []
         if self.sharded_sync is not None:
             self._view.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # the plugin's own clipping again
-            if not failed:
+            if not failed and not self._view.preempted:  # (preempted: the sharded checkpoint resumes as it is;
+                # a gather and a second, full write could outlast the scheduler's grace period)
                 self.sharded_sync.release()  # whole parameters and a full-form optimizer after fit (collective)
                 self._consolidate_last_checkpoint()
 
