@@ -245,6 +245,18 @@ def test_a_sigterm_inside_an_accumulation_window_stops_at_its_end(tmp_path: Any)
     assert progress["total"]["completed"] == 4 * step, progress  # whole windows only, each one optimizer step
 
 
+def test_a_sigterm_with_sharded_checkpoints_saves_once_and_resumes(tmp_path: Any) -> None:
+    # reduce_scatter's sharded checkpoint is written at the stop; the end-of-fit gather and consolidation are not
+    # run after it (a second, full write inside the scheduler's grace period), and the sharded one resumes
+    sharded = ("strategy.sync.reduce=reduce_scatter", "strategy.checkpoint.format=sharded")
+    code, err, _ = lsd_train(tmp_path, "model.fault=sigterm", "model.fault_rank=0", "model.fault_step=3", *sharded)
+    assert code == 143, err[-3000:]
+    (path,) = re.findall(r"static_dist: SIGTERM: every rank stopped at step \d+; checkpoint (.+); exiting", err)
+    assert os.path.isdir(path) and "consolidated" not in err, err[-3000:]
+    code, err, _ = lsd_train(tmp_path, "model.fault=print_steps", "ckpt_path=last", *sharded)
+    assert code == 0 and f"resuming from {path}" in err, err[-3000:]
+
+
 def test_a_sigterm_during_validation_stops_every_rank_after_it(tmp_path: Any) -> None:
     # no flag round runs in validation: the ranks agree at its end (the strategy's on_validation_end), and every rank
     # writes the checkpoint there and stops before the next training step; Lightning's own check would have stopped
