@@ -24,6 +24,7 @@ end of ``fit``.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import io
 import os
@@ -98,8 +99,8 @@ class CheckpointError(RuntimeError):
 _DAMAGE = (
     ("PytorchStreamReader", "not a whole checkpoint file (truncated, or not written by torch.save)"),
     ("EOFError", "not a whole checkpoint file (truncated, or not written by torch.save)"),
-    ("Weights only load failed", "it holds objects a weights-only load refuses (load it with weights_only=False"
-                                 " only if you trust where it came from)"),
+    ("Weights only load failed", "it holds objects a weights-only load refuses (if you trust where it came from:"
+                                 " Trainer.fit(weights_only=False), lsd-consolidate --trust)"),
     ("UnpicklingError", "not a checkpoint file that loads safely"),
     ("Error(s) in loading state_dict", "another model's checkpoint (its parameters do not match this model's)"),
     ("doesn't match the size of optimizer's group", "another model's or optimizer's checkpoint"),
@@ -306,14 +307,23 @@ def save_full(checkpoint: Mapping[str, Any], path: str) -> None:
     beside it (not to a temporary file elsewhere, whose move onto another file system is a copy that a full disk
     can cut short over the previous checkpoint), flushed to the disk, and put in place by :func:`_replace`. A write
     that fails leaves no ``.tmp`` behind and the previous checkpoint as it was."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = partial_file(path)
     try:
         _write_file(checkpoint, tmp)
         _replace(tmp, path)
     except BaseException:
         _remove(tmp)
         raise
+
+
+def partial_file(path: str) -> str:
+    """Where :func:`save_full` writes ``path`` before it is whole: beside it, under a name with no part of
+    ``path``'s own (Lightning's SLURM resume takes the version of any name holding ``hpc_ckpt``, a ``.tmp`` too), the
+    same for every save of ``path`` (a later one overwrites what a killed one left)."""
+    digest = hashlib.sha1(os.path.basename(path).encode()).hexdigest()[:12]
+    return os.path.join(os.path.dirname(os.path.abspath(path)), f".lsd-partial-{digest}.tmp")
 
 
 def _write_file(obj: Any, path: str) -> None:
@@ -384,7 +394,22 @@ def _replace(new: str, path: str) -> None:
         if os.path.lexists(old):
             os.replace(old, path)
         raise
+    _sync_folder(os.path.dirname(os.path.abspath(path)))  # the rename on the disk before the old one goes
     _remove(old)
+
+
+def _sync_folder(folder: str) -> None:
+    """Flush a folder's entries (a rename) to the disk; where the OS cannot open a folder for it, nothing."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -407,6 +432,7 @@ class MetadataUnpickler(pickle.Unpickler):
         "torch.serialization": ("_get_layout",),  # (a layout pickles as its name, read back by this function)
         "torch": ("Size",),
         "pathlib": ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"),  # (StorageMeta.checkpoint_id)
+        "pathlib._local": ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"),  # (as Python 3.13 pickles)
         "collections": ("OrderedDict",),
     }
 
@@ -503,7 +529,7 @@ class ShardedOptimizerState:
         return {"state": full_state_from_pieces(source, self.shapes), "param_groups": self.param_groups}
 
 
-def consolidate(path: str, out: str) -> None:
+def consolidate(path: str, out: str, weights_only: Optional[bool] = None) -> None:
     """Write the plain Lightning checkpoint file ``out`` from the sharded directory ``path`` (one process, no group).
 
     Why not ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``: it writes a directory's entries as they
@@ -515,7 +541,7 @@ def consolidate(path: str, out: str) -> None:
 
         consolidate("runs/x/checkpoints/epoch=0-step=100.ckpt", "model.ckpt")   # or: lsd-consolidate DIR OUT
     """
-    checkpoint = load_sharded(path, no_dist=True)
+    checkpoint = load_sharded(path, no_dist=True, weights_only=weights_only)
     if "optimizer_states" in checkpoint:
         checkpoint["optimizer_states"] = [s.full(no_dist=True) if isinstance(s, ShardedOptimizerState) else s
                                           for s in checkpoint["optimizer_states"]]

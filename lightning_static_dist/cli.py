@@ -54,8 +54,10 @@ def find_last_checkpoint(roots: Sequence[str]) -> Optional[str]:
     the newest by modification time, then by path. ``None`` when there is none."""
     from lightning_static_dist.checkpoint import is_sharded_checkpoint
 
-    def kept(names: list[str]) -> list[str]:  # not a write that never finished, nor an old one beside its new one
-        return [n for n in names if not n.endswith(".tmp") and not (n.endswith(".ckpt.old") and n[:-4] in names)]
+    def kept(names: list[str], beside: set[str]) -> list[str]:
+        # not a write that never finished, nor an old one beside its new one (a file or a folder: the consolidation
+        # at the end of fit turns a sharded folder into a file of the same name)
+        return [n for n in names if not n.endswith(".tmp") and not (n.endswith(".ckpt.old") and n[:-4] in beside)]
 
     found: list[tuple[float, str]] = []
     for root in roots:
@@ -64,9 +66,10 @@ def find_last_checkpoint(roots: Sequence[str]) -> Optional[str]:
                 found.append((os.path.getmtime(dirpath), dirpath))
                 dirnames[:] = []  # (its .distcp files are not checkpoints of their own)
                 continue
-            dirnames[:] = kept(dirnames)
+            here = set(dirnames) | set(filenames)
+            dirnames[:] = kept(dirnames, here)
             found += [(os.path.getmtime(os.path.join(dirpath, f)), os.path.join(dirpath, f))
-                      for f in kept(filenames) if f.endswith((".ckpt", ".ckpt.old"))]
+                      for f in kept(filenames, here) if f.endswith((".ckpt", ".ckpt.old"))]
     return max(found)[1] if found else None
 
 
@@ -268,11 +271,18 @@ def consolidate_main(argv: Optional[Sequence[str]] = None) -> None:
         prog="lsd-consolidate", description="Write the plain Lightning checkpoint of a sharded (reduce_scatter) one.")
     parser.add_argument("checkpoint_dir", help="a sharded checkpoint directory (strategy.checkpoint.format: sharded)")
     parser.add_argument("out", help="the .ckpt file to write (loads in any Lightning Trainer)")
+    parser.add_argument("--trust", action="store_true",
+                        help="load objects a weights-only load refuses (hyperparameters of your own classes): only for"
+                             " a checkpoint you trust, as Trainer.fit(weights_only=False)")
     args = parser.parse_args(argv)
     if not is_sharded_checkpoint(args.checkpoint_dir):
         parser.exit(2, f"{args.checkpoint_dir}: not a sharded checkpoint directory (no lightning_meta.pt in it)\n")
+    same = os.path.abspath(args.out) == os.path.abspath(args.checkpoint_dir)
+    if os.path.isdir(args.out) and not same:  # (it would be replaced by the file, with what it holds)
+        parser.exit(2, f"lsd-consolidate: out={args.out!r} is a folder; allowed: a file's path, or the checkpoint"
+                       " directory itself (consolidated in place)\n")
     try:
-        consolidate(args.checkpoint_dir, args.out)
+        consolidate(args.checkpoint_dir, args.out, weights_only=False if args.trust else None)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # a damaged or planted checkpoint (DCP's error is a BaseException): one line

@@ -65,6 +65,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_static_dist.checkpoint import CheckpointError
 from lightning_static_dist.faults import forget_failure, waiting_in
 from lightning_static_dist.simulate import is_simulated
 
@@ -192,7 +193,12 @@ class HostSigtermBroadcast:
         # from here on the connector answers the agreed flag (not before: Lightning's own end-of-batch check would
         # stop this rank mid-window, without the checkpoint)
         self._connector.__dict__["_agreed_sigterm"] = True
-        path = self._checkpoint() if self._checkpoint is not None else None
+        try:
+            path = self._checkpoint() if self._checkpoint is not None else None
+        except CheckpointError as err:  # (agreed on every rank: each gets here) still a preemption, said as one
+            _say(f"static_dist: SIGTERM: every rank stopped at step {self._step()}; the checkpoint could not be"
+                 f" written ({err}); exiting with status {SIGTERM_EXIT}")
+            return sigterm_exit()
         _say(f"static_dist: SIGTERM: every rank stopped at step {self._step()}"
              + (f"; checkpoint {path}" if path else "") + f"; exiting with status {SIGTERM_EXIT}")
         return sigterm_exit()

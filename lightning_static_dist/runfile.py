@@ -205,6 +205,10 @@ class RunConfig:
             ckpt_path=_ckpt_path(data.get("ckpt_path")),
         )
         checkpoints = run.callbacks.get("model_checkpoint")
+        if checkpoints is not None and checkpoints.enabled and checkpoints.options.get("save_on_exception"):
+            fail("callbacks.model_checkpoint.save_on_exception", True, "a save is a collective under static_dist and"
+                 " an exception reaches one rank, whose save would wait for the others; allowed: false (a SIGTERM"
+                 " stop saves a checkpoint by itself)")
         if checkpoints is not None and checkpoints.enabled and run.trainer.get("enable_checkpointing") is False:
             fail("callbacks.model_checkpoint.enabled", True, "trainer.enable_checkpointing is false; allowed: false,"
                  " or trainer.enable_checkpointing=true")

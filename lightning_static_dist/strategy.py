@@ -52,6 +52,7 @@ from lightning_static_dist.checkpoint import (
     save_full,
 )
 from lightning_static_dist.compat import allow_compiled_models_in_trainer
+from lightning_static_dist.config import ConfigError
 from lightning_static_dist.compile import CompileReport
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compression import CompressingReducer
@@ -74,6 +75,19 @@ from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def refuse_saves_on_exception(callbacks: list[Any], world_size: int) -> None:
+    """``ModelCheckpoint(save_on_exception=True)`` with more than one rank: a :class:`ConfigError`. An exception
+    reaches one rank, and that rank alone would start the save, a collective here (the state's gather, the write's
+    agreement, Lightning's barrier): it would wait for peers that never come. A SIGTERM stop saves by itself."""
+    if world_size < 2:
+        return
+    for callback in callbacks:
+        if getattr(callback, "save_on_exception", False):
+            raise ConfigError(f"{type(callback).__name__}(save_on_exception=True): under static_dist a save is a"
+                              " collective, and an exception reaches one rank, whose save would wait for the others;"
+                              " allowed: save_on_exception=False (a SIGTERM stop saves a checkpoint by itself)")
 
 
 class TrainerContext:
@@ -323,6 +337,7 @@ class StaticDistStrategy(DataParallelProcesses):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
+        refuse_saves_on_exception(trainer.callbacks, self.world_size)
         self.accelerator.setup(trainer)
         assert self.model is not None
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:

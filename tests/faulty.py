@@ -27,11 +27,13 @@ class _KillWhilePickled:
 
 def break_writes(how: str, path: str) -> None:
     """Make this process's next write of the checkpoint at ``path`` fail in the OS, for real: ``enospc`` (its
-    ``.tmp`` file is a link to ``/dev/full``, where every write is "No space left on device"), ``efbig`` (a 64 KiB
+    partial file is a link to ``/dev/full``, where every write is "No space left on device"), ``efbig`` (a 64 KiB
     limit on the size of any file this process writes, SIGXFSZ ignored: "File too large"), ``eacces`` (its folder
     made read-only: "Permission denied"; not for root, whom permissions do not stop)."""
     if how == "enospc":
-        os.symlink("/dev/full", f"{path}.tmp")
+        from lightning_static_dist.checkpoint import partial_file
+
+        os.symlink("/dev/full", partial_file(path))
     elif how == "efbig":
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))

@@ -238,3 +238,29 @@ def test_the_callers_weights_only_reaches_a_sharded_checkpoint(tmp_path: Path) -
     with pytest.raises(Exception, match=r"weights-only load refuses .* GLOBAL fractions.Fraction"):
         fit(str(tmp_path / "untrusted"), 2, static(1, 2), steps=3, ckpt_path=str(ckpt))
     fit(str(tmp_path / "trusted"), 2, static(1, 2), steps=3, ckpt_path=str(ckpt), weights_only=False)
+
+
+def test_an_old_folder_beside_a_consolidated_file_of_its_name_is_not_resumed(tmp_path: Path) -> None:
+    # the consolidation at the end of fit turns the sharded folder `last.ckpt` into a file; a kill while it removes
+    # the moved-aside `last.ckpt.old/` leaves that folder, newer than the file: `last` must still take the file
+    from lightning_static_dist.cli import find_last_checkpoint
+
+    (tmp_path / "last.ckpt").write_bytes(b"the consolidated file")
+    (tmp_path / "last.ckpt.old").mkdir()
+    os.utime(tmp_path / "last.ckpt", (1, 1))
+    assert find_last_checkpoint([str(tmp_path)]) == str(tmp_path / "last.ckpt")
+
+
+def test_lsd_consolidate_does_not_replace_a_folder_given_as_out(tmp_path: Path) -> None:
+    # `lsd-consolidate DIR exports/` would have moved the folder aside and removed it, with what it held
+    from lightning_static_dist.checkpoint import META_FILE
+    from lightning_static_dist.cli import consolidate_main
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / META_FILE).write_bytes(b"")
+    (tmp_path / "exports").mkdir()
+    (tmp_path / "exports" / "precious.txt").write_text("keep me")
+    with pytest.raises(SystemExit) as stopped:
+        consolidate_main([str(tmp_path / "ckpt"), str(tmp_path / "exports")])
+    assert stopped.value.code == 2
+    assert (tmp_path / "exports" / "precious.txt").read_text() == "keep me"

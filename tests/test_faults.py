@@ -109,6 +109,24 @@ def test_an_exception_on_one_rank_prints_its_traceback_once_and_ends_the_job(tmp
     assert ended - raised < 20, ended - raised
 
 
+def test_a_save_on_exception_is_refused_before_it_can_hang_the_job(tmp_path: Any) -> None:
+    # ModelCheckpoint(save_on_exception=True) saves from the failing rank alone, before the strategy hears of the
+    # failure; a save is a collective here, so it waited for peers that never came (the job ran past 100 s). The run
+    # file refuses it in one line before any process starts, and the strategy refuses it at setup
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_static_dist.config import ConfigError
+    from lightning_static_dist.strategy import refuse_saves_on_exception
+
+    code, err, seconds = lsd_train(tmp_path, "callbacks.model_checkpoint.enabled=true",
+                                   "callbacks.model_checkpoint.save_on_exception=true")
+    assert code == 2 and "callbacks.model_checkpoint.save_on_exception=True: a save is a collective" in err, err[-2000:]
+    assert seconds < 30
+    with pytest.raises(ConfigError, match="save_on_exception=True"):
+        refuse_saves_on_exception([ModelCheckpoint(save_on_exception=True)], world_size=2)
+    refuse_saves_on_exception([ModelCheckpoint(save_on_exception=True)], world_size=1)  # one rank: no collective
+
+
 def test_a_collective_failure_is_told_by_where_it_came_from_not_by_its_words() -> None:
     import torch.distributed as dist
 

@@ -221,6 +221,10 @@ class ShardedSync(StepParticipant):
         view = self._view
         # rank 0's write, its outcome agreed on (the agreement is also the barrier): a full disk here is every
         # rank's one line, and the sharded checkpoint stays as it was
-        agree_on(lambda: consolidate(path, path) if view.is_global_zero and is_sharded_checkpoint(path) else None,
-                 path, view.global_rank, group=view.host_group)
+        # (weights_only=False: the file this fit itself just wrote, with the user's own hyperparameter objects)
+        def write() -> None:
+            if view.is_global_zero and is_sharded_checkpoint(path):
+                consolidate(path, path, weights_only=False)
+
+        agree_on(write, path, view.global_rank, group=view.host_group)
         rank_zero_info(f"static_dist: consolidated the last sharded checkpoint into a plain file: {path}")
