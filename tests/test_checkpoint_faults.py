@@ -104,14 +104,16 @@ def test_a_consolidation_at_the_end_that_fails_ends_every_rank_with_one_line_and
 
 
 def test_ckpt_path_last_resumes_from_the_old_checkpoint_a_crash_between_the_renames_left(tmp_path: Path) -> None:
+    from lightning_static_dist.checkpoint import partial_file
+
     # a save of `x.ckpt` that crashed between its renames leaves the previous checkpoint as `x.ckpt.old` and the new
-    # one, not known to be whole, as `x.ckpt.tmp` (made here as such a crash leaves them: no hook stops a process
+    # one, not known to be whole, as its partial file (made here as such a crash leaves them: no hook stops a process
     # between two renames); before, ckpt_path=last saw no checkpoint there and started again from step 0
     code, err, _ = lsd_train(tmp_path, "trainer.max_steps=4", "model.save_every=4")
     assert code == 0, err[-4000:]
     ckpt = tmp_path / "ckpt" / "last.ckpt"
     os.replace(ckpt, f"{ckpt}.old")
-    Path(f"{ckpt}.tmp").write_bytes(b"half a checkpoint")
+    Path(partial_file(str(ckpt))).write_bytes(b"half a checkpoint")
     code, err, _ = lsd_train(tmp_path, "trainer.max_steps=8", "model.save_every=4", "ckpt_path=last")
     assert code == 0, err[-4000:]
     assert f"lsd-train: ckpt_path=last: resuming from {ckpt}.old" in err, err[-4000:]

@@ -169,8 +169,12 @@ def test_an_nccl_timeout_names_the_flight_recorder_dump_under_the_run_directory(
                                                                                monkeypatch: Any) -> None:
     # before an NCCL process group exists the strategy asks torch's NCCL watchdog for a flight-recorder dump on a
     # timeout, under the run directory, unless the user chose; the timeout's line names this rank's file
+    import torch.distributed as dist
+
     from lightning_static_dist.faults import diagnose, flight_recorder_file, record_nccl_flight
 
+    if dist.is_initialized():  # (an earlier in-process fit's world-1 group: torch read its settings already)
+        dist.destroy_process_group()
     for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_BUFFER_SIZE",
                  "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)

@@ -102,7 +102,7 @@ def _static(mode: str = "hooks") -> StaticDistStrategy:
 #: Lightning's one read per step in a multi-process run, replaced by the strategy (lightning_static_dist/loop.py)
 LIGHTNING_SIGTERM = {"lightning:_TrainingEpochLoop._broadcast_sigterm_tensor": 1}
 #: ...by the same broadcast host to host over Gloo (a CPU tensor: no device wait)
-OURS_SIGTERM = {"ours:HostSigtermBroadcast.__call__": 1}
+OURS_SIGTERM = {"ours:HostSigtermBroadcast._agreed": 1}
 
 
 @pytest.mark.parametrize("mode", ["hooks", "graph"])

