@@ -34,8 +34,9 @@ line naming the signal, the step and the file, and ``fit`` ends with Lightning's
 status 143 (:data:`SIGTERM_EXIT`; Lightning 2.6's carries none, read as 0, "finished", by torchrun and schedulers).
 The checkpoint is ``last-preempted-step=<N>.ckpt`` in the ``ModelCheckpoint``'s folder (else ``default_root_dir``),
 where ``lsd-train ckpt_path=last`` and Lightning's ``ckpt_path="last"`` find it. With gradient accumulation the stop
-waits for the end of the accumulation window, so the checkpoint holds whole optimizer steps. Lightning's own ``ModelCheckpoint(save_on_exception=True)`` would save too (on
-every rank, as the exception reaches every rank at the same step); it is not needed.
+waits for the end of the accumulation window, so the checkpoint holds whole optimizer steps. (Lightning's own
+``ModelCheckpoint(save_on_exception=True)`` is refused at world size > 1: on an exception that reaches one rank, its
+save would be that rank's alone.)
 
 SLURM's requeue signal (``SIGUSR1`` under ``SLURMEnvironment(auto_requeue=True)``) rides the same rounds: Lightning's
 handler writes the hpc checkpoint — a collective here — from inside the signal handler, wherever in the step the
@@ -47,8 +48,8 @@ Private Lightning API: ``_TrainingEpochLoop._broadcast_sigterm_tensor`` (replace
 only, where it exists) and ``Trainer._signal_connector`` (its class swapped, on this trainer only, for a subclass
 whose ``received_sigterm`` is a property, whose ``_sigterm_notifier_fn`` does not broadcast and whose
 ``_slurm_sigusr_handler_fn`` defers; the handlers are registered after the strategy's setup, so they are the
-subclass's), ``Trainer._checkpoint_connector.hpc_save_path`` (the hpc checkpoint's name, for the line). Retire this module when Lightning's loop stops reading the flag through
-the device.
+subclass's), ``Trainer._checkpoint_connector.hpc_save_path`` (the hpc checkpoint's name, for the line). Retire this
+module when Lightning's loop stops reading the flag through the device.
 """
 
 from __future__ import annotations
@@ -177,8 +178,9 @@ class HostSigtermBroadcast:
                             dtype=torch.int32)
 
     def _agreed(self, flags: torch.Tensor) -> bool:
-        """A completed round's verdict: whether it carried a SIGTERM (the agreed flag from now on). A requeue request
-        it carries, not acted on yet, is acted on first (every rank reads the same round at the same point)."""
+        """A completed round's verdict: whether it carried a SIGTERM (acted on at the next window's start,
+        :meth:`_stop`). A requeue request it carries, not acted on yet, is acted on first (every rank reads the same
+        round at the same point)."""
         sigterm, requeues = flags.tolist()  # a CPU tensor Gloo wrote: no device involved
         if requeues > self._requeued:
             self._requeued = requeues
@@ -195,12 +197,11 @@ class HostSigtermBroadcast:
         self._connector.__dict__["_agreed_sigterm"] = True
         try:
             path = self._checkpoint() if self._checkpoint is not None else None
+            saved = f"; checkpoint {path}" if path else ""
         except CheckpointError as err:  # (agreed on every rank: each gets here) still a preemption, said as one
-            _say(f"static_dist: SIGTERM: every rank stopped at step {self._step()}; the checkpoint could not be"
-                 f" written ({err}); exiting with status {SIGTERM_EXIT}")
-            return sigterm_exit()
-        _say(f"static_dist: SIGTERM: every rank stopped at step {self._step()}"
-             + (f"; checkpoint {path}" if path else "") + f"; exiting with status {SIGTERM_EXIT}")
+            saved = f"; the checkpoint could not be written ({err})"
+        _say(f"static_dist: SIGTERM: every rank stopped at step {self._step()}{saved}; exiting with status"
+             f" {SIGTERM_EXIT}")
         return sigterm_exit()
 
     def _between_windows(self) -> bool:
@@ -233,8 +234,7 @@ class HostSigtermBroadcast:
         flags = self._own_flags()
         with waiting_in(_ROUND):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        if self._agreed(flags):
-            self._stop_pending = True
+        self._stop_pending = self._agreed(flags) or self._stop_pending
         if self._stop_pending and self._between_windows():
             self._drain()  # (every rank started the same rounds: none is left waiting in one)
             raise self._stop()
