@@ -139,6 +139,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import logging
 import os
 import sys
@@ -193,6 +194,9 @@ def destroy_process_groups_at_exit() -> None:
         if dist.is_available() and dist.is_initialized():
             try:
                 dist.destroy_process_group()
+                # the groups' and the store's native objects (and the threads they join) freed now, while the
+                # interpreter is whole, not when finalisation or the C++ static destructors get to them
+                gc.collect()
             except Exception as err:  # exiting anyway: say why, do not mask the exit status
                 log.debug(f"static_dist: destroy_process_group at exit failed: {err}")
 

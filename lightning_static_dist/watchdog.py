@@ -165,6 +165,8 @@ class PeerWatchdog:
         self._clean = clean
         self._stop.set()  # from here on the thread neither prints nor exits
         thread.join(timeout=5.0)
+        if not thread.is_alive():
+            self._store = None  # its own store client closed now, not by the interpreter's finalisation
 
     def _stop_at_exit(self) -> None:
         """Stopped by the interpreter's exit, not by the strategy's teardown: clean only where this rank reported no

@@ -21,8 +21,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _run(scenario: str, out: Any) -> tuple[int, str]:
-    env = {**fresh_job_env(), "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE,
-                                                              os.environ.get("PYTHONPATH", "")])}
+    # PYTHONFAULTHANDLER: a rank that aborts prints every thread's Python stack, which says whose thread it was
+    env = {**fresh_job_env(), "PYTHONFAULTHANDLER": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, os.path.join(HERE, "_lightning_spawn.py"), scenario, str(out)],
                           capture_output=True, text=True, env=env, timeout=240)
     return proc.returncode, proc.stderr
