@@ -138,14 +138,14 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         parser.exit(2, f"lsd-train: error: {err}\n")
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lightning_static_dist.loop import SIGTERM_EXIT, is_agreed_stop
+    from lightning_static_dist.processes.sigterm import SIGTERM_EXIT, is_agreed_stop
 
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException as stop:
         if not is_agreed_stop(stop):  # Lightning's own stop of this rank alone: its peers may wait in a collective
             exit_after_failure(stop.code or SIGTERM_EXIT)
-        # every rank stopped at the step they agreed on and wrote its checkpoint (loop.py): not "finished" (status 0)
+        # every rank stopped at the step they agreed on and wrote its checkpoint (processes/sigterm.py): not "finished" (status 0)
         exit_without_native_teardown(stop.code or SIGTERM_EXIT)
     except Exception:
         if getattr(trainer.strategy, "failure", None) is None:

@@ -38,7 +38,7 @@ Defined here
     wrappers. Reading that property behind an ``isinstance`` check of the two wrapper classes would retire this
     private read. No upstream change is needed for that.
 The exit teardown: :func:`destroy_process_groups_at_exit` with :func:`mark_run_failed` (``strategy.py``),
-:func:`exit_without_native_teardown` (``launcher.py``, ``fabric.py`` through ``launcher.py``, ``cli.py``) and
+:func:`exit_without_native_teardown` (``processes/launcher.py``, ``fabric.py`` through ``processes/launcher.py``, ``cli.py``) and
 :func:`exit_after_failure` (``cli.py``)
     One problem, two mechanisms. With Gloo, a process that finishes while it still has process groups can abort
     (SIGABRT, ``terminate called without an active exception``). A finished rank is then reported as crashed. There
@@ -71,7 +71,7 @@ Left where they are (so that this list is the whole inventory)
     ``_StrategyRegistry`` (the type behind ``register_strategies``), ``_optimizers_to_device`` (optimizer state
     follows the model, as in ``DDPStrategy``; ``participants/sharded.py`` too) and ``_PATH`` (a type alias). A
     public Lightning toolkit for third-party strategies would retire these.
-``processes.py`` (the strategy's base: what ``DDPStrategy`` holds beside the step)
+``processes/data_parallel.py`` (the strategy's base: what ``DDPStrategy`` holds beside the step)
     - From ``lightning.fabric.utilities.distributed``: ``_init_dist_connection``,
       ``_get_default_process_group_backend_for_device``, ``_distributed_is_initialized`` and
       ``_sync_ddp_if_available``. With these, setup and ``reduce`` do what ``DDPStrategy`` does, including its
@@ -87,7 +87,7 @@ Left where they are (so that this list is the whole inventory)
     ``torch._foreach_mul_`` in ``sync/sharded.py`` (clipping), ``torch._foreach_copy_`` in
     ``compression/compressors.py`` and, behind a ``getattr`` guard, in ``sync/buffer.py``. ``torch.optim`` and
     ``clip_grad_norm_`` are built on them. Public multi-tensor ops would retire them.
-``launcher.py``
+``processes/launcher.py``
     ``_SubprocessScriptLauncher`` (``launch`` re-implemented around ``_call_children_scripts``), its
     ``_ChildProcessObserver`` (``_run`` overridden, to give a grace period before a dead child takes the job down)
     and ``_set_num_threads_if_needed``. Also ``_MultiProcessingLauncher``, whose ``_wrapping_function`` is
@@ -97,16 +97,16 @@ Left where they are (so that this list is the whole inventory)
 ``fabric.py``
     ``_StrategyRegistry``, ``_BackwardSyncControl`` (subclassed, for ``no_backward_sync``), ``_PATH``, the
     ``_configure_launcher`` override, and Fabric's ``_MultiProcessingLauncher._wrapping_function`` (overridden as in
-    ``launcher.py``).
+    ``processes/launcher.py``).
 ``engine.py``
     ``_StrategyRegistry`` (a type).
-``loop.py``
+``processes/sigterm.py``
     Here ``_TrainingEpochLoop._broadcast_sigterm_tensor`` is replaced on one trainer's loop instance, and the class
     of ``Trainer._signal_connector`` (``_SignalConnector``) is swapped for a subclass with its own
     ``_sigterm_notifier_fn`` and ``_slurm_sigusr_handler_fn`` (the requeue deferred to a step every rank agrees on;
     the name of its checkpoint from ``Trainer._checkpoint_connector.hpc_save_path``). Lightning's step-start SIGTERM
     broadcast reads a device tensor on the host, so it synchronises the GPU at every step.
-    ``loop.py``'s docstring explains the rest. Lightning-AI/pytorch-lightning#21640, an open PR, would make that
+    ``processes/sigterm.py``'s docstring explains the rest. Lightning-AI/pytorch-lightning#21640, an open PR, would make that
     broadcast run every N steps; that reduces the cost but does not retire the patch. What would retire it is a loop
     that stops reading the flag through the device.
 ``sync/synchronizer.py``
@@ -115,10 +115,10 @@ Left where they are (so that this list is the whole inventory)
 ``sync/graph.py``
     ``torch.distributed._functional_collectives`` are the collectives that dynamo and AOTAutograd can trace. The
     file also reads ``module._parameters``, because the parameters live there while the attribute is a property.
-``faults.py``
+``processes/faults.py``
     ``distributed_c10d._get_default_store`` gives the rendezvous store for the roll call after a failure. A public
     accessor for the default store would retire it.
-``watchdog.py``
+``processes/watchdog.py``
     ``sys._current_frames`` (a documented CPython function) shows where the main thread is. Its ``os._exit(1)``
     comes from a background thread; it is not the exit teardown above.
 ``compile/config.py``

@@ -32,8 +32,8 @@ from lightning_static_dist.compression.base import Compressor
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.sync.config import SyncConfig
-from lightning_static_dist.faults import waiting_in
-from lightning_static_dist.fingerprint import check_same_on_all_ranks, describe_parameters
+from lightning_static_dist.processes.faults import waiting_in
+from lightning_static_dist.processes.fingerprint import check_same_on_all_ranks, describe_parameters
 from lightning_static_dist.sync import GradientSynchronizer
 from lightning_static_dist.sync.reducer import MeanAllReduce
 from lightning_static_dist.sync.broadcast import broadcast_tensors

@@ -64,7 +64,7 @@ from lightning_static_dist.engine import (
     restore_compression_state,
     start_from_rank_zero,
 )
-from lightning_static_dist.launcher import exit_without_native_teardown
+from lightning_static_dist.processes.launcher import exit_without_native_teardown
 from lightning_static_dist.mesh import MeshConfig, build_dp_mesh, resolve_mesh_shape
 from lightning_static_dist.overlap.intervals import step_metrics
 from lightning_static_dist.overlap.monitor import METRICS, RankAggregate, aggregate_over_ranks
@@ -495,7 +495,7 @@ class _LocalAccumulation(_BackwardSyncControl):
 class _SpawnLauncher(_MultiProcessingLauncher):
     """Fabric's spawn/fork launcher whose spawned ranks leave with ``os._exit`` once rank 0's result is handed over:
     the interpreter's teardown of a finished Gloo rank sometimes aborts it (see ``StaticDistSpawnLauncher`` in
-    ``lightning_static_dist/launcher.py``)."""
+    ``lightning_static_dist/processes/launcher.py``)."""
 
     @override
     def _wrapping_function(self, process_idx: int, function: Callable, args: Any, kwargs: Any, return_queue: Any,

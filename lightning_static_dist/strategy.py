@@ -1,7 +1,7 @@
 """``StaticDistStrategy``: the Lightning lifecycle of data-parallel training without the DDP wrapper.
 
 The strategy owns the hooks Lightning calls and checkpoint files; its base,
-:class:`~lightning_static_dist.processes.DataParallelProcesses`, owns the processes, the process group, the
+:class:`~lightning_static_dist.processes.data_parallel.DataParallelProcesses`, owns the processes, the process group, the
 ``DeviceMesh`` and the collectives. Each feature's part of the hooks is a step participant
 (:mod:`~lightning_static_dist.participants`): a hook calls one phase on every participant, in the one fixed order
 :class:`~lightning_static_dist.participants.Participants` lists. The mechanics live below them:
@@ -61,11 +61,11 @@ from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.ddp_arguments import DDPArguments, yield_to
 from lightning_static_dist.embedding import EmbeddingConfig, EmbeddingSharder
 from lightning_static_dist.engine import compressing_reducer_of, register_names, start_from_rank_zero
-from lightning_static_dist.fingerprint import RankMismatchError
+from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.mesh import MeshConfig
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.participants import Participants
-from lightning_static_dist.processes import DataParallelProcesses
+from lightning_static_dist.processes.data_parallel import DataParallelProcesses
 from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.sync import RoundSync

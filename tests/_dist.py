@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_static_dist.launcher import StaticDistSpawnLauncher
+from lightning_static_dist.processes.launcher import StaticDistSpawnLauncher
 
 
 LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
@@ -90,7 +90,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), tim
 class ReferenceDDP(DDPStrategy):
     """Lightning's own ``DDPStrategy`` — the reference the tests compare against — started with ``spawn``.
 
-    Its ranks are started by :class:`~lightning_static_dist.launcher.StaticDistSpawnLauncher` (Lightning's spawn
+    Its ranks are started by :class:`~lightning_static_dist.processes.launcher.StaticDistSpawnLauncher` (Lightning's spawn
     launcher whose ranks leave with ``os._exit`` after ``fit``): with torch 2.13 + Gloo a finished rank sometimes
     aborts in the interpreter's teardown (SIGABRT, "terminate called without an active exception"), which would
     fail a comparison for a reason that is not the comparison's. DDP's training is untouched.

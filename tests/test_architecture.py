@@ -21,15 +21,18 @@ LAYERS: dict[str, int] = {
     "strategy": 1, "fabric": 1,
     # what a front end runs a step with (the engine both share, the strategy's processes and groups, Lightning's
     # loop patch, the watchdog, launchers, callbacks, reports)
-    "engine": 2, "processes": 2,
+    "engine": 2,
+    "processes.data_parallel": 2, "processes.launcher": 2, "processes.sigterm": 2, "processes.watchdog": 2,
     # the strategy block: every feature's section (each defined beside its feature), checked together
-    "strategy_config": 2, "loop": 2, "watchdog": 2, "launcher": 2, "callbacks": 2, "report_plot": 2, "sweep_report": 2,
+    "strategy_config": 2, "callbacks": 2, "report_plot": 2, "sweep_report": 2,
     # each feature's part of the strategy's hooks (the step participants)
     "participants": 2,
     # the features
     "sync": 3, "compile": 3, "compression": 3, "embedding": 3, "mesh": 3,
     # the leaves
-    "overlap": 4, "checkpoint": 4, "config": 4, "ddp_arguments": 4, "faults": 4, "fingerprint": 4, "compat": 4,
+    "overlap": 4, "checkpoint": 4, "config": 4, "ddp_arguments": 4, "compat": 4,
+    # (the process package's own __init__ imports nothing; its two leaves serve the features below the strategy)
+    "processes": 4, "processes.faults": 4, "processes.fingerprint": 4,
     "simulate": 4,
     "examples": 4, "wording": 4,
 }
@@ -97,7 +100,11 @@ def import_time_nodes(tree: ast.Module) -> Iterator[ast.AST]:
 
 
 def room(module: str) -> str:
+    """The top-level room of ``module``; in a package whose modules sit in different layers (``processes``), the
+    module's own name within it (``processes.faults``)."""
     parts = module.split(".")
+    if len(parts) > 2 and ".".join(parts[1:3]) in LAYERS:
+        return ".".join(parts[1:3])
     return parts[1] if len(parts) > 1 else "<root>"
 
 

@@ -104,35 +104,35 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     # Lightning
     ("lightning.fabric.strategies", "_StrategyRegistry", "strategy.py: register_strategies' registry type"),
     ("lightning.fabric.strategies.registry", "_StrategyRegistry", "engine.py, fabric.py: the registry type"),
-    ("lightning.fabric.utilities.distributed", "_init_dist_connection", "processes.py: DDPStrategy's group setup"),
+    ("lightning.fabric.utilities.distributed", "_init_dist_connection", "processes/data_parallel.py: DDPStrategy's group setup"),
     ("lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device",
-     "processes.py: the default backend"),
-    ("lightning.fabric.utilities.distributed", "_distributed_is_initialized", "processes.py: guard clauses"),
-    ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available", "processes.py: reduce as DDPStrategy does"),
-    ("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed", "launcher.py: launch as Lightning does"),
+     "processes/data_parallel.py: the default backend"),
+    ("lightning.fabric.utilities.distributed", "_distributed_is_initialized", "processes/data_parallel.py: guard clauses"),
+    ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available", "processes/data_parallel.py: reduce as DDPStrategy does"),
+    ("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed", "processes/launcher.py: launch as Lightning does"),
     ("lightning.fabric.utilities.optimizer", "_optimizers_to_device", "strategy.py, participants/sharded.py: optimizer state follows the model"),
     ("lightning.fabric.utilities.types", "_PATH", "strategy.py, fabric.py: a type alias"),
     ("lightning.fabric.strategies.strategy", "_BackwardSyncControl", "fabric.py: no_backward_sync"),
     ("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher._call_children_scripts",
-     "launcher.py: StaticDistLauncher.launch re-implements Lightning's"),
+     "processes/launcher.py: StaticDistLauncher.launch re-implements Lightning's"),
     ("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher.kill",
-     "processes.py: on_exception kills the ranks"),
+     "processes/data_parallel.py: on_exception kills the ranks"),
     ("lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver._run",
-     "launcher.py: the patient observer's grace period"),
+     "processes/launcher.py: the patient observer's grace period"),
     ("lightning.pytorch.strategies.launchers", "_MultiProcessingLauncher._wrapping_function",
-     "launcher.py: spawned ranks leave without the native teardown"),
+     "processes/launcher.py: spawned ranks leave without the native teardown"),
     ("lightning.fabric.strategies.launchers.multiprocessing", "_MultiProcessingLauncher._wrapping_function",
      "fabric.py: spawned ranks leave without the native teardown"),
-    ("lightning.pytorch.strategies.parallel", "ParallelStrategy._configure_launcher", "processes.py: our launchers"),
+    ("lightning.pytorch.strategies.parallel", "ParallelStrategy._configure_launcher", "processes/data_parallel.py: our launchers"),
     ("lightning.fabric.strategies.parallel", "ParallelStrategy._configure_launcher", "fabric.py: our launchers"),
     ("lightning.pytorch.trainer.trainer", "_verify_strategy_supports_compile",
      "compat.py: allow_compiled_models_in_trainer replaces it"),
     ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor",
-     "loop.py: the per-step device broadcast it replaces (if gone, the patch is inert: retire or re-target it)"),
+     "processes/sigterm.py: the per-step device broadcast it replaces (if gone, the patch is inert: retire or re-target it)"),
     ("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector._sigterm_notifier_fn",
-     "loop.py: the handler the connector's subclass overrides"),
+     "processes/sigterm.py: the handler the connector's subclass overrides"),
     # torch
-    ("torch.distributed.distributed_c10d", "_get_default_store", "faults.py: the rendezvous store for the roll call"),
+    ("torch.distributed.distributed_c10d", "_get_default_store", "processes/faults.py: the rendezvous store for the roll call"),
     ("torch.autograd", "Variable._execution_engine.queue_callback", "sync/synchronizer.py: finish at end of backward"),
     ("torch", "_foreach_norm", "participants/gradients.py: the non-finite check in one launch"),
     ("torch", "_foreach_mul_", "sync/sharded.py: clipping in one launch"),
@@ -151,7 +151,7 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     ("torch._logging._internal", "log_registry.artifact_log_qnames", "compile/report.py: dynamo's artifact loggers"),
     # Python
     ("atexit", "_run_exitfuncs", "compat.py: exit handlers before os._exit"),
-    ("sys", "_current_frames", "watchdog.py: where the main thread is"),
+    ("sys", "_current_frames", "processes/watchdog.py: where the main thread is"),
 ]
 
 
@@ -182,7 +182,7 @@ def code_names(path: str) -> set[str]:
 
 
 def inventory_sections() -> dict[str, str]:
-    """compat.py's list of touchpoints left in other modules: each file's heading (``loop.py``, ``compile/``) -> the
+    """compat.py's list of touchpoints left in other modules: each file's heading (``processes/sigterm.py``, ``compile/``) -> the
     text under it."""
     import re
 
@@ -245,14 +245,14 @@ def test_the_launcher_overrides_match_lightnings_signatures() -> None:
     from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
     from lightning_static_dist.fabric import _SpawnLauncher
-    from lightning_static_dist.launcher import StaticDistSpawnLauncher
+    from lightning_static_dist.processes.launcher import StaticDistSpawnLauncher
 
     def names(fn: Any) -> list[str]:
         return list(inspect.signature(fn).parameters)
 
     assert names(StaticDistSpawnLauncher._wrapping_function) == names(_MultiProcessingLauncher._wrapping_function)
     assert names(_SpawnLauncher._wrapping_function) == names(FabricSpawn._wrapping_function)
-    # launcher.py's observer passes these by keyword
+    # processes/launcher.py's observer passes these by keyword
     assert {"main_pid", "child_processes", "sleep_period"} <= set(names(_ChildProcessObserver.__init__))
 
 
@@ -263,8 +263,8 @@ def test_the_trainer_holds_the_loop_and_connector_that_loop_py_patches() -> None
 
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)
-    assert isinstance(trainer._signal_connector, _SignalConnector), "Trainer._signal_connector moved (loop.py)"
-    assert isinstance(trainer.fit_loop.epoch_loop, _TrainingEpochLoop), "the epoch loop moved (loop.py)"
+    assert isinstance(trainer._signal_connector, _SignalConnector), "Trainer._signal_connector moved (processes/sigterm.py)"
+    assert isinstance(trainer.fit_loop.epoch_loop, _TrainingEpochLoop), "the epoch loop moved (processes/sigterm.py)"
 
 
 def test_the_log_step_is_lightning_s_count_of_optimizer_steps_taken() -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from _dist import fresh_job_env
 
-from lightning_static_dist.faults import STORE_HOST_GONE
+from lightning_static_dist.processes.faults import STORE_HOST_GONE
 
 pytestmark = pytest.mark.multiprocess
 
@@ -74,7 +74,7 @@ def test_a_killed_rank_stops_the_survivor_with_one_line(tmp_path: Any) -> None:
 def test_a_rank_killed_while_its_peer_is_blocked_ends_the_job_with_one_line(tmp_path: Any) -> None:
     # rank 0 sleeps outside any collective when rank 1 dies (as NCCL's survivor blocked in a device read): no error
     # reaches it; its peer watchdog sees rank 1's process gone and ends it, before the launcher's SIGKILL
-    from lightning_static_dist.launcher import StaticDistLauncher
+    from lightning_static_dist.processes.launcher import StaticDistLauncher
 
     code, err, seconds = lsd_train(tmp_path, "model.fault=kill_peer_while_blocked", "model.fault_rank=1",
                                    "model.fault_step=3")
@@ -130,8 +130,8 @@ def test_a_save_on_exception_is_refused_before_it_can_hang_the_job(tmp_path: Any
 def test_a_collective_failure_is_told_by_where_it_came_from_not_by_its_words() -> None:
     import torch.distributed as dist
 
-    from lightning_static_dist import faults
-    from lightning_static_dist.faults import in_flight, is_collective_failure, waiting_in
+    from lightning_static_dist.processes import faults
+    from lightning_static_dist.processes.faults import in_flight, is_collective_failure, waiting_in
 
     def raised(make: Any, filename: str = __file__) -> BaseException:
         try:
@@ -171,7 +171,7 @@ def test_an_nccl_timeout_names_the_flight_recorder_dump_under_the_run_directory(
     # timeout, under the run directory, unless the user chose; the timeout's line names this rank's file
     import torch.distributed as dist
 
-    from lightning_static_dist.faults import diagnose, flight_recorder_file, record_nccl_flight
+    from lightning_static_dist.processes.faults import diagnose, flight_recorder_file, record_nccl_flight
 
     if dist.is_initialized():  # (an earlier in-process fit's world-1 group: torch read its settings already)
         dist.destroy_process_group()
@@ -237,7 +237,7 @@ def test_a_sigterm_on_any_rank_stops_every_rank_at_the_same_step(tmp_path: Any, 
     # the same step last, at most 3 + LAG, write one checkpoint of the step after it (collective: every rank at the
     # same point) and exit 143: a scheduler or torchrun reads exit 0 as "finished". Before, a rank signalled alone
     # stopped alone at the end of its batch, leaving the other in a collective; then exit 0 and no checkpoint
-    from lightning_static_dist.loop import LAG
+    from lightning_static_dist.processes.sigterm import LAG
 
     code, err, seconds = lsd_train(tmp_path, "model.fault=sigterm", f"model.fault_rank={signalled}", "model.fault_step=3")
     last = last_steps(err)
@@ -352,7 +352,7 @@ def _beat_as(store: _Store, rank: int, count: int, pid: int, host: str, state: s
 
 
 def test_the_watchdog_calls_a_neighbour_dead_only_when_it_is(monkeypatch: Any) -> None:
-    from lightning_static_dist import watchdog as wd
+    from lightning_static_dist.processes import watchdog as wd
 
     clock, reachable, store = [0.0], [True], _Store()
     monkeypatch.setattr(wd.time, "monotonic", lambda: clock[0])

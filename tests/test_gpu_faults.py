@@ -6,7 +6,7 @@ file with compile off (the faults, not the compiler, are under test), started by
 Lightning ``ddp``'s). Every job must end within a bound (no hang, no orphan: the job runs in its own session,
 killed whole). A killed rank under Lightning's launcher must give issue 18's target — exit 1 and the one line naming
 the rank — even where the survivor is blocked in a device read (the logged loss) behind a collective that never
-completes: the peer watchdog (``lightning_static_dist/watchdog.py``) speaks for it. A fault the user is not told
+completes: the peer watchdog (``lightning_static_dist/processes/watchdog.py``) speaks for it. A fault the user is not told
 about fails its test: a stuck rank must be named by rank 0's line; a rank killed under ``torchrun`` by rank 0's line
 or by the agent's own failure report; a clean job prints no failure line. Not run on GPUs yet. Skipped without 2
 GPUs.

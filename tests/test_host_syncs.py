@@ -99,7 +99,7 @@ def _static(mode: str = "hooks") -> StaticDistStrategy:
                               sync={"mode": mode, **SMALL_BUCKETS})
 
 
-#: Lightning's one read per step in a multi-process run, replaced by the strategy (lightning_static_dist/loop.py)
+#: Lightning's one read per step in a multi-process run, replaced by the strategy (lightning_static_dist/processes/sigterm.py)
 LIGHTNING_SIGTERM = {"lightning:_TrainingEpochLoop._broadcast_sigterm_tensor": 1}
 #: ...by the same broadcast host to host over Gloo (a CPU tensor: no device wait)
 OURS_SIGTERM = {"ours:HostSigtermBroadcast._agreed": 1}
@@ -137,7 +137,7 @@ def _sigterm_on_one_rank(rank: int, world: int, signalled: int) -> tuple[str, li
     from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lightning_static_dist.loop import LAG, HostSigtermBroadcast, host_group
+    from lightning_static_dist.processes.sigterm import LAG, HostSigtermBroadcast, host_group
 
     class Trainer:  # what the check and Lightning's own per-batch check read of a trainer
         training = True
@@ -172,7 +172,7 @@ def test_a_sigterm_on_any_rank_stops_every_rank_at_the_same_step(signalled: int)
     # own check sees a flag while training (it would stop that rank alone); after the fit, the rank's own flag
     from _dist import run_ranks
 
-    from lightning_static_dist.loop import LAG
+    from lightning_static_dist.processes.sigterm import LAG
 
     (r0, r1) = run_ranks(_sigterm_on_one_rank, 2, args=(signalled,))
     assert r0[0] == r1[0] == f"stopped at step {3 + LAG} (lag {LAG})"

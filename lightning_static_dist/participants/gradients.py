@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_static_dist.compression.auto import Candidate, CompressionTrial
 from lightning_static_dist.engine import broadcast_buffers, build_synchronizer
-from lightning_static_dist.fingerprint import RankMismatchError
+from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.participants.base import (
     StepContext,
     StepParticipant,

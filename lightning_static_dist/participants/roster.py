@@ -47,7 +47,7 @@ class Participants:
         StaticCompile     compile: compiles at setup (after the synchroniser: its plan follows the graph's pieces)
         NonfiniteCheck    sync.nonfinite: after the gradients are averaged
         EmbeddingShards   embedding: shard, prefetch, gather before forward, release after backward and step
-        SigtermAgreement  Lightning's SIGTERM check over the host group (loop.py)
+        SigtermAgreement  Lightning's SIGTERM check over the host group (processes/sigterm.py)
         PeerWatch         the peer watchdog
         CompressionState  compression: the auto trial, and the compressor's state in checkpoints
         SyncSchedule      sync.schedule=auto: the trial of the two schedules, and its choice in checkpoints

@@ -1,5 +1,5 @@
 """The participants that watch the processes rather than the step: the peer watchdog, and the ranks' agreement on
-SIGTERM through Lightning's patched loop (:mod:`~lightning_static_dist.loop` says why the loop is patched).
+SIGTERM through Lightning's patched loop (:mod:`~lightning_static_dist.processes.sigterm` says why the loop is patched).
 
 Example (the strategy builds these in its ``__init__``)::
 
@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_static_dist import loop as loop_patches
+from lightning_static_dist.processes import sigterm as loop_patches
 from lightning_static_dist.participants.base import (
     StepContext,
     StepParticipant,
@@ -21,7 +21,7 @@ from lightning_static_dist.participants.base import (
     global_step,
     syncs_gradients,
 )
-from lightning_static_dist.watchdog import PeerWatchdog
+from lightning_static_dist.processes.watchdog import PeerWatchdog
 
 
 class PeerWatch(StepParticipant):

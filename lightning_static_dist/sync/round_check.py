@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_static_dist.fingerprint import RankMismatchError
+from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.sync.buffer import BucketBuffer
 from lightning_static_dist.wording import counted
 

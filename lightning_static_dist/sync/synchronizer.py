@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import Parameter
 
-from lightning_static_dist.faults import waiting_in
+from lightning_static_dist.processes.faults import waiting_in
 from lightning_static_dist.sync.buffer import BucketBuffer
 from lightning_static_dist.sync.contracts import BucketLayout, SyncObserver, SyncStats
 from lightning_static_dist.sync.plan import (

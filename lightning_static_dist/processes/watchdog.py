@@ -1,7 +1,7 @@
 """A rank whose peer died while it was blocked where no error can reach it: one line and exit 1, not a SIGKILL.
 
 On Gloo a peer's death fails the survivors' pending collective at once, and the strategy's ``on_exception`` prints
-:func:`~lightning_static_dist.faults.diagnose`'s line. On NCCL it need not: a survivor blocked in a device read
+:func:`~lightning_static_dist.processes.faults.diagnose`'s line. On NCCL it need not: a survivor blocked in a device read
 (``.item()``, a stream synchronisation) behind a collective the dead peer never joins runs no Python on its main
 thread, so no exception comes before the process group's timeout (``strategy.timeout_s``), and the launcher kills it
 first, once its grace period is over (``StaticDistLauncher.grace_s``): exit -9, nothing said.
@@ -37,7 +37,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch.distributed as dist
 
-from lightning_static_dist.faults import (STORE_HOST_GONE, failure_line, in_flight, rendezvous_store, stopped_participating,
+from lightning_static_dist.processes.faults import (STORE_HOST_GONE, failure_line, in_flight, rendezvous_store, stopped_participating,
                                          store_reachable)
 
 log = logging.getLogger(__name__)

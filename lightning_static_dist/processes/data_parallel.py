@@ -47,14 +47,14 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from lightning_static_dist import loop as loop_patches
+from lightning_static_dist.processes import sigterm as loop_patches
 from lightning_static_dist.checkpoint import CheckpointError
 from lightning_static_dist.compat import destroy_process_groups_at_exit, mark_run_failed
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.ddp_arguments import check_process_group_backend, device_backend
-from lightning_static_dist.faults import diagnose, is_collective_failure, record_nccl_flight, waiting_in
-from lightning_static_dist.launcher import StaticDistLauncher, StaticDistSpawnLauncher
+from lightning_static_dist.processes.faults import diagnose, is_collective_failure, record_nccl_flight, waiting_in
+from lightning_static_dist.processes.launcher import StaticDistLauncher, StaticDistSpawnLauncher
 from lightning_static_dist.mesh import build_dp_mesh, resolve_mesh_shape
 from lightning_static_dist.simulate import BACKEND as SIMULATED_BACKEND
 from lightning_static_dist.simulate import init_simulated_world, is_simulated, set_link

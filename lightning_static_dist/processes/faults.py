@@ -9,7 +9,7 @@ strategy's ``on_exception`` turns the backend's error into :func:`diagnose`'s si
 flight, and which ranks did not answer a roll call through the rendezvous store (a rank that is gone, or stuck,
 cannot answer; if the store itself is gone, rank 0 — its host — is). ``lsd-train`` prints that line and exits 1.
 Where no exception can come (a rank blocked behind a dead peer where no Python runs), the peer watchdog
-(:mod:`~lightning_static_dist.watchdog`) prints a line of the same form and ends the process.
+(:mod:`~lightning_static_dist.processes.watchdog`) prints a line of the same form and ends the process.
 
 On NCCL, :func:`record_nccl_flight` also has torch's own NCCL watchdog write its flight recorder (the collectives
 each rank issued and completed) under the run directory when a collective times out; the line names that file.
