@@ -5,7 +5,6 @@ in one line, at its first batch only; a fit from the start, a loader that keeps 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -46,25 +45,11 @@ class Driving(L.Callback):
         self.participant.on_train_batch_start()
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 @pytest.fixture
-def lines() -> Iterator[list[str]]:
-    """What rank 0 prints through Lightning's rank-zero logger during the test, about a resume."""
-    handler = _Lines()
-    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    logger.addHandler(handler)
-    try:
-        yield handler.lines
-    finally:
-        logger.removeHandler(handler)
+def lines(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """What rank 0 prints through Lightning's rank-zero logger during the test (``rank_zero_info``)."""
+    caplog.set_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero")
+    return caplog
 
 
 def _fit(root: Path, loader: type[DataLoader], max_steps: int, ckpt_path: Optional[Path] = None) -> None:
@@ -84,25 +69,25 @@ def _resumed(root: Path, loader: type[DataLoader]) -> None:
     _fit(root, loader, max_steps=5, ckpt_path=root / "mid.ckpt")
 
 
-def _said(lines: list[str]) -> list[str]:
-    return [line for line in lines if "resumed mid-epoch" in line]
+def _said(lines: pytest.LogCaptureFixture) -> list[str]:
+    return [line for line in lines.messages if "resumed mid-epoch" in line]
 
 
-def test_a_mid_epoch_resume_from_a_plain_loader_says_so_once(tmp_path: Path, lines: list[str]) -> None:
+def test_a_mid_epoch_resume_from_a_plain_loader_says_so_once(tmp_path: Path, lines: pytest.LogCaptureFixture) -> None:
     _resumed(tmp_path, DataLoader)
-    assert _said(lines) == ["static_dist: resumed mid-epoch (epoch 0, batch 3, step 3) with a training loader that keeps"
-                            " no position (DataLoader has no state_dict/load_state_dict): its epoch starts again from"
-                            " the first batch, so the run does not continue bit for bit"]
+    assert _said(lines) == ["static_dist: resumed mid-epoch (epoch 0, batch 3, step 3) with a training loader that"
+                            " keeps no position (DataLoader has no state_dict/load_state_dict): its epoch starts again"
+                            " from the first batch, so the run does not continue bit for bit"]
 
 
-def test_a_loader_that_keeps_its_position_or_a_fit_from_the_start_says_nothing(tmp_path: Path,
-                                                                                lines: list[str]) -> None:
+def test_a_loader_that_keeps_its_position_or_a_fit_from_the_start_says_nothing(
+        tmp_path: Path, lines: pytest.LogCaptureFixture) -> None:
     _resumed(tmp_path / "positioned", Positioned)
     _fit(tmp_path / "fresh", DataLoader, max_steps=3)
     assert _said(lines) == []
 
 
-def test_fabric_has_no_loop_to_read_and_says_nothing(lines: list[str]) -> None:
+def test_fabric_has_no_loop_to_read_and_says_nothing(lines: pytest.LogCaptureFixture) -> None:
     participant = MidEpochResume(View(Regression()))
     participant.setup(Context(global_step=3))  # Fabric: trainer_loop is None
     participant.on_train_batch_start()
