@@ -1,0 +1,104 @@
+"""StaticCompile: setup compiles the LightningModule as ``strategy.compile`` says (its training step then runs through
+the recorded graphs and computes what eager computes), once; a ``torch.compile``-d model's backend is adopted; the
+graphs are compared across the ranks once per compilation; a static-shape compile drops the short last batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_static_dist.callbacks import GraphReport
+from lightning_static_dist.compile import is_compiled
+from lightning_static_dist.participants.compilation import StaticCompile
+from lightning_static_dist.strategy_config import StrategyConfig
+
+from ._view import Context, Regression, View
+
+BATCH = (torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), torch.randn(4, 1))
+
+
+def _compiling(**compile: object) -> View:
+    config = StrategyConfig.from_dict({"compile": {"enabled": True, "backend": "aot_eager", **compile}})
+    return View(Regression(), config)
+
+
+def test_setup_compiles_the_training_step_which_computes_what_eager_computes() -> None:
+    view = _compiling()
+    eager = Regression().training_step(BATCH, 0)
+    participant = StaticCompile(view)
+    context = view.enter(Context())
+    participant.setup(context)
+    module = view.lightning_module
+    assert module is not None and is_compiled(module)
+    loss = module.training_step(BATCH, 0)
+    torch.testing.assert_close(loss, eager)
+    report = participant.report
+    assert report is not None and report.graphs, "the compiled step recorded no graph"
+    assert [type(c) for c in context.callbacks] == [GraphReport]
+
+
+def test_a_later_setup_of_the_compiled_model_compiles_nothing_again() -> None:
+    view = _compiling()
+    participant = StaticCompile(view)
+    participant.setup(view.enter(Context()))
+    first = participant.report
+    again = view.enter(Context())  # a second fit of the same strategy and model
+    participant.setup(again)
+    assert participant.report is first
+    assert again.callbacks == []  # nothing compiled this time: no report callback either
+
+
+def test_compile_off_leaves_the_model_eager() -> None:
+    view = View(Regression())
+    participant = StaticCompile(view)
+    context = view.enter(Context())
+    participant.setup(context)
+    assert view.lightning_module is not None and not is_compiled(view.lightning_module)
+    assert participant.report is None and context.callbacks == []
+
+
+def test_a_torch_compiled_model_is_compiled_with_its_own_backend_until_teardown() -> None:
+    view = View(Regression())  # strategy.compile.enabled is false: the user's torch.compile asks instead
+    participant = StaticCompile(view)
+    participant.adopt(torch.compile(Regression(), backend="aot_eager").dynamo_ctx)
+    assert (participant.config().enabled, participant.config().backend) == (True, "aot_eager")
+    participant.setup(view.enter(Context()))
+    assert view.lightning_module is not None and is_compiled(view.lightning_module)
+    participant.teardown(failed=False)
+    assert participant.config().enabled is False  # a later fit of a plain model is not compiled
+
+
+def test_the_graphs_are_compared_across_the_ranks_once_per_compilation(one_rank_gloo: None) -> None:
+    view = _compiling()
+    participant = StaticCompile(view)
+    participant.check_graphs_once()  # nothing compiled: nothing to compare
+    assert participant.graphs_checked
+    participant.setup(view.enter(Context()))
+    assert not participant.graphs_checked
+    assert view.lightning_module is not None
+    view.lightning_module.training_step(BATCH, 0)
+    participant.check_graphs_once()  # a collective over the one-rank group
+    assert participant.graphs_checked
+
+
+def _loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(10, 8), torch.randn(10, 1)), batch_size=4)  # 4 + 4 + 2
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_static_shapes_drop_the_short_last_training_batch(dynamic: bool) -> None:
+    view = _compiling(dynamic=dynamic)
+    participant = StaticCompile(view)
+    participant.setup(view.enter(Context()))
+    loader = _loader()
+    if dynamic:
+        participant.process_dataloader(loader)
+    else:
+        with pytest.warns(UserWarning, match="would hold 2 samples instead of 4"):
+            participant.process_dataloader(loader)
+    assert [len(x) for x, _ in loader] == ([4, 4, 2] if dynamic else [4, 4])
+    validation = _loader()
+    view.enter(Context(training=False))  # a validation loader keeps every sample
+    participant.process_dataloader(validation)
+    assert [len(x) for x, _ in validation] == [4, 4, 2]
