@@ -15,10 +15,10 @@ from _dist import run_ranks
 
 import lightning as L
 
-from lightning_static_dist.faults import rendezvous_store
+from lightning_static_dist.processes.faults import rendezvous_store
 from lightning_static_dist.participants.runtime import SIMULATED_KEY, PeerWatch, SigtermAgreement, SimulationMark
 from lightning_static_dist.simulate.config import LinkConfig, SimulateConfig
-from lightning_static_dist.watchdog import THREAD_NAME
+from lightning_static_dist.processes.watchdog import THREAD_NAME
 
 from ._view import Context, Regression, View
 
