@@ -38,7 +38,7 @@ Defined here
     wrappers. Reading that property behind an ``isinstance`` check of the two wrapper classes would retire this
     private read. No upstream change is needed for that.
 The exit teardown: :func:`destroy_process_groups_at_exit` with :func:`mark_run_failed` (``strategy.py``),
-:func:`exit_without_native_teardown` (``processes/launcher.py``, ``fabric.py`` through ``processes/launcher.py``, ``cli.py``) and
+:func:`exit_without_native_teardown` (``processes/launcher.py``, ``fabric/`` through it, ``cli.py``) and
 :func:`exit_after_failure` (``cli.py``)
     One problem, two mechanisms. With Gloo, a process that finishes while it still has process groups can abort
     (SIGABRT, ``terminate called without an active exception``). A finished rank is then reported as crashed. There
@@ -91,22 +91,21 @@ Left where they are (so that this list is the whole inventory)
     ``_SubprocessScriptLauncher`` (``launch`` re-implemented around ``_call_children_scripts``), its
     ``_ChildProcessObserver`` (``_run`` overridden, to give a grace period before a dead child takes the job down)
     and ``_set_num_threads_if_needed``. Also ``_MultiProcessingLauncher``, whose ``_wrapping_function`` is
-    overridden so that a spawned rank leaves without the native teardown. ``fabric.py`` subclasses Fabric's
-    ``_MultiProcessingLauncher`` in the same way. A grace period in Lightning's observer would retire the first
-    group, and a launcher hook that runs when a rank finishes would retire the second.
-``fabric.py``
-    ``_StrategyRegistry``, ``_BackwardSyncControl`` (subclassed, for ``no_backward_sync``), ``_PATH``, the
-    ``_configure_launcher`` override, and Fabric's ``_MultiProcessingLauncher._wrapping_function`` (overridden as in
-    ``processes/launcher.py``).
-``engine.py``
-    ``_StrategyRegistry`` (a type).
+    overridden so that a spawned rank leaves without the native teardown; Fabric's ``_MultiProcessingLauncher`` is
+    subclassed in the same way (``FabricSpawnLauncher``). ``_StrategyRegistry`` is the type ``register_names``
+    takes. A grace period in Lightning's observer would retire the first group, and a launcher hook that runs when a
+    rank finishes would retire the second.
+``fabric/``
+    ``_StrategyRegistry`` (``strategy.py``), ``_BackwardSyncControl`` (subclassed in ``model.py``, for
+    ``no_backward_sync``), ``_PATH`` (``checkpoints.py``) and the ``_configure_launcher`` override
+    (``processes.py``).
 ``processes/sigterm.py``
     Here ``_TrainingEpochLoop._broadcast_sigterm_tensor`` is replaced on one trainer's loop instance, and the class
     of ``Trainer._signal_connector`` (``_SignalConnector``) is swapped for a subclass with its own
     ``_sigterm_notifier_fn`` and ``_slurm_sigusr_handler_fn`` (the requeue deferred to a step every rank agrees on;
     the name of its checkpoint from ``Trainer._checkpoint_connector.hpc_save_path``). Lightning's step-start SIGTERM
     broadcast reads a device tensor on the host, so it synchronises the GPU at every step.
-    ``processes/sigterm.py``'s docstring explains the rest. Lightning-AI/pytorch-lightning#21640, an open PR, would make that
+    The module's docstring explains the rest. Lightning-AI/pytorch-lightning#21640, an open PR, would make that
     broadcast run every N steps; that reduces the cost but does not retire the patch. What would retire it is a loop
     that stops reading the flag through the device.
 ``sync/synchronizer.py``

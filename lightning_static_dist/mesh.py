@@ -13,6 +13,7 @@ import logging
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -154,3 +155,15 @@ def build_dp_mesh(device_type: str, config: MeshConfig) -> DeviceMesh:
     check_topology(places, replicate, shard, config.shard_across_nodes)
     log.debug(f"building a {replicate} x {shard} mesh of {world_size} {device_type} ranks")
     return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))
+
+
+def reduces_by_scatter(reduce: str, mesh: Optional[DeviceMesh], world_size: int) -> bool:
+    """``strategy.sync.reduce`` resolved against the mesh that started (``auto``: reduce_scatter if dp_shard > 1).
+
+    Example::
+
+        reduces_by_scatter("auto", build_dp_mesh("cpu", MeshConfig(dp_shard=2)), world_size=2)   # True
+    """
+    if reduce == "auto":
+        return mesh is not None and mesh.size(1) > 1
+    return reduce == "reduce_scatter" and world_size > 1

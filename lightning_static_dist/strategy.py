@@ -58,10 +58,11 @@ from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compression import CompressingReducer
 from lightning_static_dist.compression.auto import CompressionTrial
 from lightning_static_dist.compression.config import CompressionConfig
+from lightning_static_dist.compression.state import compressing_reducer_of
 from lightning_static_dist.ddp_arguments import DDPArguments, yield_to
 from lightning_static_dist.embedding import EmbeddingConfig, EmbeddingSharder
-from lightning_static_dist.engine import compressing_reducer_of, register_names, start_from_rank_zero
 from lightning_static_dist.processes.fingerprint import RankMismatchError
+from lightning_static_dist.processes.launcher import register_names
 from lightning_static_dist.mesh import MeshConfig
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.participants import Participants
@@ -69,6 +70,7 @@ from lightning_static_dist.processes.data_parallel import DataParallelProcesses
 from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.sync import RoundSync
+from lightning_static_dist.sync.broadcast import start_from_rank_zero
 from lightning_static_dist.sync.config import SyncConfig
 from lightning_static_dist.sync.graph import GraphGradientSync
 from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
@@ -251,17 +253,17 @@ class StaticDistStrategy(DataParallelProcesses):
     def synchronizer(self) -> Optional[RoundSync]:
         """The gradient synchroniser whose rounds run after each backward while fitting (with ``reduce_scatter`` the
         sharded one; ``None`` before ``setup``, outside ``fit``, on one rank and with ``sync.mode: graph``)."""
-        return self._parts.hooks.synchronizer
+        return self._parts.gradients.synchronizer
 
     @property
     def sharded_sync(self) -> Optional[ShardedGradientSynchronizer]:
         """With ``sync.reduce: reduce_scatter`` while fitting: the synchroniser holding this rank's shards."""
-        return self._parts.sharded.sharded_sync
+        return self._parts.gradients.sharded_sync
 
     @property
     def graph_sync(self) -> Optional[GraphGradientSync]:
         """With ``sync.mode: graph`` while fitting: the averaging identity the parameters are read through."""
-        return self._parts.graph.graph_sync
+        return self._parts.gradients.graph_sync
 
     @property
     def embedding_sharder(self) -> Optional[EmbeddingSharder]:
@@ -309,11 +311,11 @@ class StaticDistStrategy(DataParallelProcesses):
     @property
     def nonfinite_steps(self) -> int:
         """Synchronised steps whose averaged gradients held NaN/Inf (with ``strategy.sync.nonfinite`` on)."""
-        return self._parts.nonfinite.steps
+        return self._parts.gradients.nonfinite.steps
 
     @nonfinite_steps.setter
     def nonfinite_steps(self, steps: int) -> None:
-        self._parts.nonfinite.steps = steps
+        self._parts.gradients.nonfinite.steps = steps
 
     def adopt_compiled_model(self, dynamo_ctx: Any) -> None:
         """``trainer.fit(torch.compile(model))``: Lightning's compile check (widened by
@@ -357,6 +359,18 @@ class StaticDistStrategy(DataParallelProcesses):
             _optimizers_to_device(self.optimizers, self.root_device)
         for participant in self._parts.ordered:
             participant.after_setup(context)
+        self._clip_through_the_gradients()
+
+    def _clip_through_the_gradients(self) -> None:
+        """Lightning clips gradients in the precision plugin (``clip_grad_by_norm``), and a Lightning strategy has no
+        clipping hook of its own. Where one rank's norm is not the model's (``reduce_scatter``: each rank holds
+        shards), the plugin's method is replaced, on this plugin instance and for this fit, by the gradient
+        participant's clipping over the shard group. This is the one place it is replaced; :meth:`teardown` gives the
+        plugin its own method back."""
+        gradients = self._parts.gradients
+        if gradients.clips_by_norm:
+            self.precision_plugin.clip_grad_by_norm = (  # type: ignore[method-assign]
+                lambda optimizer, clip_val: gradients.clip_grad_norm_(clip_val))
 
     @override
     def model_to_device(self) -> None:
@@ -544,6 +558,7 @@ class StaticDistStrategy(DataParallelProcesses):
                 self._failed, mismatch = True, err
         for participant in self._parts.ordered:
             participant.teardown(self._failed)
+        self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # the plugin's own clipping again
 
         super().teardown()  # (the processes' part reads whether this rank failed)
         self._failed = False

@@ -19,9 +19,8 @@ LAYERS: dict[str, int] = {
     "__main__": 0, "cli": 0, "runfile": 0,
     # the Lightning and Fabric front ends
     "strategy": 1, "fabric": 1,
-    # what a front end runs a step with (the engine both share, the strategy's processes and groups, Lightning's
-    # loop patch, the watchdog, launchers, callbacks, reports)
-    "engine": 2,
+    # what a front end runs a step with (the strategy's processes and groups, Lightning's loop patch, the watchdog,
+    # launchers, callbacks, reports)
     "processes.data_parallel": 2, "processes.launcher": 2, "processes.sigterm": 2, "processes.watchdog": 2,
     # the strategy block: every feature's section (each defined beside its feature), checked together
     "strategy_config": 2, "callbacks": 2, "report_plot": 2, "sweep_report": 2,

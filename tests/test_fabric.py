@@ -188,22 +188,15 @@ def test_fabric_accepts_the_registered_names() -> None:
         ({"sync": {"bucket_mb": 0}}, "strategy.sync.bucket_mb=0.0: must be a number of MiB in (0, 4096]"),
         ({"compression": {"name": "powersgd", "rank": 0}}, "strategy.compression.rank=0: must be an integer >= 1"),
         ({"compile": {"backend": "no_such_backend"}}, "strategy.compile.backend='no_such_backend': not a registered"),
-        ({"sync": {"mode": "graph"}, "compile": {"enabled": True}},
-         "strategy.sync.mode='graph': not supported by the Fabric strategy (use the Trainer's StaticDistStrategy);"
-         " allowed under Fabric: 'hooks'"),
-        ({"mesh": {"dp_shard": 2}},
-         "strategy.sync.reduce='auto': not supported by the Fabric strategy (use the Trainer's StaticDistStrategy);"
-         " allowed under Fabric: 'all_reduce', or 'auto' with strategy.mesh.dp_shard=1"),
-        ({"sync": {"nonfinite": "skip"}}, "strategy.sync.nonfinite='skip': not supported by the Fabric strategy"),
-        ({"embedding": {"shard": "auto"}}, "strategy.embedding.shard='auto': not supported by the Fabric strategy"),
-        ({"compression": {"name": "auto"}}, "strategy.compression.name='auto': not supported by the Fabric strategy"),
+        ({"simulate": {"world_size": 8}},
+         "strategy.simulate.world_size=8: set where the process group starts, which under Fabric is Fabric's"
+         " DDPStrategy (use the Trainer's StaticDistStrategy); allowed under Fabric: null"),
         ({"bucket_cap_mb": 5, "sync": {"bucket_mb": 10}},
          "bucket_cap_mb=5: given twice (also as strategy.sync.bucket_mb); allowed: one of them"),
         ({"start_method": "thread"}, "start_method='thread': allowed: 'popen', 'spawn', 'fork', 'forkserver'"),
         ({"monitor_every_n_steps": -1}, "monitor_every_n_steps=-1: must be an integer >= 0 (0: never)"),
     ],
-    ids=["typo", "range", "compression", "backend", "graph", "reduce_scatter", "nonfinite", "embedding", "auto", "twice",
-         "start_method", "monitor"],
+    ids=["typo", "range", "compression", "backend", "simulate", "twice", "start_method", "monitor"],
 )
 def test_invalid_config_is_one_line_naming_the_key(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError) as caught:

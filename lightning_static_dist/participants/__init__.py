@@ -8,19 +8,16 @@ from lightning_static_dist.participants.base import StepContext, StepParticipant
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.compression import CompressionState
 from lightning_static_dist.participants.embeddings import EmbeddingShards
-from lightning_static_dist.participants.gradients import BufferBroadcast, GraphSync, HookSync, NonfiniteCheck
+from lightning_static_dist.participants.gradients import GradientSynchronization, SyncSchedule
 from lightning_static_dist.participants.recording import PhaseRecording
 from lightning_static_dist.participants.roster import Participants
 from lightning_static_dist.participants.runtime import PeerWatch, SigtermAgreement
 from lightning_static_dist.participants.sharded import ShardedSync
 
 __all__ = [
-    "BufferBroadcast",
     "CompressionState",
     "EmbeddingShards",
-    "GraphSync",
-    "HookSync",
-    "NonfiniteCheck",
+    "GradientSynchronization",
     "Participants",
     "PeerWatch",
     "PhaseRecording",
@@ -30,4 +27,5 @@ __all__ = [
     "StepContext",
     "StepParticipant",
     "StrategyView",
+    "SyncSchedule",
 ]

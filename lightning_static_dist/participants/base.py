@@ -124,9 +124,6 @@ class StrategyView(Protocol):
     def host_group(self) -> Optional[dist.ProcessGroup]: ...
 
     @property
-    def synchronizer(self) -> Any: ...
-
-    @property
     def preempted(self) -> bool:
         """Whether ``fit`` ended at the ranks' agreed SIGTERM stop (its checkpoint already written on every rank)."""
         ...
@@ -164,10 +161,10 @@ def global_step(view: StrategyView) -> int:
     return view.context.global_step if view.context is not None else -1
 
 
-def advance_trial(trial: Any, view: StrategyView, apply: Any, label: str) -> None:
-    """One batch start of an ``auto`` trial (``compression.name`` or ``sync.schedule``): the candidate for the coming
-    step applied with ``apply(candidate)``, and the choice printed (``label``) the step it is made."""
-    synchronizer = view.synchronizer
+def advance_trial(trial: Any, synchronizer: Any, view: StrategyView, apply: Any, label: str) -> None:
+    """One batch start of an ``auto`` trial (``compression.name`` or ``sync.schedule``) of ``synchronizer``: the
+    candidate for the coming step applied with ``apply(candidate)``, and the choice printed (``label``) the step it is
+    made."""
     if trial is None or trial.decided or synchronizer is None:
         return
     candidate = trial.before_step(global_step(view))

@@ -11,9 +11,11 @@ Example (the strategy builds it in its ``__init__``)::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -30,8 +32,25 @@ from lightning_static_dist.compile import (
 )
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.config import ConfigError
-from lightning_static_dist.engine import check_same_graphs, compile_split
+from lightning_static_dist.processes.fingerprint import check_same_on_all_ranks
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
+from lightning_static_dist.sync.config import SyncConfig
+
+
+def compile_split(compile: CompileConfig, sync: SyncConfig, world_size: int) -> Optional[tuple[int, int]]:
+    """Where the compiled step is cut: the bucket capacities in bytes (first bucket, every later one), or ``None``
+    (uncut): at world size 1 (nothing to overlap), for the blocks compiled one by one or the whole step asked for
+    uncut (``regional`` true or false), in graph mode (the collectives are inside the graph), and with
+    ``sync.schedule: after_backward`` (every bucket is issued once backward ends: a cut would only cost)."""
+    if compile.regional != "auto" or world_size < 2 or sync.mode == "graph" or sync.schedule == "after_backward":
+        return None
+    return sync.capacity.first_bytes, sync.capacity.bytes
+
+
+def check_same_graphs(report: Any, group: Optional[dist.ProcessGroup]) -> None:
+    """Every rank compiled the same graphs (a ``CompileReport``'s structure lines); a difference stops every rank
+    with the first one. Collective: after round 1, before the first bucket collective of the plan."""
+    check_same_on_all_ranks("what they compiled (graph structures)", report.structure_lines(), group)
 
 
 class StaticCompile(StepParticipant):
@@ -96,11 +115,12 @@ class StaticCompile(StepParticipant):
                     compile_optimizer_step(optimizer, config, self.report)
             context.add_callback(GraphReport())
             self.graphs_checked = False
+
+    def ready_groups(self) -> Optional[Mapping[int, int]]:
+        """What compilation offers the bucket plan: ``id(parameter)`` -> the compiled piece that readies its gradient
+        (``None`` where the step is not cut at the buckets)."""
         report = self.report
-        synchronizer = view.synchronizer
-        if report is not None and report.splitter is not None and synchronizer is not None:
-            # also on a later fit of the same, already compiled model: its plan follows the same pieces
-            synchronizer.ready_groups = report.splitter.ready_groups
+        return report.splitter.ready_groups if report is not None and report.splitter is not None else None
 
     def check_graphs_once(self) -> None:
         """Every rank compiled the same graphs (collective, once per compilation): after round 1, whose collectives

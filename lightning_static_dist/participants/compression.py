@@ -1,14 +1,15 @@
 """``strategy.compression``: the compressor's per-rank state and the ``auto`` trial's choice, carried through
 checkpoints, and the trial's candidates swapped in at batch starts until it decides.
 
-The compressing reducer itself belongs to the hook-driven synchroniser (``mode: hooks``, ``reduce: all_reduce``):
-:class:`~lightning_static_dist.participants.gradients.HookSync` builds it and calls :meth:`CompressionState.
-before_attach` before the synchroniser's first round, so that a resumed run reduces with the checkpoint's choice
-and state from its first step.
+The compressing reducer itself belongs to the hook-driven synchroniser (``mode: hooks``, ``reduce: all_reduce``),
+which :class:`~lightning_static_dist.participants.gradients.GradientSynchronization` builds at setup; this
+participant, handed that one, starts the trial and restores the saved state in its own setup, after it and before
+the synchroniser's first round, so that a resumed run reduces with the checkpoint's choice and state from its first
+step.
 
-Example (the strategy builds it in its ``__init__``)::
+Example (the roster builds it)::
 
-    compression = CompressionState(strategy)
+    compression = CompressionState(strategy, gradients)
     checkpoint.update(compression.state_dict())     # every rank: each rank's residual gathered to rank 0
 """
 
@@ -20,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_static_dist.compression import CompressingReducer
 from lightning_static_dist.compression.auto import CompressionTrial
-from lightning_static_dist.engine import (
+from lightning_static_dist.compression.state import (
     COMPRESSION_KEY,
     compressing_reducer_of,
     compression_trial,
@@ -28,7 +29,8 @@ from lightning_static_dist.engine import (
     restore_compression_state,
     use_compressor,
 )
-from lightning_static_dist.participants.base import StepParticipant, StrategyView, advance_trial
+from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView, advance_trial
+from lightning_static_dist.participants.gradients import GradientSynchronization
 
 TRIAL_KEY = "static_dist_compression_auto"  # compression.name: auto: the trial's choice and times
 
@@ -36,8 +38,9 @@ TRIAL_KEY = "static_dist_compression_auto"  # compression.name: auto: the trial'
 class CompressionState(StepParticipant):
     """The compressor's state and the ``auto`` trial (``compression.name: auto``) of the hook-driven synchroniser."""
 
-    def __init__(self, view: StrategyView) -> None:
+    def __init__(self, view: StrategyView, gradients: GradientSynchronization) -> None:
         self._view = view
+        self._gradients = gradients
         self.trial: Optional[CompressionTrial] = None
         """``compression.name: auto``: the trial of the candidates and, once made, its choice."""
         self._trial_resume: Optional[dict[str, Any]] = None
@@ -47,11 +50,13 @@ class CompressionState(StepParticipant):
     @property
     def reducer(self) -> Optional[CompressingReducer]:
         """The synchroniser's compressing reducer (``None`` without compression or at world size 1)."""
-        return compressing_reducer_of(self._view.synchronizer)
+        return compressing_reducer_of(self._gradients.synchronizer)
 
-    def before_attach(self) -> None:
-        """The hook-driven synchroniser is built, its hooks not attached yet: start the trial (resuming a
-        checkpoint's choice) and give the compressor its saved state."""
+    def setup(self, context: StepContext) -> None:
+        """The hook-driven synchroniser is built (before its first round): start the trial (resuming a checkpoint's
+        choice) and give the compressor its saved state."""
+        if self._gradients.mode != "hooks":
+            return
         self._attached = True
         config = self._view.config.compression
         if config.name == "auto":
@@ -61,8 +66,9 @@ class CompressionState(StepParticipant):
             self._restore_compression_state()
 
     def on_train_batch_start(self) -> None:
-        advance_trial(self.trial, self._view,
-                      lambda candidate: use_compressor(self._view.synchronizer, candidate.make()), "compression auto")
+        advance_trial(self.trial, self._gradients.synchronizer, self._view,
+                      lambda candidate: use_compressor(self._gradients.synchronizer, candidate.make()),
+                      "compression auto")
 
     def after_optimizer_step(self) -> None:
         if self.trial is not None:
@@ -86,7 +92,7 @@ class CompressionState(StepParticipant):
         self._compression_resume = checkpoint.pop(COMPRESSION_KEY, None)
         self._trial_resume = checkpoint.pop(TRIAL_KEY, None)
         # Lightning loads a checkpoint before the strategy's setup: kept until this fit's synchroniser is built
-        # (before_attach restores it). Were setup first, restore now: the trial's choice before the state.
+        # (setup restores it). Were setup first, restore now: the trial's choice before the state.
         if self._attached:
             self._resume_trial()
             if self.reducer is not None:
@@ -94,7 +100,7 @@ class CompressionState(StepParticipant):
 
     def _resume_trial(self) -> None:
         """A checkpoint's choice (``compression.name: auto``): reduce with it from now on, with no second trial."""
-        synchronizer = self._view.synchronizer
+        synchronizer = self._gradients.synchronizer
         if self._trial_resume is None or self.trial is None or synchronizer is None:
             return  # nothing saved, or setup has not built the trial yet (it calls this again)
         saved, self._trial_resume = self._trial_resume, None

@@ -1,29 +1,38 @@
-"""The participants ``strategy.sync`` configures: the buffer broadcast, the hook-driven synchroniser, the graph-mode
-averaging identity, and the non-finite gradient check.
+"""The gradient-sync participant: the one owner of the synchroniser a fit averages its gradients with.
 
-Which synchroniser a fit gets is decided once, at setup, from the config and the mesh: ``reduce: reduce_scatter``
-(:class:`~lightning_static_dist.participants.sharded.ShardedSync` builds it), else ``mode: graph``
-(:class:`GraphSync`), else ``mode: hooks`` (:class:`HookSync`). The other two stay idle for the whole fit.
+:class:`GradientSynchronization` chooses, once at setup, from the config and the mesh, how the gradients are averaged
+and builds that synchroniser: ``sync.reduce: reduce_scatter`` (``"sharded"``: each rank keeps a shard,
+:func:`~lightning_static_dist.participants.sharded.build_sharded_synchronizer`), else ``sync.mode: graph``
+(``"graph"``: an averaging identity, the collectives inside the compiled backward), else ``sync.mode: hooks``
+(``"hooks"``: buckets filled from gradient hooks). Two parts of averaging are composed inside it: the broadcast of
+rank 0's buffers before each training forward (:class:`BufferBroadcast`) and the non-finite check of the averaged
+gradients (:class:`NonfiniteCheck`). The participants that act on the synchroniser (the sharded gathers, the
+compression state, the schedule trial) are handed this participant when they are built, and read it from here.
 
-Example (the strategy builds these in its ``__init__``)::
+Example (the roster builds it; ``strategy.synchronizer`` reads ``gradients.synchronizer``)::
 
-    hooks = HookSync(strategy, embeddings, compile, compression, recording)
-    hooks.finish_gradients(accumulating=False)     # post_backward: launch the rest, make the stream wait
+    gradients = GradientSynchronization(strategy, compile, embeddings, recording)
+    gradients.setup(context)                        # gradients.mode: "hooks", "graph", "sharded" or None
+    gradients.finish_gradients(accumulating=False)  # post_backward: launch the rest, make the stream wait
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Optional
+from collections.abc import Iterable
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed
 from torch import Tensor
+from torch.nn import Parameter
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_static_dist.compression import build_compressor
 from lightning_static_dist.compression.auto import Candidate, CompressionTrial
-from lightning_static_dist.engine import broadcast_buffers, build_synchronizer
+from lightning_static_dist.compression.config import CompressionConfig
+from lightning_static_dist.compression.state import use_compressor
 from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.participants.base import (
     StepContext,
@@ -34,227 +43,85 @@ from lightning_static_dist.participants.base import (
     syncs_gradients,
 )
 from lightning_static_dist.participants.compilation import StaticCompile
-from lightning_static_dist.participants.compression import CompressionState
 from lightning_static_dist.participants.embeddings import EmbeddingShards
 from lightning_static_dist.participants.recording import PhaseRecording
-from lightning_static_dist.participants.sharded import ShardedSync
-from lightning_static_dist.sync import RoundSync
+from lightning_static_dist.participants.sharded import build_sharded_synchronizer
+from lightning_static_dist.sync import GradientSynchronizer, RoundSync
+from lightning_static_dist.sync.broadcast import broadcast_buffers
 from lightning_static_dist.sync.graph import GraphGradientSync
+from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
+from lightning_static_dist.sync.config import SyncConfig
+
+SyncMode = Literal["hooks", "graph", "sharded"]
 
 
-class BufferBroadcast(StepParticipant):
+def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], sync: SyncConfig,
+                       compression: CompressionConfig,
+                       group: Optional[torch.distributed.ProcessGroup]) -> GradientSynchronizer:
+    """The hook-driven synchroniser ``strategy.sync`` describes (``mode: hooks``, ``reduce: all_reduce``), with the
+    compressing reducer when ``strategy.compression`` names a compressor. Not attached yet: restore a checkpoint's
+    compression state first (``compression/state.py``), then call ``attach()``."""
+    synchronizer = GradientSynchronizer(
+        named_parameters,
+        group=group,
+        capacity=sync.capacity,
+        check_each_collective=sync.check == "collective",
+        reduce_dtype=torch.bfloat16 if sync.reduce_dtype == "bf16" else None,
+    )
+    synchronizer.launch_during_backward = sync.schedule != "after_backward"  # (auto: its trial switches it)
+    if compression.name == "auto":
+        return synchronizer  # exact until the trial (compression_trial) picks
+    compressor = build_compressor(compression)
+    if compressor is not None:
+        use_compressor(synchronizer, compressor, compression.start_step)
+    return synchronizer
+
+
+class BufferBroadcast:
     """``strategy.sync.broadcast_buffers``: rank 0's module buffers (BatchNorm statistics ...) to every rank before
-    each training forward, as DDP does."""
+    each training forward, as DDP does. A part of :class:`GradientSynchronization`.
 
-    def __init__(self, view: StrategyView) -> None:
-        self._view = view
+    Example::
+
+        buffers = BufferBroadcast()
+        buffers.follow(model, group=None)     # then, before each training forward:
+        buffers.broadcast()
+    """
+
+    def __init__(self) -> None:
         self._buffers: list[Tensor] = []
+        self._group: Optional[torch.distributed.ProcessGroup] = None
 
-    def setup(self, context: StepContext) -> None:
-        if not syncs_gradients(context, self._view):
-            return
-        assert self._view.model is not None
-        self._buffers = list(self._view.model.buffers()) if self._view.config.sync.broadcast_buffers else []
+    def follow(self, module: torch.nn.Module, group: Optional[torch.distributed.ProcessGroup]) -> None:
+        """Broadcast ``module``'s buffers from now on."""
+        self._buffers, self._group = list(module.buffers()), group
 
-    def before_forward(self) -> None:
+    def broadcast(self) -> None:
         if self._buffers:
-            broadcast_buffers(self._buffers, self._view.dp_group)
+            broadcast_buffers(self._buffers, self._group)
 
-    def teardown(self, failed: bool) -> None:
+    def stop(self) -> None:
         self._buffers = []
 
 
-class HookSync(StepParticipant):
-    """The hook-driven synchroniser: with ``sync.mode: hooks`` it builds one; with ``reduce: reduce_scatter`` it
-    runs the rounds of the sharded one :class:`~lightning_static_dist.participants.sharded.ShardedSync` built.
-    Buckets fill from post-accumulate-grad hooks during backward; :meth:`finish_gradients` launches the rest and
-    makes the stream wait (no host wait)."""
+class NonfiniteCheck:
+    """``strategy.sync.nonfinite``: after the gradients are averaged, one collective flag, so every rank warns,
+    skips or raises together. A part of :class:`GradientSynchronization`.
 
-    def __init__(self, view: StrategyView, embeddings: EmbeddingShards, compile: StaticCompile,
-                 compression: CompressionState, recording: PhaseRecording) -> None:
-        self._view = view
-        self._embeddings = embeddings
-        self._compile = compile
-        self._compression = compression
-        self._recording = recording
-        self.synchronizer: Optional[RoundSync] = None
-        """The synchroniser of the last fit (kept after teardown: its plan and counters stay readable)."""
+    Example::
 
-    def run_rounds_of(self, synchronizer: RoundSync) -> None:
-        """Run the rounds of a synchroniser another participant built (``reduce: reduce_scatter``'s sharded one)."""
-        self.synchronizer = synchronizer
-
-    def setup(self, context: StepContext) -> None:
-        view = self._view
-        if not syncs_gradients(context, view) or view.reduce_scatter() or view.config.sync.mode == "graph":
-            return
-        assert view.model is not None
-        sharder = self._embeddings.sharder
-        sharded = sharder.shard_parameters() if sharder is not None else set()
-        self.synchronizer = build_synchronizer(
-            # a shard's gradient arrives averaged by its own reduce-scatter
-            [(name, p) for name, p in view.model.named_parameters() if id(p) not in sharded],
-            view.config.sync, view.config.compression, group=view.dp_group,
-        )
-        self._compression.before_attach()  # the compressor chosen and its state restored before the first round
-        self.synchronizer.attach()
-        self.synchronizer.recorder = self._recording.recorder
-
-    def attach_recorder(self, recorder: object) -> None:
-        if self.synchronizer is not None:
-            self.synchronizer.recorder = recorder  # type: ignore[assignment]
-
-    def finish_gradients(self, accumulating: bool) -> None:
-        if self.synchronizer is not None:
-            self._compile.check_graphs_once()
-            self.synchronizer.finish_if_pending()
-
-    def no_sync(self) -> AbstractContextManager[None]:
-        return self.synchronizer.no_sync() if self.synchronizer is not None else nullcontext()
-
-    def on_exception(self, exception: BaseException) -> None:
-        # forget the round without waiting: a peer that failed may never join the collectives in flight
-        if self.synchronizer is not None:
-            self.synchronizer.abandon_round()
-
-    def check_in_step(self) -> None:
-        if self.synchronizer is not None:
-            self.synchronizer.check_pending_rounds()
-
-    def teardown(self, failed: bool) -> None:
-        if self.synchronizer is not None:
-            self.synchronizer.detach()  # frees its buffers; the plan and the counters stay readable
-
-
-SCHEDULE_KEY = "static_dist_sync_schedule"  # sync.schedule: auto: the trial's choice and times
-
-
-class SyncSchedule(StepParticipant):
-    """``strategy.sync.schedule: auto``: times ``overlap`` (each bucket issued as it fills) and ``after_backward``
-    (all issued once backward ends) on this job's first optimizer steps, the slowest rank's time of each, and keeps
-    the faster on every rank; the choice is printed and kept in the checkpoint (a resumed run does not time again).
-    The trial's steps are real training steps: only when the collectives leave changes."""
-
-    CANDIDATES = ("overlap", "after_backward")
+        check = NonfiniteCheck(strategy)
+        check(model.named_parameters(), "skip")   # NaN anywhere: every rank drops its gradients, warns once
+    """
 
     def __init__(self, view: StrategyView) -> None:
         self._view = view
-        self.trial: Optional[CompressionTrial] = None
-        """The trial (``schedule: auto`` while fitting), and once made its choice."""
-        self._resume: Optional[dict[str, Any]] = None
-
-    def after_setup(self, context: StepContext) -> None:
-        view = self._view
-        if view.config.sync.schedule != "auto" or view.synchronizer is None or not syncs_gradients(context, view):
-            return
-        candidates = [Candidate(name, lambda: None) for name in self.CANDIDATES]  # (a schedule is its name)
-        self.trial = CompressionTrial(candidates, start_step=0, trial_steps=view.config.sync.schedule_trial_steps,
-                                      device=view.root_device, group=view.dp_group, min_gain=0.0)
-        if self._resume is not None:
-            self._load(self._resume)
-
-    def on_train_batch_start(self) -> None:
-        advance_trial(self.trial, self._view, lambda candidate: self._use(candidate.name), "sync.schedule auto")
-
-    def _use(self, schedule: str) -> None:
-        """Issue the buckets as ``schedule`` says from the next round on."""
-        self._view.synchronizer.launch_during_backward = schedule == "overlap"
-
-    def after_optimizer_step(self) -> None:
-        if self.trial is not None:
-            self.trial.after_step()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {SCHEDULE_KEY: self.trial.state_dict()} if self.trial is not None else {}
-
-    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        saved = checkpoint.pop(SCHEDULE_KEY, None)
-        if saved is None:
-            return
-        if self.trial is None:
-            self._resume = saved  # Lightning loads before the strategy's setup: applied when the trial is built
-        else:
-            self._load(saved)
-
-    def _load(self, saved: dict[str, Any]) -> None:
-        self._resume = None
-        assert self.trial is not None
-        self.trial.load_state_dict(saved)
-        if self.trial.decided and self._view.synchronizer is not None:
-            self._use(self.trial.choice)
-
-    def teardown(self, failed: bool) -> None:
-        self.trial = None
-
-
-class GraphSync(StepParticipant):
-    """``sync.mode: graph``: the parameters are read through an averaging identity, so the collectives live in the
-    compiled backward graph; every rank must have compiled the same graphs, checked before the first backward."""
-
-    def __init__(self, view: StrategyView, compile: StaticCompile) -> None:
-        self._view = view
-        self._compile = compile
-        self.graph_sync: Optional[GraphGradientSync] = None
-
-    def setup(self, context: StepContext) -> None:
-        view = self._view
-        if not syncs_gradients(context, view) or view.reduce_scatter() or view.config.sync.mode != "graph":
-            return
-        reduce_dtype = torch.bfloat16 if view.config.sync.reduce_dtype == "bf16" else None
-        self.graph_sync = GraphGradientSync(view.model, group=view.dp_group, reduce_dtype=reduce_dtype)
-        self.graph_sync.attach()
-
-    def before_backward(self) -> None:
-        if self.graph_sync is None or self._compile.graphs_checked:
-            return
-        # before the first backward runs the collectives compiled into it: every rank compiled the same graphs
-        try:
-            self._compile.check_graphs_once()
-        except RankMismatchError as err:
-            raise RankMismatchError(
-                "static_dist: strategy.sync.mode=graph needs every rank to compile the same graphs (the gradient"
-                f" collectives are inside them): {err}. A model whose ranks use different parameters needs"
-                " strategy.sync.mode=hooks"
-            ) from None
-
-    def finish_gradients(self, accumulating: bool) -> None:
-        # (every micro-batch averages inside its own backward graph, accumulating or not)
-        if self.graph_sync is not None:
-            self.graph_sync.check_trainable()
-            self.graph_sync.rounds += 1
-
-    def teardown(self, failed: bool) -> None:
-        if self.graph_sync is not None:
-            self.graph_sync.detach()
-            self.graph_sync = None
-
-
-class NonfiniteCheck(StepParticipant):
-    """``strategy.sync.nonfinite``: after the gradients are averaged, one collective flag, so every rank warns,
-    skips or raises together."""
-
-    def __init__(self, view: StrategyView, sharded: ShardedSync) -> None:
-        self._view = view
-        self._sharded = sharded
         self.steps = 0
         """Synchronised steps whose averaged gradients held NaN/Inf."""
 
-    def finish_gradients(self, accumulating: bool) -> None:
-        policy = self._view.config.sync.nonfinite
-        if policy != "off" and not accumulating:
-            self._check(policy)
-
-    def _check(self, policy: str) -> None:
+    def __call__(self, named: list[tuple[str, Tensor]], policy: str) -> None:
+        """Check the gradients of ``named`` (``(name, parameter)`` with a gradient), as ``policy`` says."""
         view = self._view
-        if getattr(view.precision_plugin, "scaler", None) is not None:
-            return  # the gradient scaler skips non-finite steps itself
-        assert view.lightning_module is not None
-        sharded = self._sharded.sharded_sync
-        if sharded is not None:  # the averaged gradients live in the shards
-            named = [(f"a shard of {' / '.join(piece.names)}", piece.param)
-                     for piece in sharded.pieces(optimized_only=False) if piece.param.grad is not None]
-        else:
-            named = [(n, p) for n, p in view.lightning_module.named_parameters() if p.grad is not None]
         # a rank with no gradient here (its chunks all padding) still takes part in the flag's all-reduce
         finite = torch.isfinite(torch.stack(torch._foreach_norm([p.grad for _, p in named]))) if named else None
         flag = torch.zeros(1, dtype=torch.float32, device=view.root_device)
@@ -281,3 +148,231 @@ class NonfiniteCheck(StepParticipant):
             + ("optimizer step skipped on every rank" if policy == "skip" else "the optimizer step goes ahead")
             + f" (strategy.sync.nonfinite={policy})"
         )
+
+
+class GradientSynchronization(StepParticipant):
+    """The gradient averaging of a fit: chooses its mode once at setup (:attr:`mode`), builds and owns the
+    synchroniser, and ends its rounds after each backward; broadcasts rank 0's buffers before each training forward
+    and checks the averaged gradients (``sync.nonfinite``). Hook and sharded rounds fill buckets from
+    post-accumulate-grad hooks during backward; :meth:`finish_gradients` launches the rest and makes the stream wait
+    (no host wait). In graph mode every micro-batch averages inside its own compiled backward.
+
+    Args:
+        view: the strategy, as the participants read it.
+        compile: static compilation: its graphs are compared before the first bucket collective, and the pieces it
+            cut the step into are what the bucket plan follows.
+        embeddings: the sharded embeddings, whose shards average in their own reduce-scatter (not synchronised here).
+        recording: the overlap monitor's recorder, told of every bucket.
+    """
+
+    def __init__(self, view: StrategyView, compile: StaticCompile, embeddings: EmbeddingShards,
+                 recording: PhaseRecording) -> None:
+        self._view = view
+        self._compile = compile
+        self._embeddings = embeddings
+        self._recording = recording
+        self.mode: Optional[SyncMode] = None
+        """How this fit averages: ``"hooks"``, ``"graph"`` or ``"sharded"``; ``None`` outside a multi-rank fit."""
+        self.synchronizer: Optional[RoundSync] = None
+        """The synchroniser whose rounds run after each backward (hooks or sharded; kept after teardown: its plan and
+        counters stay readable)."""
+        self.graph_sync: Optional[GraphGradientSync] = None
+        """``sync.mode: graph`` while fitting: the averaging identity the parameters are read through."""
+        self.buffers = BufferBroadcast()
+        self.nonfinite = NonfiniteCheck(view)
+
+    @property
+    def sharded_sync(self) -> Optional[ShardedGradientSynchronizer]:
+        """The synchroniser holding this rank's shards (``reduce_scatter`` while fitting; ``None`` once released)."""
+        sync = self.synchronizer
+        return sync if isinstance(sync, ShardedGradientSynchronizer) and not sync.released else None
+
+    def choose_mode(self, context: StepContext) -> Optional[SyncMode]:
+        """The mode this setup averages with (``None``: nothing to average, one rank or not fitting)."""
+        view = self._view
+        if not syncs_gradients(context, view):
+            return None
+        if view.reduce_scatter():
+            return "sharded"
+        return "graph" if view.config.sync.mode == "graph" else "hooks"
+
+    # ------------------------------------------------------------------------------------------------ setup
+
+    def setup(self, context: StepContext) -> None:
+        view = self._view
+        self.mode = self.choose_mode(context)
+        if self.mode is None:
+            return
+        assert view.model is not None
+        self.synchronizer, self.graph_sync = None, None  # (a later fit's own; the last fit's stayed readable)
+        if view.config.sync.broadcast_buffers:
+            self.buffers.follow(view.model, view.dp_group)
+        if self.mode == "sharded":
+            self.synchronizer = build_sharded_synchronizer(view)
+        elif self.mode == "graph":
+            reduce_dtype = torch.bfloat16 if view.config.sync.reduce_dtype == "bf16" else None
+            self.graph_sync = GraphGradientSync(view.model, group=view.dp_group, reduce_dtype=reduce_dtype)
+            self.graph_sync.attach()
+            return
+        else:
+            sharder = self._embeddings.sharder
+            sharded = sharder.shard_parameters() if sharder is not None else set()
+            self.synchronizer = build_synchronizer(
+                # a shard's gradient arrives averaged by its own reduce-scatter
+                [(name, p) for name, p in view.model.named_parameters() if id(p) not in sharded],
+                view.config.sync, view.config.compression, group=view.dp_group,
+            )
+            self.synchronizer.attach()
+        self.synchronizer.recorder = self._recording.recorder
+
+    def after_setup(self, context: StepContext) -> None:
+        # compiled (in setup, after this participant): the bucket plan follows the pieces the step was cut into,
+        # also on a later fit of the same, already compiled model
+        groups = self._compile.ready_groups()
+        if self.synchronizer is not None and groups is not None:
+            self.synchronizer.ready_groups = groups
+
+    def attach_recorder(self, recorder: object) -> None:
+        if self.synchronizer is not None:
+            self.synchronizer.recorder = recorder  # type: ignore[assignment]
+
+    # -------------------------------------------------------------------------------------------- a step
+
+    def before_forward(self) -> None:
+        self.buffers.broadcast()
+
+    def before_backward(self) -> None:
+        if self.mode != "graph" or self._compile.graphs_checked:
+            return
+        # before the first backward runs the collectives compiled into it: every rank compiled the same graphs
+        try:
+            self._compile.check_graphs_once()
+        except RankMismatchError as err:
+            raise RankMismatchError(
+                "static_dist: strategy.sync.mode=graph needs every rank to compile the same graphs (the gradient"
+                f" collectives are inside them): {err}. A model whose ranks use different parameters needs"
+                " strategy.sync.mode=hooks"
+            ) from None
+
+    def finish_gradients(self, accumulating: bool) -> None:
+        if self.synchronizer is not None:
+            self._compile.check_graphs_once()
+            self.synchronizer.finish_if_pending()
+        elif self.graph_sync is not None:  # (every micro-batch averages in its own backward, accumulating or not)
+            self.graph_sync.check_trainable()
+            self.graph_sync.rounds += 1
+        policy = self._view.config.sync.nonfinite
+        if policy != "off" and not accumulating:
+            self._check_nonfinite(policy)
+
+    def _check_nonfinite(self, policy: str) -> None:
+        view = self._view
+        if getattr(view.precision_plugin, "scaler", None) is not None:
+            return  # the gradient scaler skips non-finite steps itself
+        assert view.model is not None
+        sharded = self.sharded_sync
+        if sharded is not None:  # the averaged gradients live in the shards
+            named = [(f"a shard of {' / '.join(piece.names)}", piece.param)
+                     for piece in sharded.pieces(optimized_only=False) if piece.param.grad is not None]
+        else:
+            named = [(n, p) for n, p in view.model.named_parameters() if p.grad is not None]
+        self.nonfinite(named, policy)
+
+    @property
+    def clips_by_norm(self) -> bool:
+        """Whether gradient clipping by norm must go through :meth:`clip_grad_norm_`: the gradients are sharded, and
+        one rank's norm is not the model's (the front end routes its clipping here: ``strategy.py``, ``fabric/``)."""
+        return self.sharded_sync is not None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip by the norm of the whole model's gradient, summed over the shard group (``clips_by_norm`` only)."""
+        sharded = self.sharded_sync
+        assert sharded is not None
+        return sharded.clip_grad_norm_(max_norm, norm_type)
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        return self.synchronizer.no_sync() if self.synchronizer is not None else nullcontext()
+
+    def on_exception(self, exception: BaseException) -> None:
+        # forget the round without waiting: a peer that failed may never join the collectives in flight
+        if self.synchronizer is not None:
+            self.synchronizer.abandon_round()
+
+    def check_in_step(self) -> None:
+        if self.synchronizer is not None:
+            self.synchronizer.check_pending_rounds()
+
+    def teardown(self, failed: bool) -> None:
+        self.buffers.stop()
+        self.mode = None
+        if self.synchronizer is not None:
+            self.synchronizer.detach()  # frees its buffers; the plan and the counters stay readable
+        if self.graph_sync is not None:
+            self.graph_sync.detach()
+            self.graph_sync = None
+
+
+SCHEDULE_KEY = "static_dist_sync_schedule"  # sync.schedule: auto: the trial's choice and times
+
+
+class SyncSchedule(StepParticipant):
+    """``strategy.sync.schedule: auto``: times ``overlap`` (each bucket issued as it fills) and ``after_backward``
+    (all issued once backward ends) on this job's first optimizer steps, the slowest rank's time of each, and keeps
+    the faster on every rank; the choice is printed and kept in the checkpoint (a resumed run does not time again).
+    The trial's steps are real training steps: only when the collectives leave changes. ``gradients`` owns the
+    synchroniser whose schedule is switched."""
+
+    CANDIDATES = ("overlap", "after_backward")
+
+    def __init__(self, view: StrategyView, gradients: GradientSynchronization) -> None:
+        self._view = view
+        self._gradients = gradients
+        self.trial: Optional[CompressionTrial] = None
+        """The trial (``schedule: auto`` while fitting), and once made its choice."""
+        self._resume: Optional[dict[str, Any]] = None
+
+    def after_setup(self, context: StepContext) -> None:
+        view = self._view
+        if view.config.sync.schedule != "auto" or self._gradients.mode not in ("hooks", "sharded"):
+            return
+        candidates = [Candidate(name, lambda: None) for name in self.CANDIDATES]  # (a schedule is its name)
+        self.trial = CompressionTrial(candidates, start_step=0, trial_steps=view.config.sync.schedule_trial_steps,
+                                      device=view.root_device, group=view.dp_group, min_gain=0.0)
+        if self._resume is not None:
+            self._load(self._resume)
+
+    def on_train_batch_start(self) -> None:
+        advance_trial(self.trial, self._gradients.synchronizer, self._view,
+                      lambda candidate: self._use(candidate.name), "sync.schedule auto")
+
+    def _use(self, schedule: str) -> None:
+        """Issue the buckets as ``schedule`` says from the next round on."""
+        synchronizer = self._gradients.synchronizer
+        assert synchronizer is not None
+        synchronizer.launch_during_backward = schedule == "overlap"  # type: ignore[attr-defined]
+
+    def after_optimizer_step(self) -> None:
+        if self.trial is not None:
+            self.trial.after_step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {SCHEDULE_KEY: self.trial.state_dict()} if self.trial is not None else {}
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.pop(SCHEDULE_KEY, None)
+        if saved is None:
+            return
+        if self.trial is None:
+            self._resume = saved  # Lightning loads before the strategy's setup: applied when the trial is built
+        else:
+            self._load(saved)
+
+    def _load(self, saved: dict[str, Any]) -> None:
+        self._resume = None
+        assert self.trial is not None
+        self.trial.load_state_dict(saved)
+        if self.trial.decided and self._gradients.synchronizer is not None:
+            self._use(self.trial.choice)
+
+    def teardown(self, failed: bool) -> None:
+        self.trial = None

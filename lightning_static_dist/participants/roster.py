@@ -22,13 +22,7 @@ from lightning_static_dist.participants.base import StepParticipant, StrategyVie
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.compression import CompressionState
 from lightning_static_dist.participants.embeddings import EmbeddingShards
-from lightning_static_dist.participants.gradients import (
-    BufferBroadcast,
-    GraphSync,
-    HookSync,
-    NonfiniteCheck,
-    SyncSchedule,
-)
+from lightning_static_dist.participants.gradients import GradientSynchronization, SyncSchedule
 from lightning_static_dist.participants.recording import PhaseRecording
 from lightning_static_dist.participants.resume import MidEpochResume
 from lightning_static_dist.participants.runtime import PeerWatch, SigtermAgreement, SimulationMark
@@ -37,15 +31,13 @@ from lightning_static_dist.participants.sharded import ShardedSync
 
 class Participants:
     """The participants of one strategy, named (for what the strategy hands out: ``strategy.synchronizer`` is
-    ``participants.hooks.synchronizer``) and in the one order every hook calls them (a participant whose feature is
-    off does nothing; at most one of the three synchronisers is active in a fit)::
+    ``participants.gradients.synchronizer``) and in the one order every hook calls them (a participant whose feature
+    is off does nothing)::
 
-        BufferBroadcast   sync.broadcast_buffers: rank 0's buffers before each training forward
-        ShardedSync       sync.reduce=reduce_scatter: builds the sharded synchroniser; gathers; sharded checkpoints
-        HookSync          sync.mode=hooks: builds the synchroniser; runs the rounds of either synchroniser
-        GraphSync         sync.mode=graph: the averaging identity; the graph check before the first backward
+        GradientSynchronization  sync: chooses hooks, graph or sharded averaging once at setup and owns that
+                                 synchroniser; rank 0's buffers before each training forward; the non-finite check
+        ShardedSync       sync.reduce=reduce_scatter: the gathers; sharded optimizer state and checkpoints
         StaticCompile     compile: compiles at setup (after the synchroniser: its plan follows the graph's pieces)
-        NonfiniteCheck    sync.nonfinite: after the gradients are averaged
         EmbeddingShards   embedding: shard, prefetch, gather before forward, release after backward and step
         SigtermAgreement  Lightning's SIGTERM check over the host group (processes/sigterm.py)
         PeerWatch         the peer watchdog
@@ -56,10 +48,12 @@ class Participants:
         PhaseRecording    the overlap monitor's recorder: marks forward, backward and optimizer phases
 
     The order keeps what must come first first: the buffers before the embeddings' gather before the recorder's
-    forward; the gradients synchronised, then checked, then the embeddings released; the sharded synchroniser
-    released at teardown before the hook synchroniser frees its buffers; the recorder last, so that a phase it
-    marks begins after the waits of the others. ``after_backward`` (the recorder ends backward) runs before
-    ``finish_gradients`` (the waits), so the recorder never counts waiting as compute.
+    forward; the gradients synchronised and checked, then the embeddings released; the synchroniser built before
+    the participants that act on it set up; at teardown its hooks are taken out before the sharded one gives the
+    parameters back (a collective); the recorder last, so that a phase it marks begins after the waits of the
+    others. ``after_backward`` (the recorder ends backward) runs before ``finish_gradients`` (the waits), so the
+    recorder never counts waiting as compute. The participants that act on the synchroniser are handed the gradient
+    participant when they are built; none reads it through the strategy.
 
     Args:
         view: the strategy, as the participants read it.
@@ -69,17 +63,15 @@ class Participants:
     def __init__(self, view: StrategyView, failed: Callable[[], bool]) -> None:
         self.recording = PhaseRecording()
         self.compile = StaticCompile(view)
-        self.compression = CompressionState(view)
         self.embeddings = EmbeddingShards(view, self.recording)
-        self.hooks = HookSync(view, self.embeddings, self.compile, self.compression, self.recording)
-        self.sharded = ShardedSync(view, self.hooks, self.compile, self.recording)
-        self.graph = GraphSync(view, self.compile)
-        self.nonfinite = NonfiniteCheck(view, self.sharded)
-        self.schedule = SyncSchedule(view)
+        self.gradients = GradientSynchronization(view, self.compile, self.embeddings, self.recording)
+        self.sharded = ShardedSync(view, self.gradients, self.compile)
+        self.compression = CompressionState(view, self.gradients)
+        self.schedule = SyncSchedule(view, self.gradients)
         self.ordered: tuple[StepParticipant, ...] = (
-            BufferBroadcast(view), self.sharded, self.hooks, self.graph, self.compile, self.nonfinite,
-            self.embeddings, SigtermAgreement(view), PeerWatch(view, failed=failed), self.compression,
-            self.schedule, SimulationMark(view), MidEpochResume(view), self.recording,
+            self.gradients, self.sharded, self.compile, self.embeddings, SigtermAgreement(view),
+            PeerWatch(view, failed=failed), self.compression, self.schedule, SimulationMark(view),
+            MidEpochResume(view), self.recording,
         )
 
     # ----------------------------------------------------------------------------- the checkpoint phases' answers

@@ -1,13 +1,14 @@
 """``strategy.sync.reduce: reduce_scatter``: each rank keeps and steps its own shard of the parameters and of the
 optimizer state; the whole parameters come back by all-gathers overlapped with the next forward.
 
-This participant builds the sharded synchroniser (whose rounds :class:`~lightning_static_dist.participants.
-gradients.HookSync` then runs like any synchroniser's), waits for the gathers where the forward first needs the
-parameters, and saves and loads the optimizer state in its sharded forms (``strategy.checkpoint.format``).
+:func:`build_sharded_synchronizer` builds the sharded synchroniser for the gradient participant
+(:class:`~lightning_static_dist.participants.gradients.GradientSynchronization`, which owns it and runs its rounds
+like any synchroniser's); :class:`ShardedSync` waits for the gathers where the forward first needs the parameters,
+and saves and loads the optimizer state in its sharded forms (``strategy.checkpoint.format``).
 
-Example (the strategy builds it in its ``__init__``)::
+Example (the roster builds it)::
 
-    sharded = ShardedSync(strategy, hooks, compile, recording)
+    sharded = ShardedSync(strategy, gradients, compile)
     sharded.after_optimizer_step()      # start the all-gathers of the updated shards
 """
 
@@ -36,7 +37,6 @@ from lightning_static_dist.processes.faults import waiting_in
 from lightning_static_dist.mesh import REPLICATE_DIM, SHARD_DIM
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView, syncs_gradients
 from lightning_static_dist.participants.compilation import StaticCompile
-from lightning_static_dist.participants.recording import PhaseRecording
 from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
 
 _PIECES_KEY = "static_dist_optimizer_pieces"  # optimizer_state() in sharded-checkpoint mode: this rank's ranges
@@ -47,17 +47,53 @@ _NOT_ELEMENTWISE = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafa
                          if hasattr(torch.optim, name))
 
 
-class ShardedSync(StepParticipant):
-    """The sharded synchroniser's own part of a step: the gathers, gradient clipping over the shard group, and the
-    sharded optimizer state in checkpoints. ``gradients`` is the participant that runs its rounds; it is handed
-    the synchroniser at setup."""
+def build_sharded_synchronizer(view: StrategyView) -> ShardedGradientSynchronizer:
+    """The sharded synchroniser of this fit, attached, with the one optimizer re-pointed at this rank's shards
+    (the gradient participant calls this when it chooses ``reduce_scatter``). Refused, with a one-line
+    :class:`ConfigError`, for several optimizers, an optimizer that does not update element by element, and the
+    16-mixed gradient scaler."""
+    mesh = view.device_mesh
+    assert view.model is not None
+    if len(view.optimizers) != 1:
+        raise ConfigError(f"strategy.sync.reduce='reduce_scatter': needs exactly one optimizer, configure_optimizers"
+                          f" returned {len(view.optimizers)}; allowed with several: 'all_reduce'")
+    optimizer = view.optimizers[0]
+    inner = unwrap_optimizer(optimizer)
+    if isinstance(inner, _NOT_ELEMENTWISE):
+        raise ConfigError(f"strategy.sync.reduce='reduce_scatter': {type(inner).__name__} does not update each element"
+                          " on its own (it would see flat chunks, not the parameters' shapes); allowed with it:"
+                          " 'all_reduce'")
+    if inner.state:  # (under Fabric the user builds it before setup)
+        raise ConfigError("strategy.sync.reduce='reduce_scatter': the optimizer already has state, and each rank must"
+                          " step only its shards from the first step; allowed: an optimizer that has not stepped")
+    if getattr(view.precision_plugin, "scaler", None) is not None:
+        raise ConfigError("strategy.sync.reduce='reduce_scatter': the 16-mixed gradient scaler decides per rank on"
+                          " shards; use precision bf16-mixed or 32, or strategy.sync.reduce='all_reduce'")
+    sync_cfg = view.config.sync
+    sync = ShardedGradientSynchronizer(
+        view.model.named_parameters(), optimizer, shard_group=mesh.get_group(SHARD_DIM),
+        replicate_group=mesh.get_group(REPLICATE_DIM), group=view.dp_group,
+        capacity=sync_cfg.capacity,
+        check_each_collective=sync_cfg.check == "collective",
+    )
+    sync.bind()
+    sync.attach()
+    replicate, shard = mesh.size(0), mesh.size(1)
+    state_share = f"1/{shard}" if shard > 1 else "all"
+    rank_zero_info(f"static_dist: reduce_scatter over a {replicate} x {shard} mesh ({sync.plan.describe()});"
+                   f" each rank keeps {state_share} of the optimizer state")
+    return sync
 
-    def __init__(self, view: StrategyView, gradients: Any, compile: StaticCompile,
-                 recording: PhaseRecording) -> None:
+
+class ShardedSync(StepParticipant):
+    """The sharded synchroniser's own part of a step: the gathers, and the sharded optimizer state in checkpoints.
+    ``gradients`` (the gradient participant, which builds the synchroniser and runs its rounds) is where it reads
+    the synchroniser from; its setup runs first."""
+
+    def __init__(self, view: StrategyView, gradients: Any, compile: StaticCompile) -> None:
         self._view = view
         self._gradients = gradients
         self._compile = compile
-        self._recording = recording
         self._gather_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._buckets_at_step_start: Optional[list[int]] = None
         self._last_sharded_checkpoint: Optional[str] = None
@@ -65,8 +101,7 @@ class ShardedSync(StepParticipant):
     @property
     def sharded_sync(self) -> Optional[ShardedGradientSynchronizer]:
         """While fitting: the synchroniser holding this rank's shards (``None`` otherwise, and once released)."""
-        sync = self._gradients.synchronizer
-        return sync if isinstance(sync, ShardedGradientSynchronizer) and not sync.released else None
+        return self._gradients.sharded_sync
 
     def _sharded_checkpoints(self) -> bool:
         return self.sharded_sync is not None and self._view.config.checkpoint.format != "full"
@@ -77,47 +112,12 @@ class ShardedSync(StepParticipant):
         view = self._view
         if not syncs_gradients(context, view):
             return
-        if view.reduce_scatter():
-            self._attach()
+        sync = self.sharded_sync
+        if sync is not None:
+            self._wait_for_parameters_where_needed(sync)
         elif view.config.checkpoint.format == "sharded":
             rank_zero_warn("static_dist: strategy.checkpoint.format='sharded' has nothing to shard with"
                            " strategy.sync.reduce=all_reduce (every rank holds the whole state); checkpoints are full")
-
-    def _attach(self) -> None:
-        """The optimizer is re-pointed at this rank's shards before its first step."""
-        view = self._view
-        mesh = view.device_mesh
-        assert view.model is not None
-        if len(view.optimizers) != 1:
-            raise ConfigError(f"strategy.sync.reduce='reduce_scatter': needs exactly one optimizer, configure_optimizers"
-                              f" returned {len(view.optimizers)}; allowed with several: 'all_reduce'")
-        optimizer = view.optimizers[0]
-        inner = unwrap_optimizer(optimizer)
-        if isinstance(inner, _NOT_ELEMENTWISE):
-            raise ConfigError(f"strategy.sync.reduce='reduce_scatter': {type(inner).__name__} does not update each element"
-                              " on its own (it would see flat chunks, not the parameters' shapes); allowed with it:"
-                              " 'all_reduce'")
-        if getattr(view.precision_plugin, "scaler", None) is not None:
-            raise ConfigError("strategy.sync.reduce='reduce_scatter': the 16-mixed gradient scaler decides per rank on"
-                              " shards; use precision bf16-mixed or 32, or strategy.sync.reduce='all_reduce'")
-        sync_cfg = view.config.sync
-        sync = ShardedGradientSynchronizer(
-            view.model.named_parameters(), view.optimizers[0], shard_group=mesh.get_group(SHARD_DIM),
-            replicate_group=mesh.get_group(REPLICATE_DIM), group=view.dp_group,
-            capacity=sync_cfg.capacity,
-            check_each_collective=sync_cfg.check == "collective",
-        )
-        sync.bind()
-        sync.attach()
-        sync.recorder = self._recording.recorder
-        self._gradients.run_rounds_of(sync)
-        # gradient clipping by norm must sum over the shard group (the precision plugin would norm one shard)
-        view.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: sync.clip_grad_norm_(clip_val)
-        self._wait_for_parameters_where_needed(sync)
-        replicate, shard = mesh.size(0), mesh.size(1)
-        state_share = f"1/{shard}" if shard > 1 else "all"
-        rank_zero_info(f"static_dist: reduce_scatter over a {replicate} x {shard} mesh ({sync.plan.describe()});"
-                       f" each rank keeps {state_share} of the optimizer state")
 
     def _wait_for_parameters_where_needed(self, sync: ShardedGradientSynchronizer) -> None:
         """Wait for a bucket's all-gather where the forward first needs it: in pre-hooks of the repeated blocks (the
@@ -203,7 +203,6 @@ class ShardedSync(StepParticipant):
             hook.remove()
         self._gather_hooks = []
         if self.sharded_sync is not None:
-            self._view.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # the plugin's own clipping again
             if not failed and not self._view.preempted:  # (preempted: the sharded checkpoint resumes as it is;
                 # a gather and a second, full write could outlast the scheduler's grace period)
                 self.sharded_sync.release()  # whole parameters and a full-form optimizer after fit (collective)

@@ -55,7 +55,7 @@ from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.ddp_arguments import check_process_group_backend, device_backend
 from lightning_static_dist.processes.faults import diagnose, is_collective_failure, record_nccl_flight, waiting_in
 from lightning_static_dist.processes.launcher import StaticDistLauncher, StaticDistSpawnLauncher
-from lightning_static_dist.mesh import build_dp_mesh, resolve_mesh_shape
+from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
 from lightning_static_dist.simulate import BACKEND as SIMULATED_BACKEND
 from lightning_static_dist.simulate import init_simulated_world, is_simulated, set_link
 from lightning_static_dist.simulate.config import SimulateConfig
@@ -265,10 +265,7 @@ class DataParallelProcesses(ParallelStrategy):
 
     def reduce_scatter(self) -> bool:
         """``strategy.sync.reduce`` resolved against the mesh that started (``auto``: reduce_scatter if dp_shard > 1)."""
-        reduce = self._config.sync.reduce
-        if reduce == "auto":
-            return self._mesh is not None and self._mesh.size(1) > 1
-        return reduce == "reduce_scatter" and self.world_size > 1
+        return reduces_by_scatter(self._config.sync.reduce, self._mesh, self.world_size)
 
     @override
     def _configure_launcher(self) -> None:

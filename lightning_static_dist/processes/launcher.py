@@ -6,6 +6,9 @@ before the survivors' collective has even failed, so the user learns *which* ran
 watcher waits ``grace_s`` after seeing a dead child: long enough for the strategy's own failure path (a roll call
 through the rendezvous store, then one line naming the missing rank and the collective in flight, then exit 1).
 Only a process that is still around after the grace period is killed, with Lightning's message.
+
+The strategy names both front ends register stand for their start methods (:data:`STRATEGY_NAMES`); Fabric's spawn
+launcher gets the same clean exit as the Trainer's (:class:`FabricSpawnLauncher`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from typing import Any, Callable, Optional
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher as _FabricMultiProcessingLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
@@ -78,3 +83,30 @@ class StaticDistSpawnLauncher(_MultiProcessingLauncher):
         super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
         if self._start_method == "spawn":
             exit_without_native_teardown(0)
+
+
+class FabricSpawnLauncher(_FabricMultiProcessingLauncher):
+    """Fabric's spawn/fork launcher whose spawned ranks leave with ``os._exit`` once rank 0's result is handed over:
+    the interpreter's teardown of a finished Gloo rank sometimes aborts it (as :class:`StaticDistSpawnLauncher`)."""
+
+    @override
+    def _wrapping_function(self, process_idx: int, function: Callable, args: Any, kwargs: Any, return_queue: Any,
+                           global_states: Any = None) -> None:
+        super()._wrapping_function(process_idx, function, args, kwargs, return_queue, global_states)
+        if self._start_method == "spawn":
+            exit_without_native_teardown(0)
+
+
+#: The names ``import lightning_static_dist`` registers, in Lightning's and in Fabric's registry, with the start
+#: method each stands for.
+STRATEGY_NAMES = (("static_dist", "popen"), ("static_dist_spawn", "spawn"), ("static_dist_notebook", "fork"))
+
+
+def register_names(registry: _StrategyRegistry, cls: type, description: str) -> None:
+    """Register ``cls`` under :data:`STRATEGY_NAMES` in a Lightning or Fabric strategy registry; a name already
+    there is left as it is (registering adds names, it never replaces one)."""
+    for name, start_method in STRATEGY_NAMES:
+        if name in registry:
+            continue
+        registry.register(name, cls, description=f"{description}, start method '{start_method}'",
+                          start_method=start_method)

@@ -15,6 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_static_dist.processes.faults import waiting_in
+from lightning_static_dist.processes.fingerprint import check_same_on_all_ranks, describe_parameters
+
 
 def broadcast_tensors(tensors: Iterable[Tensor], group: Optional[dist.ProcessGroup] = None, src: int = 0) -> int:
     """Overwrite ``tensors`` on every rank with the values of global rank ``src``; return the bytes broadcast.
@@ -40,3 +43,18 @@ def broadcast_tensors(tensors: Iterable[Tensor], group: Optional[dist.ProcessGro
                 offset += t.numel()
         sent += flat.numel() * flat.element_size()
     return sent
+
+
+def start_from_rank_zero(module: torch.nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+    """Check that every rank holds the same parameters (a rank with another model would pair its broadcasts and
+    buckets with the wrong tensors: it stops here), then give every rank rank 0's weights and buffers, whatever its
+    own initialisation drew. Collective."""
+    check_same_on_all_ranks("the model's parameters", describe_parameters(module), group)
+    broadcast_tensors(list(module.parameters()) + list(module.buffers()), group=group)
+
+
+def broadcast_buffers(buffers: list[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+    """Rank 0's module buffers (BatchNorm statistics ...) to every rank before a training forward
+    (``strategy.sync.broadcast_buffers``). Collective."""
+    with waiting_in("the broadcast of module buffers"):
+        broadcast_tensors(buffers, group=group)

@@ -1,0 +1,184 @@
+"""``StaticDistFabricStrategy``: the static_dist step engine under Lightning Fabric, as a thin front end.
+
+Each trainable module set up gets the step participants the Trainer strategy runs
+(:class:`~lightning_static_dist.fabric.model.SynchronisedModel` says which of the user's calls drives which phase):
+``sync.mode: graph``, ``reduce_scatter`` (``mesh.dp_shard``), ``sync.nonfinite``, ``embedding.shard``, the
+``auto`` trials of compression and schedule, compilation and the overlap figures work as under the Trainer.
+Refused at construction, with a one-line :class:`~lightning_static_dist.config.ConfigError` naming the key:
+``simulate`` and ``sync.comm_sms`` (both are set where the process group starts, which this strategy leaves to
+Fabric's ``DDPStrategy``).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+from lightning_static_dist.compile import CompileReport
+from lightning_static_dist.compression import CompressingReducer
+from lightning_static_dist.compression.state import compressing_reducer_of
+from lightning_static_dist.config import ConfigError
+from lightning_static_dist.ddp_arguments import DDPArguments, yield_to
+from lightning_static_dist.fabric.metrics import StepFigures
+from lightning_static_dist.fabric.checkpoints import FabricCheckpoints
+from lightning_static_dist.fabric.model import LocalAccumulation, SynchronisedModel
+from lightning_static_dist.processes.launcher import register_names
+from lightning_static_dist.overlap.recorder import StepRecorder
+from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.sync.broadcast import start_from_rank_zero
+
+log = logging.getLogger(__name__)
+
+
+class StaticDistFabricStrategy(FabricCheckpoints):
+    """Data-parallel training under Fabric with explicit, bucketed gradient collectives that overlap backward.
+
+    Registered in Fabric's ``STRATEGY_REGISTRY`` as ``"static_dist"`` (processes started like ``ddp``),
+    ``"static_dist_spawn"`` and ``"static_dist_notebook"`` (``fork``). The keyword sections are the Trainer
+    strategy's (``compile``, ``mesh``, ``sync``, ``compression``, ``embedding``, ``checkpoint``; each a dict or its
+    dataclass, validated here). Every module set up with trainable parameters is synchronised on its own (a GAN's
+    two models each); the module is not wrapped, and is compiled by the strategy with ``strategy.compile``.
+    ``monitor_every_n_steps``: record the overlap timeline every this many optimizer steps (0: never). The DDP
+    arguments (``timeout``, ``bucket_cap_mb``, ``broadcast_buffers`` ...) have DDP's meaning
+    (``lightning_static_dist/ddp_arguments.py``).
+
+    Example::
+
+        fabric = L.Fabric(devices=2, strategy=StaticDistFabricStrategy(sync={"bucket_mb": 25}))
+        fabric.launch()
+        model, optimizer = fabric.setup(model, optimizer)
+        fabric.backward(loss_fn(model(x), y)); optimizer.step()
+        fabric.log_dict(fabric.strategy.metrics(), step=step)  # rank-local: on every rank, or on one
+    """
+
+    def __init__(self, accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
+                 cluster_environment: Any = None, checkpoint_io: Any = None, precision: Any = None, *,
+                 compile: Any = None, mesh: Any = None, sync: Any = None, compression: Any = None, embedding: Any = None,
+                 checkpoint: Any = None, simulate: Any = None, timeout_s: Optional[float] = None,
+                 process_group_backend: Optional[str] = None,
+                 start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", monitor_every_n_steps: int = 1,
+                 timeout: Optional[timedelta] = None, find_unused_parameters: Optional[bool] = None,
+                 static_graph: Optional[bool] = None, gradient_as_bucket_view: Optional[bool] = None,
+                 bucket_cap_mb: Optional[float] = None, broadcast_buffers: Optional[bool] = None) -> None:
+        ddp = DDPArguments(timeout=timeout, find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+                           gradient_as_bucket_view=gradient_as_bucket_view, bucket_cap_mb=bucket_cap_mb,
+                           broadcast_buffers=broadcast_buffers)
+        sections = dict(compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding,
+                        checkpoint=checkpoint, simulate=simulate)
+        config, notes = StrategyConfig.from_arguments(ddp, sections, timeout_s, start_method)
+        if isinstance(monitor_every_n_steps, bool) or not isinstance(monitor_every_n_steps, int) or monitor_every_n_steps < 0:
+            raise ConfigError(f"monitor_every_n_steps={monitor_every_n_steps!r}: must be an integer >= 0 (0: never)")
+        super().__init__(config, accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
+                         process_group_backend=process_group_backend, start_method=start_method)
+        for note in notes:
+            rank_zero_info(note)
+        self._figures = StepFigures(self.root_device if self.parallel_devices else torch.device("cpu"))
+        self._backward_sync_control = LocalAccumulation(self._model_of)
+        self._monitor_every = monitor_every_n_steps
+        log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
+
+    @classmethod
+    def from_config(cls, config: StrategyConfig, **kwargs: Any) -> StaticDistFabricStrategy:
+        """Build the strategy from a validated ``strategy`` block; ``kwargs`` win over it (as the Trainer's)."""
+        sections = {name: getattr(config, name) for name in StrategyConfig.__dataclass_fields__}
+        return cls(**{**yield_to(sections, kwargs), **kwargs})
+
+    # ------------------------------------------------------------------------------------------ what users read
+
+    @property
+    def synchronizer(self) -> Any:
+        """The first trainable model's gradient synchroniser (``None`` before ``fabric.setup`` and on one rank)."""
+        return self._models[0].parts.gradients.synchronizer if self._models else None
+
+    @property
+    def compressing_reducer(self) -> Optional[CompressingReducer]:
+        return compressing_reducer_of(self.synchronizer)
+
+    @property
+    def compile_report(self) -> Optional[CompileReport]:
+        return self._models[0].parts.compile.report if self._models else None
+
+    def metrics(self) -> dict[str, float]:
+        """The ``static_dist/*`` figures for ``fabric.log_dict``, rank-local (no collective): ``sync_rounds``,
+        ``sync_buckets``, ``sync_bytes_sent``, ``sync_round_bytes`` (world size > 1); once per recorded step the
+        overlap figures (mean over ranks, and ``_max``), combined in ``optimizer.step()``; with ``strategy.compile``
+        this rank's ``graph_breaks``, ``recompiles`` and ``compile_s``. NaN figures are left out."""
+        return self._figures.read(self.synchronizer, self.compile_report)
+
+    # ------------------------------------------------------------------------------------- setup and a step
+
+    @override
+    def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None) -> Any:
+        module = self.setup_module(module, optimizers)
+        optimizers = [self.setup_optimizer(optimizer) for optimizer in optimizers]
+        return module, optimizers, scheduler
+
+    @override
+    def setup_module(self, module: Module, optimizers: Optional[list[Optimizer]] = None) -> Module:
+        """Every rank takes rank 0's weights; a module with trainable parameters gets its own participants, set up
+        now with its optimizers, or with the first optimizer set up over it (else at its first training forward)."""
+        start_from_rank_zero(module, self.dp_group)
+        if any(p.requires_grad for p in module.parameters()) and self._model_of(module) is None:
+            recorder = StepRecorder(self.root_device) if self._monitor_every and not self._models else None
+            self._models.append(SynchronisedModel(self, module, optimizers or [], recorder, self._monitor_every))
+            if optimizers:
+                self._models[-1].set_up()
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        model = self._model_stepped_by(optimizer)
+        if model is not None and not model.is_set_up:
+            model.view.optimizers.append(optimizer)
+            model.set_up()
+        return optimizer
+
+    @override
+    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        # the models whose training forward ran since their last step (``fabric.backward(loss, model=...)``: that one)
+        models = [m for m in self._models if (m.module is module if module is not None else m.step_open)]
+        run = lambda: super(StaticDistFabricStrategy, self).backward(tensor, module, *args, **kwargs)  # noqa: E731
+        for model in models[1:]:
+            model.backward(lambda: None)
+        models[0].backward(run) if models else run()
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        model = self._model_stepped_by(optimizer)
+        if model is not None:
+            timeline = model.after_optimizer_step()
+            self._figures.after_step(timeline, self.world_size)
+        return output
+
+    @override
+    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+        model = self._model_of(module)
+        if model is not None and model.parts.gradients.clips_by_norm:  # one rank's norm is not the model's
+            self.precision.unscale_gradients(optimizer)
+            return model.parts.gradients.clip_grad_norm_(float(max_norm), float(norm_type))
+        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+
+    @override
+    def teardown(self) -> None:
+        for model in self._models:
+            model.teardown()
+        self._models = []
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        register_names(strategy_registry, cls, "Static data-parallel strategy for Fabric (explicit bucketed collectives)")
