@@ -75,10 +75,13 @@ def check_same_graphs(report: Any, group: Optional[dist.ProcessGroup]) -> None:
 
 
 def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], sync: SyncConfig,
-                       compression: CompressionConfig, group: Optional[dist.ProcessGroup]) -> GradientSynchronizer:
+                       compression: Optional[CompressionConfig],
+                       group: Optional[dist.ProcessGroup]) -> GradientSynchronizer:
     """The hook-driven synchroniser ``strategy.sync`` describes (``mode: hooks``, ``reduce: all_reduce``), with the
-    compressing reducer when ``strategy.compression`` names a compressor. Not attached yet: restore a checkpoint's
-    compression state first (:func:`restore_compression_state`), then call ``attach()``."""
+    compressing reducer when ``strategy.compression`` names a compressor (``compression=None``: exact, for a caller
+    whose reducer owner installs the compressor, as the Trainer strategy's
+    :class:`~lightning_static_dist.participants.compression.CompressionState` does). Not attached yet: restore a
+    checkpoint's compression state first (:func:`restore_compression_state`), then call ``attach()``."""
     synchronizer = GradientSynchronizer(
         named_parameters,
         group=group,
@@ -87,8 +90,8 @@ def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], sync: 
         reduce_dtype=torch.bfloat16 if sync.reduce_dtype == "bf16" else None,
     )
     synchronizer.launch_during_backward = sync.schedule != "after_backward"  # (auto: its trial switches it)
-    if compression.name == "auto":
-        return synchronizer  # exact until the trial (compression_trial) picks
+    if compression is None or compression.name == "auto":
+        return synchronizer  # exact: the owner installs one, or the trial (compression_trial) picks
     compressor = build_compressor(compression)
     if compressor is not None:
         use_compressor(synchronizer, compressor, compression.start_step)

@@ -94,7 +94,7 @@ class HookSync(StepParticipant):
         self.synchronizer = build_synchronizer(
             # a shard's gradient arrives averaged by its own reduce-scatter
             [(name, p) for name, p in view.model.named_parameters() if id(p) not in sharded],
-            view.config.sync, view.config.compression, group=view.dp_group,
+            view.config.sync, None, group=view.dp_group,  # exact: CompressionState owns the reducer
         )
         self._compression.before_attach()  # the compressor chosen and its state restored before the first round
         self.synchronizer.attach()
