@@ -82,7 +82,7 @@ def worker(contender: str, steps: int, out: str) -> None:
             "final_train_loss": summary.summary["train_loss_last10"],
             "val_loss": float(trainer.callback_metrics["val_loss"]),
             "guard_events": guard.events,
-            "nonfinite_buckets": getattr(trainer.strategy.compressing_reducer, "nonfinite_buckets", 0),
+            "nonfinite_buckets": getattr(trainer.strategy.offer.compressing_reducer, "nonfinite_buckets", 0),
         }
         with open(out, "w") as f:
             json.dump(record, f)

@@ -45,6 +45,7 @@ from _common import ROOT, SAFE_ENV, free_port, run_worker, write_record
 
 from lightning_static_dist.compression.compressors import QSGDCompressor
 from lightning_static_dist.compression.critical import critical_points, sweep_row
+from lightning_static_dist.offer import offer_of
 from lightning_static_dist.sweep_report import format_table, plot_sweep, sweep_title
 
 CONFIG = os.path.join(ROOT, "configs", "charlm_cpu.yaml")
@@ -189,7 +190,7 @@ def worker(setting: str, args: argparse.Namespace, out: str) -> None:
     if trainer.is_global_zero:
         hook_state = getattr(trainer.strategy, "powersgd_state", None)
         sync = getattr(trainer.strategy, "synchronizer", None)
-        reducer = getattr(trainer.strategy, "compressing_reducer", None)
+        reducer = offer.compressing_reducer if (offer := offer_of(trainer)) is not None else None
         taken = 0 if reducer is None else sum(p.numel() for p in sync.parameters if reducer.compressor.takes(p.shape))
         record = {
             "losses": [float(x) for x in log.losses],

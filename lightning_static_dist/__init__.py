@@ -26,6 +26,7 @@ from lightning_static_dist.compile import CompileReport, inductor_distributed, r
 from lightning_static_dist.compression.guard import CompressionGuard
 from lightning_static_dist.overlap.monitor import OverlapMonitor
 from lightning_static_dist.fabric import StaticDistFabricStrategy
+from lightning_static_dist.offer import StaticDistOffer, offer_of
 from lightning_static_dist.runfile import RunConfig, load_run_config
 from lightning_static_dist.strategy import StaticDistStrategy
 from lightning_static_dist.sync import BucketCapacity, GradientSynchronizer
@@ -47,11 +48,13 @@ __all__ = [
     "RunConfig",
     "RunSummary",
     "StaticDistFabricStrategy",
+    "StaticDistOffer",
     "StaticDistStrategy",
     "StrategyConfig",
     "inductor_distributed",
     "SyncConfig",
     "load_run_config",
+    "offer_of",
 ]
 
 StaticDistStrategy.register_strategies(StrategyRegistry)

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_modu
 
 from lightning_static_dist.compat import lightning_log_step
 from lightning_static_dist.config.check import check_fields, fail
+from lightning_static_dist.offer import CompileFacts, offer_of
 from lightning_static_dist.overlap.monitor import log_straight
 
 SUMMARY_FILE = "summary.json"
@@ -187,12 +188,8 @@ class RunSummary(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         timed = self.step_seconds[self.warmup_steps :] or self.step_seconds
         median_s = statistics.median(timed) if timed else float("nan")
-        sync = getattr(trainer.strategy, "synchronizer", None)
-        stats = sync.stats if sync is not None else None
-        graph = getattr(trainer.strategy, "graph_sync", None)
-        graph_rounds = graph.rounds if graph is not None else 0
-        graph_bytes = graph.bytes_per_round if graph is not None else 0
-        synced = stats is not None or graph is not None
+        offer = offer_of(trainer)
+        sync = offer.sync_figures() if offer is not None else None
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
         tail = [float(loss) for loss in self.losses[-10:]]
         self.summary = {
@@ -205,14 +202,14 @@ class RunSummary(Callback):
             "val_ppl": metrics.get("val_ppl"),
             "step_ms_median": median_s * 1e3,
             f"{self.unit}_per_s": self.items_per_step * trainer.world_size / median_s if timed else None,
-            "sync_mode": ("graph" if graph is not None else "hooks") if synced else None,
-            "sync_rounds": (stats.rounds if stats else 0) + graph_rounds if synced else None,
-            "sync_collectives": stats.collectives if stats else None,  # (graph mode: inside the compiled graph)
-            "bytes_sent_per_rank": (stats.bytes_sent if stats else 0) + graph_rounds * graph_bytes if synced else None,
-            "bytes_per_round": (graph_bytes or (stats.last_round_bytes if stats else 0)) if synced else None,
-            "bucket_plan": sync.plan.describe() if sync is not None else None,
+            "sync_mode": sync.mode if sync else None,
+            "sync_rounds": sync.rounds if sync else None,
+            "sync_collectives": sync.collectives if sync else None,  # (graph mode: inside the compiled graph)
+            "bytes_sent_per_rank": sync.bytes_sent if sync else None,
+            "bytes_per_round": sync.bytes_per_round if sync else None,
+            "bucket_plan": sync.bucket_plan if sync else None,
         }
-        simulation = getattr(trainer.strategy, "simulation", None)
+        simulation = offer.simulation if offer is not None else None
         if simulation is not None:  # one process stood for the world: say so where every figure is read
             link = simulation.link
             self.summary["simulated_world_size"] = simulation.world_size
@@ -288,15 +285,17 @@ class GraphReport(Callback):
         self._logged_at = trainer.global_step  # a resumed fit starts past its checkpoint's step
 
     @staticmethod
-    def _report(trainer: pl.Trainer) -> Any:
-        return getattr(trainer.strategy, "compile_report", None)
+    def _report(trainer: pl.Trainer) -> Optional[CompileFacts]:
+        offer = offer_of(trainer)
+        return offer.compile_report if offer is not None else None
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        report = self._report(trainer)
-        if report is None:
+        offer = offer_of(trainer)
+        report = offer.compile_report if offer is not None else None
+        if offer is None or report is None:
             return
         if self.print_summary and self._printed_recompiles is None:
             self._printed_recompiles = len(report.recompiles)
@@ -309,7 +308,7 @@ class GraphReport(Callback):
             figures = [float(len(report.graph_breaks)), float(len(report.recompiles)), report.compile_s]
             # host figures, their maximum taken on the host: `log_dict(sync_dist=True)` made device tensors of them,
             # all-reduced them on the device and read them back: a GPU synchronisation (gpuN-gpt2s measured its cost)
-            figures = trainer.strategy.host_max(figures)  # the strategy that has a compile report has host_max
+            figures = offer.host_max(figures)
             log_straight(trainer, dict(zip(self.METRICS, figures)), lightning_log_step(trainer))
 
     @override

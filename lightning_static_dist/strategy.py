@@ -55,24 +55,22 @@ from lightning_static_dist.compat import allow_compiled_models_in_trainer
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.compile import CompileReport
 from lightning_static_dist.compile.config import CompileConfig
-from lightning_static_dist.compression import CompressingReducer
 from lightning_static_dist.compression.auto import CompressionTrial
 from lightning_static_dist.compression.config import CompressionConfig
-from lightning_static_dist.compression.state import compressing_reducer_of
 from lightning_static_dist.ddp_arguments import DDPArguments, yield_to
 from lightning_static_dist.embedding import EmbeddingConfig, EmbeddingSharder
 from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.processes.launcher import register_names
 from lightning_static_dist.mesh import MeshConfig
-from lightning_static_dist.overlap.recorder import StepRecorder
+from lightning_static_dist.offer import StaticDistOffer
 from lightning_static_dist.participants import Participants
+from lightning_static_dist.participants.offer import ParticipantsOffer
 from lightning_static_dist.processes.data_parallel import DataParallelProcesses
 from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.sync import RoundSync
 from lightning_static_dist.sync.broadcast import start_from_rank_zero
 from lightning_static_dist.sync.config import SyncConfig
-from lightning_static_dist.sync.graph import GraphGradientSync
 from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
 
 log = logging.getLogger(__name__)
@@ -222,6 +220,7 @@ class StaticDistStrategy(DataParallelProcesses):
         self._accumulating = False
         self._resuming_from: Optional[str] = None  # the checkpoint being loaded, for the line a damaged one gets
         self._parts = Participants(self, failed=self.has_failed)
+        self._offer = ParticipantsOffer(self._parts, self, host_max=self.host_max)
         self._context: Optional[TrainerContext] = None
         log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
 
@@ -250,6 +249,14 @@ class StaticDistStrategy(DataParallelProcesses):
         return self._context
 
     @property
+    def offer(self) -> StaticDistOffer:
+        """What the strategy offers its callbacks (:class:`~lightning_static_dist.offer.StaticDistOffer`; a callback
+        gets it with :func:`~lightning_static_dist.offer.offer_of`). An object of its own, not the strategy: the
+        callbacks' contract is the protocol's members and nothing else of a Lightning strategy, and a change of the
+        reducer goes through its one owner (``strategy.compression``'s participant)."""
+        return self._offer
+
+    @property
     def synchronizer(self) -> Optional[RoundSync]:
         """The gradient synchroniser whose rounds run after each backward while fitting (with ``reduce_scatter`` the
         sharded one; ``None`` before ``setup``, outside ``fit``, on one rank and with ``sync.mode: graph``)."""
@@ -261,19 +268,9 @@ class StaticDistStrategy(DataParallelProcesses):
         return self._parts.gradients.sharded_sync
 
     @property
-    def graph_sync(self) -> Optional[GraphGradientSync]:
-        """With ``sync.mode: graph`` while fitting: the averaging identity the parameters are read through."""
-        return self._parts.gradients.graph_sync
-
-    @property
     def embedding_sharder(self) -> Optional[EmbeddingSharder]:
         """The sharded embeddings (``None`` when ``strategy.embedding.shard`` is off or at world size 1)."""
         return self._parts.embeddings.sharder
-
-    @property
-    def compression_trial(self) -> Optional[CompressionTrial]:
-        """``strategy.compression.name: auto``: the trial of the candidates and, once made, its choice."""
-        return self._parts.compression.trial
 
     @property
     def schedule_trial(self) -> Optional[CompressionTrial]:
@@ -281,52 +278,15 @@ class StaticDistStrategy(DataParallelProcesses):
         return self._parts.schedule.trial
 
     @property
-    def compressing_reducer(self) -> Optional[CompressingReducer]:
-        """The synchroniser's compressing reducer (``None`` without compression or at world size 1)."""
-        return compressing_reducer_of(self.synchronizer)
-
-    @property
     def compile_report(self) -> Optional[CompileReport]:
         """What static compilation did on this rank (``None`` when the model is not compiled)."""
         return self._parts.compile.report
-
-    @property
-    def requested_backend(self) -> Optional[str]:
-        """Set when ``trainer.fit(torch.compile(model))`` asked for compilation with this backend."""
-        return self._parts.compile.requested_backend
-
-    @requested_backend.setter
-    def requested_backend(self, backend: Optional[str]) -> None:
-        self._parts.compile.requested_backend = backend
-
-    @property
-    def recorder(self) -> Optional[StepRecorder]:
-        """The overlap monitor's recorder, when one is attached."""
-        return self._parts.recording.recorder
-
-    @recorder.setter
-    def recorder(self, recorder: Optional[StepRecorder]) -> None:
-        self._parts.recording.recorder = recorder
-
-    @property
-    def nonfinite_steps(self) -> int:
-        """Synchronised steps whose averaged gradients held NaN/Inf (with ``strategy.sync.nonfinite`` on)."""
-        return self._parts.gradients.nonfinite.steps
-
-    @nonfinite_steps.setter
-    def nonfinite_steps(self, steps: int) -> None:
-        self._parts.gradients.nonfinite.steps = steps
 
     def adopt_compiled_model(self, dynamo_ctx: Any) -> None:
         """``trainer.fit(torch.compile(model))``: Lightning's compile check (widened by
         :func:`~lightning_static_dist.compat.allow_compiled_models_in_trainer`) hands over the user's ``torch.compile``
         context and takes the compiled model apart; the strategy compiles it its own way, with the user's backend."""
         self._parts.compile.adopt(dynamo_ctx)
-
-    def attach_recorder(self, recorder: StepRecorder) -> None:
-        """Let the overlap monitor's recorder see compute phases and collectives (the monitor calls this)."""
-        for participant in self._parts.ordered:
-            participant.attach_recorder(recorder)
 
     @override
     def setup_distributed(self) -> None:

@@ -29,7 +29,7 @@ LAYERS: dict[str, int] = {
     # the features
     "sync": 3, "compile": 3, "compression": 3, "embedding": 3, "mesh": 3,
     # the leaves
-    "overlap": 4, "checkpoint": 4, "config": 4, "ddp_arguments": 4, "compat": 4,
+    "overlap": 4, "offer": 4, "checkpoint": 4, "config": 4, "ddp_arguments": 4, "compat": 4,
     # (the process package's own __init__ imports nothing; its two leaves serve the features below the strategy)
     "processes": 4, "processes.faults": 4, "processes.fingerprint": 4,
     "simulate": 4,

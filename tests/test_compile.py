@@ -24,6 +24,7 @@ from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.compile import CompileFailure, compile_regions, find_regions
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.config import ConfigError
+from lightning_static_dist.offer import offer_of
 from lightning_static_dist.sync.plan import param_specs, plan_buckets
 
 
@@ -373,11 +374,12 @@ class CompileFacts(L.Callback):
             return
         report, sync = trainer.strategy.compile_report, trainer.strategy.synchronizer
         names = sync.parameter_names if sync is not None else []
+        figures = offer_of(trainer).sync_figures()
         facts = {
             "graph_breaks": len(report.graph_breaks), "recompiles": report.recompiles, "fallbacks": report.fallbacks,
             "pieces": report.splitter.pieces if report.splitter is not None else None,
             "buckets": [[names[i] for i in b.param_indices] for b in sync.plan.buckets] if sync is not None else None,
-            "graph_rounds": trainer.strategy.graph_sync.rounds if trainer.strategy.graph_sync is not None else None,
+            "graph_rounds": figures.rounds if figures is not None and figures.mode == "graph" else None,
             "summary": report.summary(),
         }
         with open(self.path, "w") as f:

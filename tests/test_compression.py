@@ -31,6 +31,7 @@ from lightning_static_dist.compression.auto import Candidate, CompressionTrial, 
 from lightning_static_dist.compression.base import PerParameterState, all_reduce, flat_float, scatter_into
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.config import ConfigError
+from lightning_static_dist.offer import offer_of
 
 pytestmark = pytest.mark.multiprocess
 
@@ -195,17 +196,17 @@ class _Probe(L.Callback):
         torch.save(payload, os.path.join(self.directory, f"rank{trainer.global_rank}_{event}.pt"))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        reducer = trainer.strategy.compressing_reducer
+        reducer = offer_of(trainer).compressing_reducer
         self._dump(trainer, "start", {"rounds": reducer.rounds, "state": reducer.state_dict()["state"],
                                       "compressor": reducer.compressor.name})
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        last = getattr(trainer.strategy.compressing_reducer.compressor, "last_indices", None)
+        last = getattr(offer_of(trainer).compressing_reducer.compressor, "last_indices", None)
         if last is not None:
             self.indices.append(sorted(last.tolist()))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        reducer = trainer.strategy.compressing_reducer
+        reducer = offer_of(trainer).compressing_reducer
         guards = [c for c in trainer.callbacks if isinstance(c, CompressionGuard)]
         self._dump(trainer, "end", {"rounds": reducer.rounds, "state": reducer.state_dict()["state"],
                                     "indices": self.indices, "compiled": trainer.strategy.compile_report is not None,
@@ -269,7 +270,7 @@ def _fit_twice_in_one_process(rank: int, world: int, tmp: str) -> tuple[int, int
     )
     model, data = _tiny_gpt(), CharDataModule(block_size=32, batch_size=8, max_bytes=60_000)
     trainer.fit(model, datamodule=data)
-    saved = strategy.compressing_reducer.rounds
+    saved = strategy.offer.compressing_reducer.rounds
     trainer.fit_loop.epoch_loop.max_steps = 6
     trainer.fit(model, datamodule=data, ckpt_path=os.path.join(tmp, "first.ckpt"))
     return saved, torch.load(os.path.join(tmp, f"rank{rank}_start.pt"), weights_only=True)["rounds"]
@@ -402,7 +403,9 @@ def test_the_guard_reads_the_threshold_of_the_compressor_in_use_at_every_check()
     from types import SimpleNamespace
 
     reducer = _MeasuredReducer(_Lenient(), rel_error=2.0)
-    strategy = SimpleNamespace(compressing_reducer=reducer, broadcast=lambda obj, src=0: obj)
+    # the offer as the guard reads it (tests/test_callbacks.py checks the strategy's own offer on real ranks)
+    offer = SimpleNamespace(compression_trial=None, compressing_reducer=reducer, swap_reducer=reducer.switch_to)
+    strategy = SimpleNamespace(offer=offer, broadcast=lambda obj, src=0: obj)
     trainer, module = SimpleNamespace(strategy=strategy), SimpleNamespace(log=lambda *args, **kwargs: None)
     guard = CompressionGuard(patience=2)
 
@@ -552,7 +555,8 @@ class _AutoProbe(L.Callback):
         self.directory = directory
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trial, reducer = trainer.strategy.compression_trial, trainer.strategy.compressing_reducer
+        offer = offer_of(trainer)
+        trial, reducer = offer.compression_trial, offer.compressing_reducer
         torch.save({"state": trial.state_dict(), "compressor": reducer.compressor.name if reducer else "none"},
                    os.path.join(self.directory, f"auto_rank{trainer.global_rank}.pt"))
 

@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_static_dist.compression.base import Compressor
 from lightning_static_dist.config.check import check_fields, fail
-from lightning_static_dist.sync.reducer import MeanAllReduce
+from lightning_static_dist.offer import CompressionCheck, offer_of
 
 log = logging.getLogger(__name__)
 
@@ -114,17 +114,24 @@ class CompressionGuard(Callback):
         self._check_step = 0
 
     @staticmethod
-    def _reducer(trainer: pl.Trainer) -> Any:
+    def _reducer(trainer: pl.Trainer) -> Optional[CompressionCheck]:
         """The compressing reducer to watch; ``None`` also while ``compression.name: auto`` is still timing its
         candidates (the trial decides what runs, and a check step's extra exact average would skew its times)."""
-        trial = getattr(trainer.strategy, "compression_trial", None)
+        offer = offer_of(trainer)
+        if offer is None:
+            return None
+        trial = offer.compression_trial
         if trial is not None and not trial.decided:
             return None
-        return getattr(trainer.strategy, "compressing_reducer", None)
+        return offer.compressing_reducer
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._reducer(trainer) is None and getattr(trainer.strategy, "compression_trial", None) is None:
+        offer = offer_of(trainer)
+        if offer is None:
+            rank_zero_warn(f"CompressionGuard guards the static_dist strategy's compression only; with"
+                           f" {type(trainer.strategy).__name__} it does nothing.")
+        elif self._reducer(trainer) is None and offer.compression_trial is None:
             rank_zero_warn("CompressionGuard: the strategy compresses nothing (strategy.compression.name is 'none', or"
                            " the world has one rank): the guard does nothing in this run")
         # a resumed run continues at the level it had reached (the strategy restored the compressor's state already)
@@ -179,15 +186,12 @@ class CompressionGuard(Callback):
         return getattr(compressor, "guard_max_rel_error", DEFAULT_MAX_REL_ERROR)
 
     def _step_down(self, trainer: pl.Trainer) -> tuple[str, str]:
-        reducer = self._reducer(trainer)
-        if reducer is None:
+        offer, reducer = offer_of(trainer), self._reducer(trainer)
+        if offer is None or reducer is None:
             return "none", "none"
         old = reducer.compressor
         new = old.safer()
-        if new is None:
-            trainer.strategy.synchronizer.reducer = MeanAllReduce()
-        else:
-            reducer.switch_to(new)
+        offer.swap_reducer(new)  # (the last level: the exact mean)
         return describe(old), describe(new)
 
     @override

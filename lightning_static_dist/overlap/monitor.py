@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_static_dist.config.check import check_fields, fail, section_from_dict
+from lightning_static_dist.offer import offer_of
 from lightning_static_dist.overlap.intervals import step_metrics
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.overlap.timeline import StepTimeline
@@ -182,13 +183,14 @@ class OverlapMonitor(Callback):
         if stage != "fit":
             return
         self.history, self.timeline_paths = [], []
-        attach = getattr(trainer.strategy, "attach_recorder", None)
-        if attach is None:
-            rank_zero_warn("OverlapMonitor measures the static_dist strategy only; it does nothing here.")
+        offer = offer_of(trainer)
+        if offer is None:
+            rank_zero_warn(f"OverlapMonitor measures the static_dist strategy only; with"
+                           f" {type(trainer.strategy).__name__} it does nothing.")
             return
-        self._recorder = StepRecorder(trainer.strategy.root_device)
-        attach(self._recorder)
-        self._aggregate = RankAggregate(len(METRICS)).to(trainer.strategy.root_device)
+        self._recorder = StepRecorder(offer.root_device)
+        offer.attach_recorder(self._recorder)
+        self._aggregate = RankAggregate(len(METRICS)).to(offer.root_device)
         self.trace_paths, self.trace_history = [], []
 
     # -------------------------------------------------------------------------------------------- profiler

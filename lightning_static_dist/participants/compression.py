@@ -1,15 +1,18 @@
-"""``strategy.compression``: the compressor's per-rank state and the ``auto`` trial's choice, carried through
-checkpoints, and the trial's candidates swapped in at batch starts until it decides.
+"""``strategy.compression``: the one owner of the hook-driven synchroniser's reducer, the compressor's per-rank
+state and the ``auto`` trial's choice carried through checkpoints.
 
-The compressing reducer itself belongs to the hook-driven synchroniser (``mode: hooks``, ``reduce: all_reduce``),
-which :class:`~lightning_static_dist.participants.gradients.GradientSynchronization` builds at setup; this
-participant, handed that one, starts the trial and restores the saved state in its own setup, after it and before
-the synchroniser's first round, so that a resumed run reduces with the checkpoint's choice and state from its first
-step.
+The hook-driven synchroniser (``mode: hooks``, ``reduce: all_reduce``) is built exact by
+:class:`~lightning_static_dist.participants.gradients.GradientSynchronization`; this participant, handed that one,
+makes every change of its reducer: the compressor ``strategy.compression`` names (installed in its own setup, after
+the synchroniser's and before its first round, with the checkpoint's state restored), the ``auto`` trial's
+candidates at batch starts and its choice resumed from a checkpoint (:meth:`CompressionState.use`), and the
+compression guard's step to a safer level, down to the exact mean, through the strategy's offer
+(:meth:`CompressionState.swap`). A resumed run reduces with the checkpoint's choice and state from its first step.
 
 Example (the roster builds it)::
 
     compression = CompressionState(strategy, gradients)
+    compression.swap(None)                          # the exact mean from the next round on, on every rank
     checkpoint.update(compression.state_dict())     # every rank: each rank's residual gathered to rank 0
 """
 
@@ -19,8 +22,9 @@ from typing import Any, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_static_dist.compression import CompressingReducer
+from lightning_static_dist.compression import CompressingReducer, build_compressor
 from lightning_static_dist.compression.auto import CompressionTrial
+from lightning_static_dist.compression.base import Compressor
 from lightning_static_dist.compression.state import (
     COMPRESSION_KEY,
     compressing_reducer_of,
@@ -36,7 +40,8 @@ TRIAL_KEY = "static_dist_compression_auto"  # compression.name: auto: the trial'
 
 
 class CompressionState(StepParticipant):
-    """The compressor's state and the ``auto`` trial (``compression.name: auto``) of the hook-driven synchroniser."""
+    """The reducer of the hook-driven synchroniser (its one owner), the compressor's state and the ``auto`` trial
+    (``compression.name: auto``)."""
 
     def __init__(self, view: StrategyView, gradients: GradientSynchronization) -> None:
         self._view = view
@@ -52,22 +57,41 @@ class CompressionState(StepParticipant):
         """The synchroniser's compressing reducer (``None`` without compression or at world size 1)."""
         return compressing_reducer_of(self._gradients.synchronizer)
 
+    def use(self, compressor: Optional[Compressor], start_step: int = 0) -> None:
+        """Reduce with a new reducer from the next round on: ``compressor``'s, compressing from round ``start_step``
+        (``None``: the exact mean). Between rounds, on every rank at the same step."""
+        use_compressor(self._gradients.synchronizer, compressor, start_step)
+
+    def swap(self, compressor: Optional[Compressor]) -> None:
+        """Continue with ``compressor`` from the next round on (``None``: the exact mean): the compressing reducer in
+        use keeps its round count and hands same-named state over (PowerSGD's residuals at a higher rank); without
+        one, a new reducer compresses from now on. Between rounds, on every rank at the same step."""
+        reducer = self.reducer
+        if compressor is None or reducer is None:
+            self.use(compressor)
+        else:
+            reducer.switch_to(compressor)
+
     def setup(self, context: StepContext) -> None:
-        """The hook-driven synchroniser is built (before its first round): start the trial (resuming a checkpoint's
-        choice) and give the compressor its saved state."""
+        """The hook-driven synchroniser is built, exact (before its first round): install the configured compressor,
+        or start the trial (resuming a checkpoint's choice); give the compressor its saved state."""
         if self._gradients.mode != "hooks":
             return
         self._attached = True
         config = self._view.config.compression
-        if config.name == "auto":
+        if config.name == "auto":  # exact until the trial picks
             self.trial = compression_trial(config, self._view.root_device, self._view.dp_group)
             self._resume_trial()
+        else:
+            compressor = build_compressor(config)
+            if compressor is not None:
+                self.use(compressor, config.start_step)
         if self.reducer is not None:
             self._restore_compression_state()
 
     def on_train_batch_start(self) -> None:
         advance_trial(self.trial, self._gradients.synchronizer, self._view,
-                      lambda candidate: use_compressor(self._gradients.synchronizer, candidate.make()),
+                      lambda candidate: self.use(candidate.make()),
                       "compression auto")
 
     def after_optimizer_step(self) -> None:
@@ -114,7 +138,7 @@ class CompressionState(StepParticipant):
                            f" run's candidates ({', '.join(c.name for c in trial.candidates)}): timing them again")
             trial.choice = None
             return
-        use_compressor(synchronizer, chosen.make())
+        self.use(chosen.make())
 
     def _restore_compression_state(self) -> None:
         saved, self._compression_resume = self._compression_resume, None

@@ -29,10 +29,7 @@ from torch.nn import Parameter
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_static_dist.compression import build_compressor
 from lightning_static_dist.compression.auto import Candidate, CompressionTrial
-from lightning_static_dist.compression.config import CompressionConfig
-from lightning_static_dist.compression.state import use_compressor
 from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.participants.base import (
     StepContext,
@@ -56,11 +53,10 @@ SyncMode = Literal["hooks", "graph", "sharded"]
 
 
 def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], sync: SyncConfig,
-                       compression: CompressionConfig,
                        group: Optional[torch.distributed.ProcessGroup]) -> GradientSynchronizer:
-    """The hook-driven synchroniser ``strategy.sync`` describes (``mode: hooks``, ``reduce: all_reduce``), with the
-    compressing reducer when ``strategy.compression`` names a compressor. Not attached yet: restore a checkpoint's
-    compression state first (``compression/state.py``), then call ``attach()``."""
+    """The hook-driven synchroniser ``strategy.sync`` describes (``mode: hooks``, ``reduce: all_reduce``), exact: its
+    reducer's one owner, :class:`~lightning_static_dist.participants.compression.CompressionState`, installs the
+    compressor ``strategy.compression`` names before the first round. Not attached yet: call ``attach()``."""
     synchronizer = GradientSynchronizer(
         named_parameters,
         group=group,
@@ -69,11 +65,6 @@ def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], sync: 
         reduce_dtype=torch.bfloat16 if sync.reduce_dtype == "bf16" else None,
     )
     synchronizer.launch_during_backward = sync.schedule != "after_backward"  # (auto: its trial switches it)
-    if compression.name == "auto":
-        return synchronizer  # exact until the trial (compression_trial) picks
-    compressor = build_compressor(compression)
-    if compressor is not None:
-        use_compressor(synchronizer, compressor, compression.start_step)
     return synchronizer
 
 
@@ -220,7 +211,7 @@ class GradientSynchronization(StepParticipant):
             self.synchronizer = build_synchronizer(
                 # a shard's gradient arrives averaged by its own reduce-scatter
                 [(name, p) for name, p in view.model.named_parameters() if id(p) not in sharded],
-                view.config.sync, view.config.compression, group=view.dp_group,
+                view.config.sync, group=view.dp_group,  # exact: CompressionState installs the compressor
             )
             self.synchronizer.attach()
         self.synchronizer.recorder = self._recording.recorder

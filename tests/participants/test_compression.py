@@ -13,8 +13,9 @@ import torch.distributed as dist
 from _dist import run_ranks
 
 from lightning_static_dist.compression import CompressingReducer
-from lightning_static_dist.engine import COMPRESSION_KEY, build_synchronizer
+from lightning_static_dist.compression.state import COMPRESSION_KEY
 from lightning_static_dist.participants.compression import TRIAL_KEY, CompressionState
+from lightning_static_dist.participants.gradients import build_synchronizer
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.sync.reducer import MeanAllReduce
 
@@ -23,13 +24,23 @@ from ._view import Context, Regression, View
 TOPK = {"compression": {"name": "topk", "density": 0.1, "min_numel": 16}}  # error feedback: a residual per rank
 
 
+class _HookGradients:
+    """The gradient participant as CompressionState reads it: the hook-driven mode, and its synchroniser."""
+
+    mode = "hooks"
+
+    def __init__(self, synchronizer: Any) -> None:
+        self.synchronizer = synchronizer
+
+
 def _participant(config: StrategyConfig, step: int = 0) -> tuple[Regression, Any, CompressionState, Context]:
-    """A model, its (unattached) hook synchroniser over the default group, and the participant, at ``step``."""
+    """A model, its (unattached, exact) hook synchroniser over the default group, and the participant, at ``step``;
+    the participant's ``setup`` installs the configured compressor."""
     model = Regression()
-    synchronizer = build_synchronizer(model.named_parameters(), config.sync, config.compression, dist.group.WORLD)
-    view = View(model, config, synchronizer=synchronizer)
+    synchronizer = build_synchronizer(model.named_parameters(), config.sync, dist.group.WORLD)
+    view = View(model, config)
     context = view.enter(Context(global_step=step))
-    return model, synchronizer, CompressionState(view), context
+    return model, synchronizer, CompressionState(view, _HookGradients(synchronizer)), context
 
 
 def _train(model: Regression, synchronizer: Any, rank: int, steps: int) -> None:
@@ -44,7 +55,7 @@ def _train(model: Regression, synchronizer: Any, rank: int, steps: int) -> None:
 def _residuals(rank: int, world: int) -> dict[str, Any]:
     config = StrategyConfig.from_dict(TOPK)
     model, synchronizer, state, _ = _participant(config)
-    state.before_attach()
+    state.setup(Context())
     _train(model, synchronizer, rank, steps=3)
     trained = synchronizer.reducer.state_dict()
     checkpoint = state.state_dict()  # every rank: a gather to rank 0
@@ -55,9 +66,9 @@ def _residuals(rank: int, world: int) -> dict[str, Any]:
     entries = dict(shared[0])
     loaded_first.load_state_dict(entries)
     rounds_before_attach = before.reducer.rounds
-    loaded_first.before_attach()
+    loaded_first.setup(Context())
     _, after, loaded_late, _ = _participant(config)  # a checkpoint loaded once this fit's synchroniser is built
-    loaded_late.before_attach()
+    loaded_late.setup(Context())
     loaded_late.load_state_dict(dict(shared[0]))
     return {"trained": trained, "written": checkpoint, "taken": entries, "rounds_before_attach": rounds_before_attach,
             "loaded_first": before.reducer.state_dict(), "loaded_late": after.reducer.state_dict()}
@@ -99,7 +110,7 @@ def test_each_rank_gets_its_own_state_back_whenever_the_checkpoint_is_loaded(
 
 def test_a_checkpoint_of_another_world_size_keeps_only_the_round_count(one_rank_gloo: None) -> None:
     _, synchronizer, state, _ = _participant(StrategyConfig.from_dict(TOPK))
-    state.before_attach()
+    state.setup(Context())
     fresh = synchronizer.reducer.state_dict()["state"]
     residual = {"residuals": {"net.0.weight": torch.ones(16, 8)}}
     saved = {"world_size": 2, "ranks": [{"rounds": 5, "compressor": "topk", "state": residual}] * 2}
@@ -122,7 +133,7 @@ def _kind(synchronizer: Any) -> str:
 
 def test_auto_swaps_each_candidate_in_at_its_steps_and_saves_its_choice(one_rank_gloo: None) -> None:
     _, synchronizer, state, context = _participant(StrategyConfig.from_dict(AUTO))
-    state.before_attach()
+    state.setup(Context())
     assert state.trial is not None and state.state_dict() == {TRIAL_KEY: {"choice": None, "step_s": {}}}
     reducing = []
     for step in range(7):
@@ -143,7 +154,7 @@ def test_a_resumed_auto_choice_reduces_from_the_first_step_without_a_second_tria
     checkpoint = {TRIAL_KEY: {"choice": "bf16", "step_s": {"none": 0.2, "bf16": 0.1, "powersgd(rank=4)": 0.3}}}
     state.load_state_dict(checkpoint)
     assert checkpoint == {}
-    state.before_attach()
+    state.setup(Context())
     assert state.trial is not None and state.trial.decided
     assert _kind(synchronizer) == "bf16"
     state.on_train_batch_start()  # decided: no candidate is swapped in
@@ -152,7 +163,7 @@ def test_a_resumed_auto_choice_reduces_from_the_first_step_without_a_second_tria
 
 def test_a_resumed_choice_that_is_no_candidate_any_more_times_them_again(one_rank_gloo: None) -> None:
     _, synchronizer, state, _ = _participant(StrategyConfig.from_dict(AUTO))
-    state.before_attach()
+    state.setup(Context())
     with pytest.warns(UserWarning, match="the checkpoint chose 'powersgd\\(rank=8\\)', not among"):
         state.load_state_dict({TRIAL_KEY: {"choice": "powersgd(rank=8)", "step_s": {}}})
     assert state.trial is not None and not state.trial.decided

@@ -1,0 +1,159 @@
+"""What the static_dist strategy offers its callbacks: :class:`StaticDistOffer`, and :func:`offer_of` to get it.
+
+A callback (the run summary, the graph report, the overlap monitor, the compression guard, a user's own) reads the
+strategy's parts through this one declared protocol, never by attribute names of the strategy. The Trainer strategy
+provides it as ``strategy.offer`` (:class:`ProvidesOffer`); :func:`offer_of` returns it, or ``None`` when the
+Trainer runs another strategy, so that a callback can say in one line that it does nothing there.
+
+The offer names what a callback may read by its shape (:class:`CompileFacts`, :class:`CompressionCheck` ...), not
+by the classes that hold it: this module is a leaf, so that every callback can import it, the overlap monitor in
+the leaf layer too, and a leaf imports no feature (``tests/test_architecture.py``). The features' own classes
+(``CompileReport``, ``CompressingReducer``, ``CompressionTrial``) have these shapes.
+
+Example::
+
+    class LogBytes(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            offer = offer_of(trainer)
+            figures = offer.sync_figures() if offer is not None else None
+            if figures is not None:
+                print(f"{figures.bytes_sent} bytes in {figures.rounds} rounds ({figures.mode})")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Protocol, runtime_checkable
+
+import torch
+
+from lightning_static_dist.overlap.recorder import StepRecorder
+from lightning_static_dist.simulate.config import SimulateConfig
+
+
+@dataclass(frozen=True)
+class SyncFigures:
+    """What this rank's gradient synchronisation did so far in the fit (hook-driven rounds, or graph mode's
+    collectives inside the compiled backward)."""
+
+    mode: Literal["hooks", "graph"]
+    rounds: int
+    """Synchronised backward passes."""
+    collectives: Optional[int]
+    """Collectives launched (``None`` in graph mode: they are inside the compiled graph)."""
+    bytes_sent: int
+    """Payload bytes this rank put on the wire, over all rounds."""
+    bytes_per_round: int
+    """Payload bytes of one round (graph mode: every round's; hooks: the most recent round's)."""
+    bucket_plan: Optional[str]
+    """The bucket plan, described (``3 buckets [0.00MiB/3p, ...]``); ``None`` in graph mode."""
+
+
+class CompileFacts(Protocol):
+    """What static compilation did on this rank, as a callback reads it (a ``CompileReport`` is one)."""
+
+    graph_breaks: list[Any]
+    recompiles: list[Any]
+
+    @property
+    def compile_s(self) -> float: ...
+
+    def summary(self) -> str: ...
+
+
+class TrialFacts(Protocol):
+    """An ``auto`` trial (``compression.name`` or ``sync.schedule``): whether it decided, and what."""
+
+    choice: Optional[str]
+
+    @property
+    def decided(self) -> bool: ...
+
+
+class CompressionCheck(Protocol):
+    """The compressing reducer, as the compression guard checks it (a ``CompressingReducer`` is one)."""
+
+    compressor: Any
+    """The compressor in use (a :class:`~lightning_static_dist.compression.base.Compressor`)."""
+    measure: bool
+    """Set for one synchronised round: also average that round's compressed gradients exactly, to compare."""
+
+    def take_relative_error(self) -> Optional[float]: ...
+
+
+@runtime_checkable
+class StaticDistOffer(Protocol):
+    """The strategy's parts a callback may use, on this rank (each ``None`` where its feature is off).
+
+    Example::
+
+        offer = offer_of(trainer)
+        if offer is not None and offer.compile_report is not None:
+            print(offer.compile_report.summary())
+    """
+
+    @property
+    def root_device(self) -> torch.device:
+        """The device this rank computes on."""
+        ...
+
+    @property
+    def simulation(self) -> Optional[SimulateConfig]:
+        """``strategy.simulate`` when one process stands for the world, else ``None``."""
+        ...
+
+    def sync_figures(self) -> Optional[SyncFigures]:
+        """What the gradient synchronisation did so far (``None``: nothing is synchronised, e.g. one rank)."""
+        ...
+
+    @property
+    def compile_report(self) -> Optional[CompileFacts]:
+        """What static compilation did on this rank (``None`` when the model is not compiled)."""
+        ...
+
+    def attach_recorder(self, recorder: StepRecorder) -> None:
+        """Let ``recorder`` see the step's compute phases and collectives (the overlap monitor's)."""
+        ...
+
+    @property
+    def compression_trial(self) -> Optional[TrialFacts]:
+        """``strategy.compression.name: auto``: the trial of the candidates and, once made, its choice."""
+        ...
+
+    @property
+    def compressing_reducer(self) -> Optional[CompressionCheck]:
+        """The compressing reducer in use (``None`` without compression, or at world size 1)."""
+        ...
+
+    def swap_reducer(self, compressor: Optional[Any]) -> None:
+        """Reduce with ``compressor`` from the next round on (``None``: the exact mean); the compressing reducer in
+        use continues with it, keeping its round count and the state a compressor of the same name carries over.
+        Every rank must swap at the same step."""
+        ...
+
+    def host_max(self, values: Sequence[float]) -> list[float]:
+        """The maximum over ranks of host figures, with no device synchronisation. A collective."""
+        ...
+
+
+@runtime_checkable
+class ProvidesOffer(Protocol):
+    """A strategy that offers callbacks a :class:`StaticDistOffer` (the Trainer's ``StaticDistStrategy``)."""
+
+    @property
+    def offer(self) -> StaticDistOffer: ...
+
+
+def offer_of(trainer: Any) -> Optional[StaticDistOffer]:
+    """The offer of the Trainer's strategy; ``None`` when the strategy is not static_dist.
+
+    Example::
+
+        offer = offer_of(trainer)
+        if offer is None:
+            rank_zero_warn("MyCallback measures the static_dist strategy only; it does nothing here.")
+    """
+    strategy = trainer.strategy
+    return strategy.offer if isinstance(strategy, ProvidesOffer) else None
+

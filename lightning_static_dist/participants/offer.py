@@ -1,0 +1,91 @@
+"""The step participants' :class:`~lightning_static_dist.offer.StaticDistOffer`: what a callback reads of them, and
+the one way it changes the reducer (through its owner,
+:class:`~lightning_static_dist.participants.compression.CompressionState`).
+
+Example (what ``StaticDistStrategy.__init__`` does; callbacks get it with ``offer_of(trainer)``)::
+
+    offer = ParticipantsOffer(participants, strategy, host_max=strategy.host_max)
+    offer.sync_figures()          # SyncFigures(mode="hooks", rounds=..., bytes_sent=..., ...)
+    offer.swap_reducer(None)      # the exact mean from the next round on
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+
+from lightning_static_dist.compile import CompileReport
+from lightning_static_dist.compression import CompressingReducer
+from lightning_static_dist.compression.auto import CompressionTrial
+from lightning_static_dist.offer import StaticDistOffer, SyncFigures
+from lightning_static_dist.overlap.recorder import StepRecorder
+from lightning_static_dist.participants.base import StrategyView
+from lightning_static_dist.participants.roster import Participants
+from lightning_static_dist.simulate.config import SimulateConfig
+
+
+class ParticipantsOffer(StaticDistOffer):
+    """:class:`~lightning_static_dist.offer.StaticDistOffer` over one strategy's participants (read when asked: a
+    figure is this moment's).
+
+    Args:
+        participants: the strategy's participants.
+        view: the strategy, as the participants read it.
+        host_max: the strategy's maximum over ranks of host figures (a collective).
+    """
+
+    def __init__(self, participants: Participants, view: StrategyView,
+                 host_max: Callable[[Sequence[float]], list[float]]) -> None:
+        self._parts = participants
+        self._view = view
+        self._host_max = host_max
+
+    @property
+    def root_device(self) -> torch.device:
+        return self._view.root_device
+
+    @property
+    def simulation(self) -> Optional[SimulateConfig]:
+        return self._view.simulation
+
+    def sync_figures(self) -> Optional[SyncFigures]:
+        gradients = self._parts.gradients
+        sync = gradients.synchronizer  # (kept after teardown: its counters stay readable)
+        graph = gradients.graph_sync
+        if sync is None and graph is None:
+            return None
+        stats = sync.stats if sync is not None else None
+        graph_rounds = graph.rounds if graph is not None else 0
+        graph_bytes = graph.bytes_per_round if graph is not None else 0
+        return SyncFigures(
+            mode="graph" if graph is not None else "hooks",
+            rounds=(stats.rounds if stats else 0) + graph_rounds,
+            collectives=stats.collectives if stats else None,
+            bytes_sent=(stats.bytes_sent if stats else 0) + graph_rounds * graph_bytes,
+            bytes_per_round=graph_bytes or (stats.last_round_bytes if stats else 0),
+            bucket_plan=sync.plan.describe() if sync is not None else None,
+        )
+
+    @property
+    def compile_report(self) -> Optional[CompileReport]:
+        return self._parts.compile.report
+
+    def attach_recorder(self, recorder: StepRecorder) -> None:
+        for participant in self._parts.ordered:
+            participant.attach_recorder(recorder)
+
+    @property
+    def compression_trial(self) -> Optional[CompressionTrial]:
+        return self._parts.compression.trial
+
+    @property
+    def compressing_reducer(self) -> Optional[CompressingReducer]:
+        return self._parts.compression.reducer
+
+    def swap_reducer(self, compressor: Optional[Any]) -> None:
+        self._parts.compression.swap(compressor)
+
+    def host_max(self, values: Sequence[float]) -> list[float]:
+        return self._host_max(values)
