@@ -65,12 +65,12 @@ def _residuals(rank: int, world: int) -> dict[str, Any]:
     _, before, loaded_first, _ = _participant(config)  # Lightning loads a checkpoint before the strategy's setup
     entries = dict(shared[0])
     loaded_first.load_state_dict(entries)
-    rounds_before_attach = before.reducer.rounds
+    reducer_before_setup = type(before.reducer).__name__  # exact until the participant's setup installs topk
     loaded_first.setup(Context())
     _, after, loaded_late, _ = _participant(config)  # a checkpoint loaded once this fit's synchroniser is built
     loaded_late.setup(Context())
     loaded_late.load_state_dict(dict(shared[0]))
-    return {"trained": trained, "written": checkpoint, "taken": entries, "rounds_before_attach": rounds_before_attach,
+    return {"trained": trained, "written": checkpoint, "taken": entries, "reducer_before_setup": reducer_before_setup,
             "loaded_first": before.reducer.state_dict(), "loaded_late": after.reducer.state_dict()}
 
 
@@ -105,7 +105,7 @@ def test_each_rank_gets_its_own_state_back_whenever_the_checkpoint_is_loaded(
     for result in residuals:
         assert_same_state(result[when], result["trained"])
         assert COMPRESSION_KEY not in result["taken"]  # the entry is taken: Lightning does not see it
-        assert result["rounds_before_attach"] == 0  # kept until the synchroniser is built, not restored into nothing
+        assert result["reducer_before_setup"] == "MeanAllReduce"  # kept until setup installs the compressor
 
 
 def test_a_checkpoint_of_another_world_size_keeps_only_the_round_count(one_rank_gloo: None) -> None:
