@@ -129,7 +129,9 @@ class StaticDistOffer(Protocol):
     def swap_reducer(self, compressor: Optional[Any]) -> None:
         """Reduce with ``compressor`` from the next round on (``None``: the exact mean); the compressing reducer in
         use continues with it, keeping its round count and the state a compressor of the same name carries over.
-        Every rank must swap at the same step."""
+        Every rank must swap at the same step. Only the hook-driven synchroniser has a reducer (``sync.mode: hooks``,
+        ``reduce: all_reduce``, while fitting on more than one rank; ``compressing_reducer`` or the synchroniser's
+        figures say so): elsewhere a :class:`ValueError` naming the mode."""
         ...
 
     def host_max(self, values: Sequence[float]) -> list[float]:

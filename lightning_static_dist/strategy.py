@@ -496,7 +496,7 @@ class StaticDistStrategy(DataParallelProcesses):
             return load_sharded(os.fspath(checkpoint_path), weights_only=weights_only)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         for participant in self._parts.ordered:
-            participant.load_state_dict(checkpoint)  # setup ran first: each takes its own entries out
+            participant.load_state_dict(checkpoint)  # each takes its own entries out (kept until its setup, if before)
         return checkpoint
 
     def _agree_on_resume(self, attempt: Callable[[], T]) -> T:
@@ -516,9 +516,11 @@ class StaticDistStrategy(DataParallelProcesses):
                     participant.check_in_step()
             except RankMismatchError as err:  # out of step: skip the collective parts of teardown, then raise
                 self._failed, mismatch = True, err
-        for participant in self._parts.ordered:
-            participant.teardown(self._failed)
-        self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # the plugin's own clipping again
+        try:
+            for participant in self._parts.ordered:
+                participant.teardown(self._failed)
+        finally:  # (also when the last checkpoint's consolidation fails)
+            self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # the plugin's own clipping again
 
         super().teardown()  # (the processes' part reads whether this rank failed)
         self._failed = False

@@ -59,8 +59,15 @@ class CompressionState(StepParticipant):
 
     def use(self, compressor: Optional[Compressor], start_step: int = 0) -> None:
         """Reduce with a new reducer from the next round on: ``compressor``'s, compressing from round ``start_step``
-        (``None``: the exact mean). Between rounds, on every rank at the same step."""
-        use_compressor(self._gradients.synchronizer, compressor, start_step)
+        (``None``: the exact mean). Between rounds, on every rank at the same step. Only the hook-driven synchroniser
+        has a reducer to change: elsewhere (one rank, ``sync.mode: graph``, ``sync.reduce: reduce_scatter``) a
+        :class:`ValueError` naming the mode."""
+        synchronizer = self._gradients.synchronizer
+        if self._gradients.mode != "hooks" or synchronizer is None:
+            mode = self._gradients.mode or "none (one rank, or not fitting)"
+            raise ValueError(f"static_dist: the reducer can be changed with the hook-driven synchroniser only"
+                             f" (strategy.sync.mode=hooks, reduce=all_reduce, while fitting on > 1 rank); here: {mode}")
+        use_compressor(synchronizer, compressor, start_step)
 
     def swap(self, compressor: Optional[Compressor]) -> None:
         """Continue with ``compressor`` from the next round on (``None``: the exact mean): the compressing reducer in

@@ -176,7 +176,7 @@ class DataParallelProcesses(ParallelStrategy):
         self._mesh: Optional[DeviceMesh] = None
         self._host_group: Optional[torch.distributed.ProcessGroup] = None
         self._failed = False
-        self._preempted = False  # the ranks' agreed SIGTERM stop (loop.py): every rank saved, none failed
+        self._preempted = False  # the ranks' agreed SIGTERM stop (processes/sigterm.py): every rank saved, none failed
         self.failure: Optional[str] = None
         """One line saying which rank stopped participating, and where, after a communication failure; or which
         checkpoint could not be written or read, and why (every rank prints the same one)."""
@@ -389,7 +389,7 @@ class DataParallelProcesses(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         if loop_patches.is_agreed_stop(exception):
             self._preempted = True
-            return  # every rank stopped at the step they agreed on (loop.py): no failure, every peer is there
+            return  # every rank stopped at the step they agreed on (processes/sigterm.py): no failure, every peer is there
         # (Lightning's own per-rank SIGTERM stop, one rank alone, is a failure: its peers may wait in a collective)
         mark_run_failed()  # the exit-time teardown must not wait for peers that may be gone
         self._failed = True
