@@ -98,7 +98,10 @@ Left where they are (so that this list is the whole inventory)
 ``fabric/``
     ``_StrategyRegistry`` (``strategy.py``), ``_BackwardSyncControl`` (subclassed in ``model.py``, for
     ``no_backward_sync``), ``_PATH`` (``checkpoints.py``) and the ``_configure_launcher`` override
-    (``processes.py``).
+    (``processes.py``). In ``processes.py`` also Fabric ``DDPStrategy``'s ``_setup_distributed`` (overridden: the
+    process group starts as the Trainer strategy's, ``processes/data_parallel.py``'s ``start_process_group``, for
+    ``simulate`` and ``sync.comm_sms``), with the ``_set_world_ranks`` and ``_get_process_group_backend`` it calls.
+    A public hook in Fabric's ``DDPStrategy`` for how the process group starts would retire these.
 ``processes/sigterm.py``
     Here ``_TrainingEpochLoop._broadcast_sigterm_tensor`` is replaced on one trainer's loop instance, and the class
     of ``Trainer._signal_connector`` (``_SignalConnector``) is swapped for a subclass with its own

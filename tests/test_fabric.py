@@ -189,14 +189,17 @@ def test_fabric_accepts_the_registered_names() -> None:
         ({"compression": {"name": "powersgd", "rank": 0}}, "strategy.compression.rank=0: must be an integer >= 1"),
         ({"compile": {"backend": "no_such_backend"}}, "strategy.compile.backend='no_such_backend': not a registered"),
         ({"simulate": {"world_size": 8}},
-         "strategy.simulate.world_size=8: set where the process group starts, which under Fabric is Fabric's"
-         " DDPStrategy (use the Trainer's StaticDistStrategy); allowed under Fabric: null"),
+         "strategy.simulate.world_size=8: one process stands for every rank; allowed: Fabric(devices=1, num_nodes=1)"
+         " (got devices=2, num_nodes=1)"),
         ({"bucket_cap_mb": 5, "sync": {"bucket_mb": 10}},
          "bucket_cap_mb=5: given twice (also as strategy.sync.bucket_mb); allowed: one of them"),
         ({"start_method": "thread"}, "start_method='thread': allowed: 'popen', 'spawn', 'fork', 'forkserver'"),
         ({"monitor_every_n_steps": -1}, "monitor_every_n_steps=-1: must be an integer >= 0 (0: never)"),
+        ({"checkpoint": {"format": "sharded"}},
+         "strategy.checkpoint.format='sharded': fabric.save writes one file from rank 0, which cannot hold each rank's"
+         " own optimizer ranges; allowed under Fabric: 'auto' or 'full' (gathered)"),
     ],
-    ids=["typo", "range", "compression", "backend", "simulate", "twice", "start_method", "monitor"],
+    ids=["typo", "range", "compression", "backend", "simulate", "twice", "start_method", "monitor", "sharded_format"],
 )
 def test_invalid_config_is_one_line_naming_the_key(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError) as caught:

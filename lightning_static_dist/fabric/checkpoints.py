@@ -1,14 +1,17 @@
 """The Fabric strategy's checkpoints: ``fabric.save`` and ``fabric.load`` go through each set-up model's step
 participants, as the Trainer strategy's checkpoints do (the ranks' last steps checked, the participants' entries
-added and taken out, the state dicts in the forms the participants save and load).
+added and taken out, the model and optimizer states in the forms the participants save and load: a ``reduce_scatter``
+run's optimizer state is gathered into the file, and each rank cuts its own ranges out of it when loading).
 
 Example (what ``fabric.save(path, {"model": model, "optimizer": optimizer})`` runs, on every rank)::
 
     strategy.save_checkpoint(path, state)   # check_in_step; model_state_dict; optimizer_state; state_dict entries
+    strategy.load_checkpoint(path, state)   # model_state_to_load; load_optimizer_states / optimizer_state_to_load
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional
 
 from torch.nn import Module
@@ -17,15 +20,30 @@ from typing_extensions import override
 
 from lightning.fabric.utilities.types import _PATH
 
+from lightning_static_dist.config import ConfigError
 from lightning_static_dist.fabric.model import SynchronisedModel
 from lightning_static_dist.fabric.processes import FabricProcesses
+from lightning_static_dist.strategy_config import StrategyConfig
+
+
+def one_file_checkpoints(config: StrategyConfig) -> StrategyConfig:
+    """``fabric.save`` writes one file, from rank 0 (Fabric's ``DDPStrategy``): the optimizer state ``reduce_scatter``
+    splits between the ranks is gathered into it (``checkpoint.format: auto`` reads ``full`` here); ``sharded``, each
+    rank writing its own ranges, is refused in one line."""
+    fmt = config.checkpoint.format
+    if fmt == "sharded":
+        raise ConfigError("strategy.checkpoint.format='sharded': fabric.save writes one file from rank 0, which cannot"
+                          " hold each rank's own optimizer ranges; allowed under Fabric: 'auto' or 'full' (gathered)")
+    if fmt == "auto":
+        config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, format="full"))
+    return config
 
 
 class FabricCheckpoints(FabricProcesses):
     """Checkpoints through the participants of the models set up (:attr:`_models`, one per trainable module)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: StrategyConfig, **kwargs: Any) -> None:
+        super().__init__(one_file_checkpoints(config), **kwargs)
         self._models: list[SynchronisedModel] = []
 
     def _model_of(self, module: Optional[Module]) -> Optional[SynchronisedModel]:
@@ -69,7 +87,33 @@ class FabricCheckpoints(FabricProcesses):
     @override
     def load_checkpoint(self, path: _PATH, state: Any = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
+        if isinstance(state, Optimizer) and self._model_stepped_by(state) is not None:  # fabric.load(path, optimizer)
+            self._load_optimizer_state(state, self.checkpoint_io.load_checkpoint(path, weights_only=weights_only))
+            return {}
+        # Fabric's own load would call optimizer.load_state_dict: the participants' optimizers are taken out of the
+        # (unwrapped) state for it, and loaded here once the models are, as the Trainer strategy loads them
+        ours = {name: obj for name, obj in state.items() if isinstance(obj, Optimizer)
+                and self._model_stepped_by(obj) is not None} if isinstance(state, dict) else {}
+        for name in ours:
+            del state[name]
+        try:
+            remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
+        finally:
+            if ours:
+                state.update(ours)
+        missing = [name for name in ours if name not in remainder]
+        if strict and missing:
+            raise KeyError(f"The requested state contains a key {missing[0]!r} that does not exist in the loaded"
+                           " checkpoint.")
+        for name, optimizer in ours.items():
+            if name in remainder:
+                self._load_optimizer_state(optimizer, remainder.pop(name))
         for model in self._models:
             model.each("load_state_dict", remainder)  # each takes its own entries out
         return remainder
+
+    def _load_optimizer_state(self, optimizer: Optimizer, saved: dict[str, Any]) -> None:
+        model = self._model_stepped_by(optimizer)
+        assert model is not None
+        if not model.parts.load_optimizer_states({"optimizer_states": [saved]}):  # (the sharded state: its own form)
+            optimizer.load_state_dict(model.parts.optimizer_state_to_load(optimizer, saved))

@@ -7,12 +7,13 @@ Example::
 
     figures = StepFigures(device)
     figures.after_step(timeline, world_size)        # every rank, after each optimizer step
-    figures.read(synchronizer, compile_report)      # rank-local
+    figures.read([(synchronizer, compile_report)])  # rank-local; one pair per trainable model
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -48,13 +49,21 @@ class StepFigures:
         self._overlap = aggregate_over_ranks(self._aggregate, METRICS, step_metrics(timeline), "", world_size,
                                              no_max=("trigger_delay_worst_bucket_ms",))
 
-    def read(self, synchronizer: Any, report: Optional[CompileReport]) -> dict[str, float]:
-        """The figures as ``StaticDistFabricStrategy.metrics`` documents them (NaN ones left out)."""
-        figures = sync_figures(synchronizer) if synchronizer is not None else {}
-        overlap, self._overlap = self._overlap, {}  # once per recorded step, as the monitor logs them
-        figures.update(overlap)
-        if report is not None:
-            figures.update({"static_dist/graph_breaks": float(len(report.graph_breaks)),
+    def read(self, models: Sequence[tuple[Any, Optional[CompileReport]]]) -> dict[str, float]:
+        """The figures as ``StaticDistFabricStrategy.metrics`` documents them (NaN ones left out), from each trainable
+        model's ``(synchronizer, compile report)`` in the order they were set up: the first model's under
+        ``static_dist/``, model ``i``'s (``i >= 1``) under ``static_dist/model{i}/``; the overlap figures are the
+        first model's (the one recorded)."""
+        figures: dict[str, float] = {}
+        for index, (synchronizer, report) in enumerate(models):
+            own = sync_figures(synchronizer) if synchronizer is not None else {}
+            if index == 0:
+                overlap, self._overlap = self._overlap, {}  # once per recorded step, as the monitor logs them
+                own.update(overlap)
+            if report is not None:
+                own.update({"static_dist/graph_breaks": float(len(report.graph_breaks)),
                             "static_dist/recompiles": float(len(report.recompiles)),
                             "static_dist/compile_s": float(report.compile_s)})
+            prefix = "static_dist/" if index == 0 else f"static_dist/model{index}/"
+            figures.update({prefix + name.removeprefix("static_dist/"): value for name, value in own.items()})
         return {name: value for name, value in figures.items() if not math.isnan(value)}

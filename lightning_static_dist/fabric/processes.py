@@ -1,7 +1,9 @@
 """The processes, ranks, mesh and groups of the Fabric strategy, below its step
-(:class:`~lightning_static_dist.fabric.strategy.StaticDistFabricStrategy`): Fabric's ``DDPStrategy`` starts the
-process group; this adds the data-parallel ``DeviceMesh``, this package's launchers, and what the step
-participants read of the processes (:class:`~lightning_static_dist.participants.StrategyView`).
+(:class:`~lightning_static_dist.fabric.strategy.StaticDistFabricStrategy`): Fabric's ``DDPStrategy`` with the
+process group started as the Trainer strategy starts it
+(:func:`~lightning_static_dist.processes.data_parallel.start_process_group`: ``strategy.simulate``'s world,
+``sync.comm_sms``), the data-parallel ``DeviceMesh``, this package's launchers, and what the step participants read
+of the processes (:class:`~lightning_static_dist.participants.StrategyView`).
 
 Example::
 
@@ -11,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -21,28 +24,20 @@ from typing_extensions import override
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.distributed import group as _group
 
-from lightning_static_dist.config import ConfigError
 from lightning_static_dist.ddp_arguments import check_process_group_backend
-from lightning_static_dist.processes.launcher import FabricSpawnLauncher
 from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
+from lightning_static_dist.processes.data_parallel import check_simulation, ranks_in_world, start_process_group
+from lightning_static_dist.processes.launcher import FabricSpawnLauncher, StaticDistLauncher
+from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.strategy_config import StrategyConfig
 
 
-def refuse_process_group_settings(config: StrategyConfig) -> None:
-    """``simulate`` and ``sync.comm_sms`` shape the process group, which Fabric's ``DDPStrategy`` starts here."""
-    for hit, key, value in ((config.simulate.enabled, "simulate.world_size", config.simulate.world_size),
-                            (config.sync.comm_sms is not None, "sync.comm_sms", config.sync.comm_sms)):
-        if hit:
-            raise ConfigError(f"strategy.{key}={value!r}: set where the process group starts, which under Fabric is"
-                              " Fabric's DDPStrategy (use the Trainer's StaticDistStrategy); allowed under Fabric: null")
-
-
 class FabricProcesses(DDPStrategy):
-    """Fabric's ``DDPStrategy`` with the data-parallel mesh, this package's launchers and the validated ``strategy``
-    block (``simulate`` and ``sync.comm_sms`` refused: :func:`refuse_process_group_settings`)."""
+    """Fabric's ``DDPStrategy`` with the data-parallel mesh, this package's launchers, the validated ``strategy``
+    block, and the process group the Trainer strategy starts (a simulated world: ``Fabric(devices=1)``, this process
+    rank 0 of ``simulate.world_size``)."""
 
     def __init__(self, config: StrategyConfig, **kwargs: Any) -> None:
-        refuse_process_group_settings(config)
         super().__init__(timeout=timedelta(seconds=config.timeout_s), **kwargs)
         self._config = config
         self._mesh: Optional[DeviceMesh] = None
@@ -68,8 +63,22 @@ class FabricProcesses(DDPStrategy):
         return self.dp_group
 
     @property
-    def simulation(self) -> None:
-        return None
+    def simulation(self) -> Optional[SimulateConfig]:
+        """``strategy.simulate`` when this run simulates a world (``None`` otherwise)."""
+        return self._config.simulate if self._config.simulate.enabled else None
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return self._ranks_in_world() if self.simulation is not None else super().world_size
+
+    def _ranks_in_world(self) -> int:
+        return ranks_in_world(self.simulation, self.num_nodes, self.num_processes)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:  # (a simulated world's rank 0 reads its own shard)
+        return {**super().distributed_sampler_kwargs, "num_replicas": self._ranks_in_world()}
 
     def reduce_scatter(self) -> bool:
         """``sync.reduce`` resolved against the mesh (``auto``: reduce_scatter if dp_shard > 1)."""
@@ -78,10 +87,12 @@ class FabricProcesses(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         # before any rank starts: a mesh that cannot fit the world, or an unknown backend, is a config error
-        resolve_mesh_shape(self._config.mesh, self.num_nodes * self.num_processes)
+        check_simulation(self.simulation, self.num_processes, self.num_nodes, self.parallel_devices,
+                         "Fabric(devices=1, num_nodes=1)")
+        resolve_mesh_shape(self._config.mesh, self._ranks_in_world())
         check_process_group_backend(self._process_group_backend)
-        if self._start_method == "popen":
-            super()._configure_launcher()
+        if self._start_method == "popen":  # the Trainer's: a grace period for a survivor's one line
+            self._launcher = StaticDistLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = FabricSpawnLauncher(self, start_method=self._start_method)
 
@@ -90,3 +101,11 @@ class FabricProcesses(DDPStrategy):
         check_process_group_backend(self._process_group_backend)
         super().setup_environment()
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
+
+    @override
+    def _setup_distributed(self) -> None:
+        # DDPStrategy's, with the Trainer strategy's start of the group (a simulated world, NCCL's options)
+        self._set_world_ranks()
+        assert self.cluster_environment is not None
+        self._process_group_backend = start_process_group(self.cluster_environment, self._get_process_group_backend(),
+                                                          self.root_device, self._config, os.getcwd())

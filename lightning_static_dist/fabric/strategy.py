@@ -3,10 +3,13 @@
 Each trainable module set up gets the step participants the Trainer strategy runs
 (:class:`~lightning_static_dist.fabric.model.SynchronisedModel` says which of the user's calls drives which phase):
 ``sync.mode: graph``, ``reduce_scatter`` (``mesh.dp_shard``), ``sync.nonfinite``, ``embedding.shard``, the
-``auto`` trials of compression and schedule, compilation and the overlap figures work as under the Trainer.
-Refused at construction, with a one-line :class:`~lightning_static_dist.config.ConfigError` naming the key:
-``simulate`` and ``sync.comm_sms`` (both are set where the process group starts, which this strategy leaves to
-Fabric's ``DDPStrategy``).
+``auto`` trials of compression and schedule, compilation, the overlap figures, ``simulate`` (``Fabric(devices=1)``)
+and ``sync.comm_sms`` (the process group starts as the Trainer strategy's: ``fabric/processes.py``) work as under the
+Trainer. ``setup_distributed`` (the peer watchdog) runs once, on the first trainable model's participants when it is
+set up; ``process_dataloader`` runs from ``fabric.setup_dataloaders`` (a loader set up before its model is left as it
+is). Fabric has no ``on_exception`` hook: the participants' ``on_exception`` is never called, and an exception leaves
+the user's loop as it is (Gloo peers see their collective fail; a peer blocked where no error reaches it is ended by
+its watchdog with one line).
 """
 
 from __future__ import annotations
@@ -98,7 +101,8 @@ class StaticDistFabricStrategy(FabricCheckpoints):
 
     @property
     def synchronizer(self) -> Any:
-        """The first trainable model's gradient synchroniser (``None`` before ``fabric.setup`` and on one rank)."""
+        """The first trainable model's gradient synchroniser (``None`` before ``fabric.setup`` and on one rank); the
+        overlap recorder, ``compressing_reducer`` and ``compile_report`` are that model's too (``metrics()`` has all)."""
         return self._models[0].parts.gradients.synchronizer if self._models else None
 
     @property
@@ -113,8 +117,10 @@ class StaticDistFabricStrategy(FabricCheckpoints):
         """The ``static_dist/*`` figures for ``fabric.log_dict``, rank-local (no collective): ``sync_rounds``,
         ``sync_buckets``, ``sync_bytes_sent``, ``sync_round_bytes`` (world size > 1); once per recorded step the
         overlap figures (mean over ranks, and ``_max``), combined in ``optimizer.step()``; with ``strategy.compile``
-        this rank's ``graph_breaks``, ``recompiles`` and ``compile_s``. NaN figures are left out."""
-        return self._figures.read(self.synchronizer, self.compile_report)
+        this rank's ``graph_breaks``, ``recompiles`` and ``compile_s``. NaN figures are left out. These are the first
+        trainable model's; the ``i``-th set up after it (a GAN's second) has its sync and compile figures under
+        ``static_dist/model{i}/`` (the overlap timeline records the first model only)."""
+        return self._figures.read([(m.parts.gradients.synchronizer, m.parts.compile.report) for m in self._models])
 
     # ------------------------------------------------------------------------------------- setup and a step
 
@@ -132,6 +138,8 @@ class StaticDistFabricStrategy(FabricCheckpoints):
         if any(p.requires_grad for p in module.parameters()) and self._model_of(module) is None:
             recorder = StepRecorder(self.root_device) if self._monitor_every and not self._models else None
             self._models.append(SynchronisedModel(self, module, optimizers or [], recorder, self._monitor_every))
+            if len(self._models) == 1:  # once per process (the peer watchdog): the process group is up since launch
+                self._models[0].each("setup_distributed")
             if optimizers:
                 self._models[-1].set_up()
         return module
@@ -143,6 +151,12 @@ class StaticDistFabricStrategy(FabricCheckpoints):
             model.view.optimizers.append(optimizer)
             model.set_up()
         return optimizer
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        for model in self._models:  # (a loader set up before its model is left as it is)
+            model.each("process_dataloader", dataloader)
+        return dataloader
 
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:

@@ -99,6 +99,61 @@ def nccl_options(backend: str, comm_sms: Optional[int]) -> dict[str, Any]:
     return {"pg_options": options}
 
 
+def start_process_group(environment: ClusterEnvironment, backend: str, device: torch.device, config: StrategyConfig,
+                        run_dir: str) -> str:
+    """Start this process's default process group as both front ends do (the Trainer's :class:`DataParallelProcesses`
+    and Fabric's ``FabricProcesses``): under ``strategy.simulate``, as rank 0 of the simulated world; otherwise with
+    Lightning's ``_init_dist_connection`` (``DDPStrategy``'s environment variables and messages), bound to ``device``
+    where :func:`binds_device` says so, with ``sync.comm_sms``'s NCCL options, and an NCCL flight record under
+    ``run_dir``. The groups are destroyed at exit. Returns the backend that runs (the simulated world's own)."""
+    timeout = timedelta(seconds=config.timeout_s)
+    if config.simulate.enabled:
+        start_simulated_world(config.simulate, config.sync.comm_sms, device, timeout)
+        backend = SIMULATED_BACKEND
+    else:
+        record_nccl_flight(backend, device, run_dir)
+        _init_dist_connection(environment, backend, timeout=timeout,
+                              device_id=device if binds_device(backend, device) else None,
+                              **nccl_options(backend, config.sync.comm_sms))
+    destroy_process_groups_at_exit()  # at exit, while the interpreter is whole; not after a failure
+    return backend
+
+
+def start_simulated_world(simulation: SimulateConfig, comm_sms: Optional[int], device: torch.device,
+                          timeout: timedelta) -> None:
+    """The default group as rank 0 of the simulated world (its backend registered with torch.distributed)."""
+    if simulation.link is not None:
+        check_link_available(device)
+    if not torch.distributed.is_initialized():  # (a later stage of the same process finds it there)
+        init_simulated_world(simulation.world_size, timeout)
+    elif not is_simulated() or torch.distributed.get_world_size() != simulation.world_size:
+        raise ConfigError(f"strategy.simulate.world_size={simulation.world_size}: this process already has a"
+                          f" {torch.distributed.get_backend()} process group of {torch.distributed.get_world_size()}"
+                          " ranks; allowed: a simulated world in a process without one")
+    set_link(simulation.link, comm_sms)
+    rank_zero_info(f"static_dist: simulated world of {simulation.world_size} identical ranks in this one process"
+                   f" ({'link: ' + simulation.link.describe() if simulation.link else 'free links'}); no data"
+                   " crosses a link")
+
+
+def ranks_in_world(simulation: Optional[SimulateConfig], num_nodes: int, num_processes: int) -> int:
+    """The world's size, before any process starts: every node's processes, or the simulated world's ranks."""
+    return simulation.world_size if simulation is not None else num_nodes * num_processes
+
+
+def check_simulation(simulation: Optional[SimulateConfig], num_processes: int, num_nodes: int,
+                     devices: Optional[list[torch.device]], front_end: str) -> None:
+    """A simulated world is one process on one device: anything else is refused before the run starts
+    (``front_end``: how the user asks for one process, e.g. ``"Trainer(devices=1, num_nodes=1)"``)."""
+    if simulation is None:
+        return
+    if num_processes > 1 or num_nodes > 1:
+        raise ConfigError(f"strategy.simulate.world_size={simulation.world_size}: one process stands for every rank;"
+                          f" allowed: {front_end} (got devices={num_processes}, num_nodes={num_nodes})")
+    if simulation.link is not None and devices:
+        check_link_available(devices[0])  # (a link on CPU, or CuPy missing: one line, now)
+
+
 #: the launch variables read as integers, and the least value each may take
 _INTEGER_VARIABLES = {"WORLD_SIZE": (1, "the number of processes in the job"), "RANK": (0, "this process's rank"),
                       "LOCAL_RANK": (0, "this process's rank on its node"), "NODE_RANK": (0, "this node's rank")}
@@ -235,9 +290,7 @@ class DataParallelProcesses(ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     def _ranks_in_world(self) -> int:
-        """The world's size: every node's processes, or the simulated world's ranks."""
-        simulation = self.simulation
-        return simulation.world_size if simulation is not None else self.num_nodes * self.num_processes
+        return ranks_in_world(self.simulation, self.num_nodes, self.num_processes)
 
     @property
     @override
@@ -276,25 +329,14 @@ class DataParallelProcesses(ParallelStrategy):
                                  and environment.node_rank() == 0)
         # before any rank starts, against the backends torch knows now (again in each rank, at setup_distributed)
         check_process_group_backend(self._process_group_backend)
-        self._check_simulation()
+        check_simulation(self.simulation, self.num_processes, self.num_nodes, self.parallel_devices,
+                         "Trainer(devices=1, num_nodes=1)")
         # in the launching process, before any rank starts: a mesh that cannot fit the world is a config error
         resolve_mesh_shape(self._config.mesh, self._ranks_in_world())
         if self._start_method == "popen":
             self._launcher = StaticDistLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = StaticDistSpawnLauncher(self, start_method=self._start_method)
-
-    def _check_simulation(self) -> None:
-        """A simulated world is one process on one device: anything else is refused before the run starts."""
-        simulation = self.simulation
-        if simulation is None:
-            return
-        key = f"strategy.simulate.world_size={simulation.world_size}"
-        if self.num_processes > 1 or self.num_nodes > 1:
-            raise ConfigError(f"{key}: one process stands for every rank; allowed: Trainer(devices=1, num_nodes=1)"
-                              f" (got devices={self.num_processes}, num_nodes={self.num_nodes})")
-        if simulation.link is not None and self.parallel_devices:
-            check_link_available(self.parallel_devices[0])  # (a link on CPU, or CuPy missing: one line, now)
 
     @override
     def setup_environment(self) -> None:
@@ -310,28 +352,15 @@ class DataParallelProcesses(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         check_process_group_backend(self._process_group_backend)  # against the backends torch knows now
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
-        timeout = timedelta(seconds=self._config.timeout_s)
-        if self.simulation is not None:
-            self._start_simulated_world(self.simulation, timeout)
-        else:
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-            record_nccl_flight(self._process_group_backend, self.root_device,
-                               trainer.default_root_dir if trainer is not None else os.getcwd())
-            _init_dist_connection(
-                self.cluster_environment,
-                self._process_group_backend,
-                timeout=timeout,
-                device_id=self.root_device if binds_device(self._process_group_backend, self.root_device) else None,
-                **nccl_options(self._process_group_backend, self._config.sync.comm_sms),
-            )
-        destroy_process_groups_at_exit()  # at exit, while the interpreter is whole; not after a failure
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        self._process_group_backend = start_process_group(
+            self.cluster_environment, backend, self.root_device, self._config,
+            trainer.default_root_dir if trainer is not None else os.getcwd())
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
         if self.world_size > 1 and self._host_group is None:  # once per strategy: every later stage reuses it
-            self._host_group = loop_patches.host_group(timeout)
+            self._host_group = loop_patches.host_group(timedelta(seconds=self._config.timeout_s))
 
     @override
     def teardown(self) -> None:
@@ -353,22 +382,6 @@ class DataParallelProcesses(ParallelStrategy):
             if id(group) not in keep and torch.distributed.get_backend(group) == "gloo":
                 keep.add(id(group))  # (a group serving two dimensions is destroyed once)
                 torch.distributed.destroy_process_group(group)
-
-    def _start_simulated_world(self, simulation: SimulateConfig, timeout: timedelta) -> None:
-        """The default group as rank 0 of the simulated world (its backend registered with torch.distributed)."""
-        self._process_group_backend = SIMULATED_BACKEND
-        if simulation.link is not None:
-            check_link_available(self.root_device)
-        if not torch.distributed.is_initialized():  # (a later stage of the same process finds it there)
-            init_simulated_world(self.world_size, timeout)
-        elif not is_simulated() or torch.distributed.get_world_size() != self.world_size:
-            raise ConfigError(f"strategy.simulate.world_size={self.world_size}: this process already has a"
-                              f" {torch.distributed.get_backend()} process group of {torch.distributed.get_world_size()}"
-                              " ranks; allowed: a simulated world in a process without one")
-        set_link(simulation.link, self._config.sync.comm_sms)
-        rank_zero_info(f"static_dist: simulated world of {simulation.world_size} identical ranks in this one process"
-                       f" ({'link: ' + simulation.link.describe() if simulation.link else 'free links'}); no data"
-                       " crosses a link")
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -1,0 +1,148 @@
+"""The Fabric strategy's processes (``lightning_static_dist/fabric/processes.py``): the process group started as the
+Trainer strategy starts it (a simulated world of N ranks in one process, ``sync.comm_sms``), and the peer watchdog
+under Fabric (a killed rank ends its survivor with one line, as under the Trainer: ``tests/test_faults.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning as L
+from _dist import fresh_job_env
+from lightning_static_dist import StaticDistFabricStrategy, StaticDistStrategy
+from lightning_static_dist.simulate import BACKEND
+from lightning_static_dist.simulate import group as simulated_group
+from test_faults import failure_lines
+from test_simulate import Regression, _in_fresh_process, _quiet_trainer, _regression_data
+
+pytestmark = pytest.mark.multiprocess
+
+#: the same block under both front ends: 4 simulated ranks, the graph compiled, the SMs of a collective set
+SIMULATED = dict(simulate={"world_size": 4}, sync={"comm_sms": 8, "first_bucket_mb": 0.0002, "bucket_mb": 0.0005},
+                 compile={"enabled": True, "backend": "aot_eager"})
+STEPS = 5
+BATCH = 5  # rank 0 of 4 reads 16 samples an epoch: 3 batches of 5 and a short one of 1 (dropped: static shapes)
+
+
+def _figures(strategy: Any, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    sync, report = strategy.synchronizer, strategy.compile_report
+    return {"stats": dict(vars(sync.stats)), "buckets": len(sync.plan.buckets), "world_size": strategy.world_size,
+            "global_rank": strategy.global_rank, "backend": dist.get_backend(), "sms": simulated_group.WORLD.sms,
+            "recompiles": len(report.recompiles), "state": {k: v.detach().clone() for k, v in state.items()}}
+
+
+class _Unlogged(Regression):
+    """Regression without ``self.log`` (whose re-traces would count as recompiles the Fabric loop has no cause for)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+def _trainer_in_a_simulated_world() -> dict[str, Any]:
+    model = _Unlogged()
+    trainer = _quiet_trainer(strategy=StaticDistStrategy(**SIMULATED), max_steps=STEPS)
+    trainer.fit(model, DataLoader(_regression_data(), batch_size=BATCH))
+    return _figures(trainer.strategy, {k.removeprefix("net."): v for k, v in model.state_dict().items()})
+
+
+def _fabric_in_a_simulated_world() -> dict[str, Any]:
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=StaticDistFabricStrategy(**SIMULATED))
+    fabric.launch()
+    torch.manual_seed(0)  # Regression's weights
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    # set up after the model: the compiled model's loader drops its short last batch, as the Trainer's does
+    loader = fabric.setup_dataloaders(DataLoader(_regression_data(), batch_size=BATCH, shuffle=True))
+    steps, per_epoch = 0, []
+    while steps < STEPS:
+        per_epoch.append(0)
+        for x, y in loader:  # (Fabric's loader sets the sampler's epoch, as the Trainer's loop does)
+            if steps == STEPS:
+                break
+            fabric.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            steps, per_epoch[-1] = steps + 1, per_epoch[-1] + 1
+    sampler = loader.sampler
+    facts = _figures(fabric.strategy, net.state_dict())
+    return {**facts, "metrics": fabric.strategy.metrics(), "batches": per_epoch, "world": fabric.world_size,
+            "sampler": (type(sampler).__name__, sampler.num_replicas, sampler.rank)}
+
+
+def test_a_simulated_world_under_fabric_gives_the_trainer_strategys_figures() -> None:
+    trainer = _in_fresh_process(_trainer_in_a_simulated_world, timeout=300)
+    fabric = _in_fresh_process(_fabric_in_a_simulated_world, timeout=300)
+    assert (fabric["world"], fabric["world_size"], fabric["global_rank"], fabric["backend"]) == (4, 4, 0, BACKEND)
+    assert fabric["sampler"] == ("DistributedSampler", 4, 0)  # rank 0's shard of a world of 4
+    assert fabric["batches"] == [3, 2]  # the short last batch dropped: no second graph
+    assert fabric["sms"] == 8 == trainer["sms"]  # sync.comm_sms reached the simulated groups
+    assert fabric["buckets"] > 1 and fabric["buckets"] == trainer["buckets"]
+    assert fabric["stats"] == trainer["stats"] and fabric["stats"]["rounds"] == STEPS
+    assert fabric["metrics"]["static_dist/sync_bytes_sent"] == trainer["stats"]["bytes_sent"] > 0
+    assert fabric["recompiles"] == trainer["recompiles"] == 0
+    for key, value in trainer["state"].items():
+        torch.testing.assert_close(fabric["state"][key], value, atol=1e-6, rtol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
+# ------------------------------------------------------------------------------------------- the peer watchdog
+
+
+_KILLED_PEER_SCRIPT = """
+import os, signal, sys, time
+import torch
+import lightning as L
+import lightning_static_dist
+
+fabric = L.Fabric(accelerator="cpu", devices=2, strategy="static_dist")
+fabric.launch()
+model = torch.nn.Linear(4, 2)
+model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for step in range(6):
+    if step == 3:
+        if fabric.global_rank == 1:
+            print(f"rank 1 kills itself at {time.time():.3f}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3600)  # outside any collective: no error can reach rank 0 (as NCCL's survivor behind a device read)
+    fabric.backward(model(torch.randn(8, 4)).sum())
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+def test_a_rank_killed_while_its_peer_is_blocked_ends_a_fabric_job_with_one_line(tmp_path: Path) -> None:
+    from lightning_static_dist.processes.launcher import StaticDistLauncher
+
+    script = tmp_path / "killed_peer.py"
+    script.write_text(textwrap.dedent(_KILLED_PEER_SCRIPT))
+    env = {**fresh_job_env(), "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    ended, seconds = time.time(), time.monotonic() - started
+    assert proc.returncode == 1, err[-2000:]  # without the watchdog: -9 (the launcher's observer), nothing said
+    (line,) = failure_lines(err)
+    assert line.startswith("static_dist: rank 0: rank 1 stopped participating") and "at step 3" in line, line
+    assert "its process is gone" in line, line
+    assert "Traceback" not in err and "Child process" not in err, err[-2000:]
+    (killed,) = [float(line.rsplit(" ", 1)[1]) for line in err.splitlines() if line.startswith("rank 1 kills itself at ")]
+    assert ended - killed < StaticDistLauncher.grace_s
+    assert seconds < 90
