@@ -25,8 +25,8 @@ import pytest
 import torch
 from _dist import fresh_job_env
 from _mesh_fit import fit, static
-from test_faults import ROOT, failure_lines, lsd_train
-from test_resume import summaries
+from tests.processes.test_faults import ROOT, failure_lines, lsd_train
+from tests.test_resume import summaries
 
 from lightning_static_dist.checkpoint import consolidate, is_sharded_checkpoint
 

@@ -171,7 +171,7 @@ def test_regional_inductor_compile_on_gpu_matches_eager() -> None:
 
 
 def _fit_nested_gpu(strategy: Any, precision: str = "32-true", callbacks: Any = ()) -> dict[str, torch.Tensor]:
-    from test_compile import nested_gpt
+    from tests.compile.test_compile import nested_gpt
 
     L.seed_everything(0)
     model = nested_gpt()
@@ -190,7 +190,7 @@ def test_two_gpus_compiled_step_matches_ddp_over_nccl(mode: str) -> None:
     # inductor on CUDA: the default (the whole step cut at the buckets, AVG all-reduces, gradients as bucket views)
     # and graph mode (the collectives inside the compiled backward, bucketed and reordered by inductor); tied
     # weights, an unused branch, accumulation, blocks looped in a nested forward; SGD, fp32 (no TF32): 1e-4
-    from test_compile import SMALL_BUCKETS
+    from tests.compile.test_compile import SMALL_BUCKETS
 
     ours = _fit_nested_gpu(StaticDistStrategy(start_method="spawn", compile={"enabled": True},
                                               sync={"mode": mode, **SMALL_BUCKETS}))
@@ -244,7 +244,7 @@ def test_the_sync_check_sees_each_kind_of_host_wait_anywhere_in_the_step(tmp_pat
 def test_two_gpus_a_steady_step_makes_no_cuda_sync_on_any_rank(tmp_path: Any, mode: str) -> None:
     # one whole step (Lightning's loop, the strategy, the compiled step, the optimizer), every rank, every caller:
     # the host never waits for its GPU (tests/_gpu_sync_check.py; the test above shows what it sees)
-    from test_host_syncs import EveryParameterUsed
+    from tests.test_host_syncs import EveryParameterUsed
 
     strategy = StaticDistStrategy(start_method="spawn", compile={"enabled": True}, sync={"mode": mode})
     for rank, report in enumerate(count_syncs(str(tmp_path), strategy, EveryParameterUsed())):
@@ -255,7 +255,7 @@ def test_two_gpus_a_steady_step_makes_no_cuda_sync_on_any_rank(tmp_path: Any, mo
 def test_two_gpus_the_sync_check_sees_lightning_ddps_per_step_sync(tmp_path: Any) -> None:
     # the control: Lightning's training epoch loop broadcasts rank 0's SIGTERM flag through the device before each
     # batch and reads it on the host (the wait the strategy removes): the same check must see it on every rank
-    from test_host_syncs import EveryParameterUsed
+    from tests.test_host_syncs import EveryParameterUsed
 
     for rank, report in enumerate(count_syncs(str(tmp_path), reference_ddp(), EveryParameterUsed())):
         assert any(call.startswith("cudaStreamSynchronize") for call in report["runtime"]), (rank, report)

@@ -21,7 +21,7 @@ import torch
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning_static_dist import StaticDistStrategy
-from test_compile import SMALL_BUCKETS, NestedGPT, nested_gpt
+from tests.compile.test_compile import SMALL_BUCKETS, NestedGPT, nested_gpt
 
 pytestmark = pytest.mark.multiprocess
 

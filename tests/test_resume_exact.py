@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import fresh_job_env
-from test_resume import REPO, TINY, lsd_train
+from tests.test_resume import REPO, TINY, lsd_train
 
 #: an epoch of 8 batches per rank (133 windows of 33 bytes, 67 per rank): 12 steps cross into the second epoch
 SHORT_EPOCHS = ["data.max_bytes=4500", "trainer.log_every_n_steps=1", "callbacks.model_checkpoint.every_n_train_steps=6"]

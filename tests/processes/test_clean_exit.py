@@ -17,7 +17,7 @@ from _dist import fresh_job_env
 
 pytestmark = pytest.mark.multiprocess
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where the scripts it runs are
 
 
 def _run(scenario: str, out: Any) -> tuple[int, str]:

@@ -1,6 +1,6 @@
 """The reliability table on GPUs (issue 18): faults injected into a real 2-GPU ``lsd-train`` job over NCCL.
 
-The same faults as ``tests/test_faults.py`` (the model ``tests/faulty.py`` injects them at step 3), on the GPU run
+The same faults as ``tests/processes/test_faults.py`` (the model ``tests/faulty.py`` injects them at step 3), on the GPU run
 file with compile off (the faults, not the compiler, are under test), started by Lightning's launcher and by
 ``torchrun``. Each test prints the job's wall time and the diagnosis lines it got (for the README's table beside
 Lightning ``ddp``'s). Every job must end within a bound (no hang, no orphan: the job runs in its own session,
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_faults import failure_lines, lsd_train
+from tests.processes.test_faults import failure_lines, lsd_train
 
 pytestmark = [
     pytest.mark.gpu,

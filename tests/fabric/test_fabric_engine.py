@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning as L
-from test_fabric import _ReferenceDDP, assert_same_weights, static_dist
+from tests.fabric.test_fabric import _ReferenceDDP, assert_same_weights, static_dist
 
 pytestmark = pytest.mark.multiprocess
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from _dist import fresh_job_env, free_port
-from test_faults import ROOT, TINY
+from tests.processes.test_faults import ROOT, TINY
 
 pytestmark = pytest.mark.multiprocess
 

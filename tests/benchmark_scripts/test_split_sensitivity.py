@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
 from cpu2_split_sensitivity import MONITOR_KEYS, bucket_steps, compare, fit_summary, isolated_ms  # noqa: E402
 
 from lightning_static_dist.overlap.cost_model import Link, Sample

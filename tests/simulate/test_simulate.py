@@ -40,7 +40,7 @@ from lightning_static_dist.processes.data_parallel import nccl_options
 from lightning_static_dist.simulate import BACKEND, LinkConfig, SimulatedGroup, init_simulated_world, set_link
 from lightning_static_dist.simulate import group as simulated_group
 from lightning_static_dist.sync.config import SyncConfig
-from test_strategy import assert_same_weights, ddp, fit, static_dist
+from tests.test_strategy import assert_same_weights, ddp, fit, static_dist
 
 multiprocess = pytest.mark.multiprocess
 

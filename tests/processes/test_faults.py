@@ -24,7 +24,7 @@ from lightning_static_dist.processes.faults import STORE_HOST_GONE
 
 pytestmark = pytest.mark.multiprocess
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = [
     "model.class_path=tests.faulty.FaultyCharGPT", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
     "model.block_size=32", "data.block_size=32", "data.batch_size=4", "data.max_bytes=100000",

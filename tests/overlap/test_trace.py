@@ -112,7 +112,7 @@ def test_real_two_gpu_traces_agree_with_holistic_trace_analysis(run: str, rank: 
     import json
     import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", run, f"rank{rank}.pt.trace.json.gz")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", run, f"rank{rank}.pt.trace.json.gz")
     with gzip.open(path, "rt") as f:
         trace = json.load(f)
     assert trace["distributedInfo"]["rank"] == rank

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import fresh_job_env, free_port
-from test_resume import REPO, TINY, summaries
-from test_strategy import assert_same_weights
+from tests.test_resume import REPO, TINY, summaries
+from tests.test_strategy import assert_same_weights
 
 from lightning_static_dist.processes.faults import failure_line, stopped_participating
 

@@ -15,7 +15,7 @@ from torch import nn
 import lightning as L
 from _dist import reference_ddp, run_ranks
 # importing test_compile also registers its "lsd_test_failing" backend (here and in every spawned rank)
-from test_compile import CompileFacts, nested_gpt
+from tests.compile.test_compile import CompileFacts, nested_gpt
 from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.compile import compile_regions
 from lightning_static_dist.compile.config import CompileConfig

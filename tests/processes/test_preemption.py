@@ -1,5 +1,5 @@
 """Preemption on real 2-rank Gloo jobs: SIGTERM through a plain Trainer script (``lsd-train``'s cases are in
-``tests/test_faults.py``), and SLURM's requeue signal (SIGUSR1, Lightning's auto-requeue) in a fake SLURM environment:
+``tests/processes/test_faults.py``), and SLURM's requeue signal (SIGUSR1, Lightning's auto-requeue) in a fake SLURM environment:
 the ranks started as ``srun`` starts them, a stub ``scontrol`` on ``PATH`` that records its calls."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import fresh_job_env, free_port
-from test_faults import ROOT, TINY, stopped_with_checkpoint
+from tests.processes.test_faults import ROOT, TINY, stopped_with_checkpoint
 
 pytestmark = pytest.mark.multiprocess
 

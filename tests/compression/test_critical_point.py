@@ -22,7 +22,7 @@ from lightning_static_dist.compression.critical import (
     sweep_row,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_smoothing_is_a_trailing_mean_over_what_is_there() -> None:

@@ -1,0 +1,1 @@
+"""Tests of lightning_static_dist/processes/ (the folder mirrors the package)."""
