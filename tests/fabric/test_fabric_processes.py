@@ -25,8 +25,8 @@ from _dist import fresh_job_env
 from lightning_static_dist import StaticDistFabricStrategy, StaticDistStrategy
 from lightning_static_dist.simulate import BACKEND
 from lightning_static_dist.simulate import group as simulated_group
-from test_faults import failure_lines
-from test_simulate import Regression, _in_fresh_process, _quiet_trainer, _regression_data
+from tests.processes.test_faults import failure_lines
+from tests.simulate.test_simulate import Regression, _in_fresh_process, _quiet_trainer, _regression_data
 
 pytestmark = pytest.mark.multiprocess
 
