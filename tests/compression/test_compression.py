@@ -346,7 +346,7 @@ class GarbageCompressor(PerParameterState):
 
 
 def test_the_guard_switches_every_rank_on_the_same_step_and_resumes_at_that_level(tmp_path: Any) -> None:
-    compression = {"name": "test_compression.GarbageCompressor", "min_numel": 256}
+    compression = {"name": "tests.compression.test_compression.GarbageCompressor", "min_numel": 256}
     _fit(str(tmp_path), compression, steps=7, guard=CompressionGuard(check_every_n_steps=2, patience=2))
     ends = [torch.load(str(tmp_path / f"rank{r}_end.pt"), weights_only=False) for r in (0, 1)]
     for end in ends:
