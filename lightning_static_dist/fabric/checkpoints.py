@@ -7,11 +7,16 @@ Example (what ``fabric.save(path, {"model": model, "optimizer": optimizer})`` ru
 
     strategy.save_checkpoint(path, state)   # check_in_step; model_state_dict; optimizer_state; state_dict entries
     strategy.load_checkpoint(path, state)   # model_state_to_load; load_optimizer_states / optimizer_state_to_load
+
+Each model's participants' entries are its own (:func:`entries_as_saved`): the first model's under the names the
+Trainer strategy saves them with, the ``i``-th's under ``static_dist_model{i}/``. Entries read before their model is
+set up (``fabric.load`` before ``fabric.setup``) are kept and handed to it when it is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable, Optional
 
 from torch.nn import Module
@@ -39,12 +44,46 @@ def one_file_checkpoints(config: StrategyConfig) -> StrategyConfig:
     return config
 
 
+ENTRY_PREFIX = "static_dist_"  # the participants' checkpoint entries (compression, the auto trials, the simulated mark)
+
+
+def entries_as_saved(index: int, entries: dict[str, Any]) -> dict[str, Any]:
+    """Model ``index``'s participants' entries as ``fabric.save`` writes them: the first model's as they are (the
+    Trainer strategy's names), model ``i``'s (``i >= 1``) under ``static_dist_model{i}/`` (``metrics()``'s naming).
+
+    Example::
+
+        entries_as_saved(1, {"static_dist_compression": state})   # {"static_dist_model1/static_dist_compression": ...}
+    """
+    return entries if index == 0 else {f"{ENTRY_PREFIX}model{index}/{name}": value for name, value in entries.items()}
+
+
+def take_entries(checkpoint: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """The participants' entries taken out of a loaded checkpoint, by model index, under their own names (the
+    inverse of :func:`entries_as_saved`)."""
+    taken: dict[int, dict[str, Any]] = {}
+    for name in [n for n in checkpoint if isinstance(n, str) and n.startswith(ENTRY_PREFIX)]:
+        later = re.fullmatch(rf"{ENTRY_PREFIX}model(\d+)/(.+)", name)
+        index, own = (int(later[1]), later[2]) if later else (0, name)
+        taken.setdefault(index, {})[own] = checkpoint.pop(name)
+    return taken
+
+
 class FabricCheckpoints(FabricProcesses):
     """Checkpoints through the participants of the models set up (:attr:`_models`, one per trainable module)."""
 
     def __init__(self, config: StrategyConfig, **kwargs: Any) -> None:
         super().__init__(one_file_checkpoints(config), **kwargs)
         self._models: list[SynchronisedModel] = []
+        self._unclaimed: dict[int, dict[str, Any]] = {}  # entries loaded for models not set up yet, by index
+
+    def _add_model(self, model: SynchronisedModel) -> None:
+        """A trainable model set up: it takes the entries a checkpoint loaded before held for it (its participants
+        keep them until their setup restores them, as under the Trainer: ``CompressionState.load_state_dict``)."""
+        self._models.append(model)
+        entries = self._unclaimed.pop(len(self._models) - 1, None)
+        if entries:
+            model.each("load_state_dict", entries)
 
     def _model_of(self, module: Optional[Module]) -> Optional[SynchronisedModel]:
         return next((m for m in self._models if m.module is module), None)
@@ -56,9 +95,9 @@ class FabricCheckpoints(FabricProcesses):
     def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
         entries: dict[str, Any] = {}
-        for model in self._models:
+        for index, model in enumerate(self._models):
             model.each("check_in_step")  # no checkpoint of a step whose ranks were out of step
-            entries.update(model.parts.state_dict())  # every rank gets here (fabric.save); rank 0 writes
+            entries.update(entries_as_saved(index, model.parts.state_dict()))  # every rank is here; rank 0 writes
         super().save_checkpoint(path, {**state, **entries}, storage_options=storage_options, filter=filter)
 
     @override
@@ -108,8 +147,11 @@ class FabricCheckpoints(FabricProcesses):
         for name, optimizer in ours.items():
             if name in remainder:
                 self._load_optimizer_state(optimizer, remainder.pop(name))
-        for model in self._models:
-            model.each("load_state_dict", remainder)  # each takes its own entries out
+        self._unclaimed.update(take_entries(remainder))
+        for index, model in enumerate(self._models):
+            entries = self._unclaimed.pop(index, {})
+            model.each("load_state_dict", entries)  # each participant takes its own out
+            remainder.update(entries_as_saved(index, entries))  # (what none took is the caller's)
         return remainder
 
     def _load_optimizer_state(self, optimizer: Optimizer, saved: dict[str, Any]) -> None:

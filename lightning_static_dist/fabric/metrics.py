@@ -5,8 +5,8 @@ overlap figures of the last recorded step, combined over the ranks in ``optimize
 
 Example::
 
-    figures = StepFigures(device)
-    figures.after_step(timeline, world_size)        # every rank, after each optimizer step
+    figures = StepFigures()
+    figures.after_step(timeline, world_size, device)  # every rank, after each optimizer step (device: the root one)
     figures.read([(synchronizer, compile_report)])  # rank-local; one pair per trainable model
 """
 
@@ -35,17 +35,17 @@ def sync_figures(sync: Any) -> dict[str, float]:
 class StepFigures:
     """The overlap figures of the last recorded step (aggregated over the ranks), handed out once."""
 
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
+    def __init__(self) -> None:
         self._aggregate: Optional[RankAggregate] = None
         self._overlap: dict[str, float] = {}
 
-    def after_step(self, timeline: Optional[StepTimeline], world_size: int) -> None:
-        """After an optimizer step (every rank is here): a recorded step's figures, combined over the ranks."""
+    def after_step(self, timeline: Optional[StepTimeline], world_size: int, device: torch.device) -> None:
+        """After an optimizer step (every rank is here): a recorded step's figures, combined over the ranks on
+        ``device`` (the strategy's root device: NCCL gathers CUDA tensors only; read here, after launch)."""
         if timeline is None:  # the same steps are recorded on every rank: they all aggregate, or none does
             return
         if self._aggregate is None:
-            self._aggregate = RankAggregate(len(METRICS)).to(self._device)
+            self._aggregate = RankAggregate(len(METRICS)).to(device)
         self._overlap = aggregate_over_ranks(self._aggregate, METRICS, step_metrics(timeline), "", world_size,
                                              no_max=("trigger_delay_worst_bucket_ms",))
 

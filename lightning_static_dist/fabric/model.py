@@ -10,7 +10,7 @@ Example (what ``StaticDistFabricStrategy.setup_module_and_optimizers`` does)::
     model = SynchronisedModel(strategy, module, [optimizer])
     model.set_up()                 # before_optimizers, setup, after_setup
     module(x)                      # its forward hooks: on_train_batch_start, before_forward, after_forward
-    model.backward(lambda: loss.backward(), accumulating=False)
+    run_backward([model], loss.backward)   # before_backward; the backward; after_backward, finish_gradients ...
     optimizer.step(); model.after_optimizer_step()
 """
 
@@ -30,6 +30,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.participants import Participants
+from lightning_static_dist.processes.fingerprint import RankMismatchError
 
 
 class FabricContext:
@@ -124,31 +125,35 @@ class SynchronisedModel:
                                           the first one later set up over its parameters; else the first forward)
         module(x), in training            first forward since a step: on_train_batch_start; then before_forward,
                                           after_forward (a forward pre/post hook; evaluation forwards: nothing)
-        fabric.backward(loss)             before_backward, after_backward, finish_gradients, before_optimizer_step
+        fabric.backward(loss)             before_backward (every model whose training forward ran since its step),
+                                          the backward, after_backward; then, for the models whose parameters got
+                                          a gradient in it: finish_gradients, before_optimizer_step
         optimizer.step()                  after_optimizer_step
         fabric.no_backward_sync(module)   no_sync, and finish_gradients told it is accumulating
         fabric.save / fabric.load         check_in_step; the participants' state entries and state-dict forms
-        teardown                          check_in_step, teardown
+        teardown                          check_in_step (unless failed), teardown(failed)
 
     Args:
         strategy: the Fabric strategy (the view reads its configuration, ranks and groups).
         module: the trainable module.
-        optimizers: its optimizers, where set up with it (else added by :meth:`add_optimizer`).
+        optimizers: its optimizers, where set up with it (else the one :meth:`add_optimizer` is given).
         recorder: the strategy's overlap recorder (``None``: nothing recorded).
         monitor_every: record every this many optimizer steps.
     """
 
     def __init__(self, strategy: Any, module: Module, optimizers: list[Optimizer],
-                 recorder: Optional[StepRecorder] = None, monitor_every: int = 1) -> None:
+                 recorder: Optional[StepRecorder] = None, monitor_every: int = 1,
+                 failed: Callable[[], bool] = lambda: False) -> None:
         self.module = module
         self.view = ModelView(strategy, module, list(optimizers))
         self.context = FabricContext(module)
-        self.parts = Participants(self.view, failed=lambda: False)  # type: ignore[arg-type]
+        self.parts = Participants(self.view, failed=failed)  # type: ignore[arg-type]
         self._recorder = recorder
         self._monitor_every = monitor_every
         self.is_set_up = False
         self.accumulating = False
         self.step_open = False  # a training forward ran since the last optimizer step
+        self.got_gradients = False  # a parameter's gradient was accumulated since the last before_backward
         self._hooks = [module.register_forward_pre_hook(self._before_forward),
                        module.register_forward_hook(self._after_forward)]
 
@@ -165,6 +170,19 @@ class SynchronisedModel:
             return True
         mine = {id(p) for p in self.module.parameters()}
         return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
+
+    def add_optimizer(self, optimizer: Optimizer) -> None:
+        """An optimizer set up after the module (``fabric.setup_optimizers``): the step is set up with it. Refused in
+        one line once the step is set up (with an optimizer, or at the first forward): its participants compiled,
+        counted (``reduce_scatter``: exactly one) and repointed the optimizers they had."""
+        if any(optimizer is o for o in self.view.optimizers):
+            return
+        if self.is_set_up:
+            raise ConfigError("fabric.setup_optimizers: an optimizer over a model whose step is set up already (with"
+                              " an optimizer, or at its first forward); allowed: set the model up with all its"
+                              " optimizers at once, fabric.setup(model, optimizer1, optimizer2)")
+        self.view.optimizers.append(optimizer)
+        self.set_up()
 
     def set_up(self) -> None:
         """The setup phases (once): the embeddings sharded and the synchroniser built, the module compiled."""
@@ -183,6 +201,13 @@ class SynchronisedModel:
         self.each("after_setup", self.context)
         if self._recorder is not None:
             self.each("attach_recorder", self._recorder)
+        # which backward passes reach this model: a flag per model, set by any of its parameters (after setup: the
+        # embeddings' shards are the parameters now). What DDP reads from its own gradient hooks.
+        self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient)
+                        for p in self.module.parameters() if p.requires_grad]
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        self.got_gradients = True
 
     # -------------------------------------------------------------------------------------------- one step
 
@@ -204,11 +229,13 @@ class SynchronisedModel:
         if module.training and torch.is_grad_enabled():
             self.each("after_forward")
 
-    def backward(self, run: Callable[[], None]) -> None:
-        """``fabric.backward``'s phases around ``run`` (the backward itself)."""
+    def before_backward(self) -> None:
+        self.got_gradients = False
         self.each("before_backward")
-        run()
-        self.each("after_backward")
+
+    def finish_gradients(self) -> None:
+        """After a backward that gave this model's parameters gradients: its round, the checks, the step's last
+        phase before clipping and ``optimizer.step()``."""
         self.each("finish_gradients", self.accumulating)
         if self.accumulating:  # a micro-batch synchronised nothing: its timeline is not kept
             if self._recorder is not None:
@@ -241,12 +268,50 @@ class SynchronisedModel:
 
     # -------------------------------------------------------------------------------------------- the end
 
-    def teardown(self) -> None:
-        self.each("check_in_step")
-        self.each("teardown", False)
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+    def teardown(self, failed: bool) -> None:
+        """The participants' teardown (``failed``: no collective), then this model's hooks removed, whatever raised."""
+        try:
+            self.each("teardown", failed)
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
+
+
+def run_backward(models: list[SynchronisedModel], run: Callable[[], None]) -> None:
+    """``fabric.backward(loss)`` over ``models`` (those whose training forward ran since their last step): every
+    model's pre-phases before ``run`` (the backward itself), every model's ``after_backward`` after it, then the
+    rounds and checks of the models whose parameters got a gradient in it, in the order they were set up.
+
+    A model a backward does not reach (a GAN's generator under the critic's loss of a detached fake) runs no round,
+    as DDP's reducer, fired by its gradient hooks, runs none; so each rank must give a model gradients in the same
+    backward passes (as under DDP: a rank whose model got none where a peer's did leaves that peer waiting).
+    """
+    for model in models:
+        model.before_backward()
+    run()
+    for model in models:
+        model.each("after_backward")  # (the recorder's backward ends before any round's waits)
+    for model in models:
+        if model.got_gradients:
+            model.finish_gradients()
+
+
+def teardown_models(models: list[SynchronisedModel], failed: bool) -> Optional[RankMismatchError]:
+    """Every model's ``check_in_step`` (unless ``failed``), then every model's teardown, each also when another's
+    raised; ``failed`` or out of step: with no collective (a peer may be gone). As the Trainer strategy's teardown,
+    the ranks' mismatch is returned, to be raised once the strategy's own teardown is done."""
+    mismatch: Optional[RankMismatchError] = None
+    if not failed:
+        try:  # (no collective: the last rounds' verdicts, read from what they recorded)
+            for model in models:
+                model.each("check_in_step")
+        except RankMismatchError as err:
+            mismatch = err
+    with ExitStack() as stack:
+        for model in models:
+            stack.callback(model.teardown, failed or mismatch is not None)
+    return mismatch
 
 
 class LocalAccumulation(_BackwardSyncControl):

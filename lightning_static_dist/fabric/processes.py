@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -24,8 +25,10 @@ from typing_extensions import override
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.distributed import group as _group
 
+from lightning_static_dist.compat import mark_run_failed
 from lightning_static_dist.ddp_arguments import check_process_group_backend
 from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
+from lightning_static_dist.processes.faults import collective_failed
 from lightning_static_dist.processes.data_parallel import check_simulation, ranks_in_world, start_process_group
 from lightning_static_dist.processes.launcher import FabricSpawnLauncher, StaticDistLauncher
 from lightning_static_dist.simulate.config import SimulateConfig
@@ -41,6 +44,7 @@ class FabricProcesses(DDPStrategy):
         super().__init__(timeout=timedelta(seconds=config.timeout_s), **kwargs)
         self._config = config
         self._mesh: Optional[DeviceMesh] = None
+        self._failed = False
 
     @property
     def config(self) -> StrategyConfig:
@@ -79,6 +83,25 @@ class FabricProcesses(DDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:  # (a simulated world's rank 0 reads its own shard)
         return {**super().distributed_sampler_kwargs, "num_replicas": self._ranks_in_world()}
+
+    def has_failed(self) -> bool:
+        """Whether this rank failed (the peer watchdog's thread reads it); known at teardown, see
+        :meth:`failed_at_teardown`."""
+        return self._failed
+
+    def mark_failed(self) -> None:
+        """This rank failed or is out of step: peers may be gone, so nothing after waits for them (the exit's
+        teardown of the process groups included)."""
+        self._failed = True
+        mark_run_failed()
+
+    def failed_at_teardown(self) -> bool:
+        """Whether teardown follows a failure. Fabric has no ``on_exception`` hook, so it is read here: an exception
+        propagating or handled where teardown is called (``try: ... finally: fabric.strategy.teardown()``), or one
+        that left a collective of the package's (``processes/faults.py``; also when the user's loop caught it)."""
+        if sys.exc_info()[0] is not None or collective_failed():
+            self.mark_failed()
+        return self._failed
 
     def reduce_scatter(self) -> bool:
         """``sync.reduce`` resolved against the mesh (``auto``: reduce_scatter if dp_shard > 1)."""

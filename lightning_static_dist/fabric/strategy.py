@@ -1,15 +1,10 @@
 """``StaticDistFabricStrategy``: the static_dist step engine under Lightning Fabric, as a thin front end.
 
-Each trainable module set up gets the step participants the Trainer strategy runs
-(:class:`~lightning_static_dist.fabric.model.SynchronisedModel` says which of the user's calls drives which phase):
-``sync.mode: graph``, ``reduce_scatter`` (``mesh.dp_shard``), ``sync.nonfinite``, ``embedding.shard``, the
-``auto`` trials of compression and schedule, compilation, the overlap figures, ``simulate`` (``Fabric(devices=1)``)
-and ``sync.comm_sms`` (the process group starts as the Trainer strategy's: ``fabric/processes.py``) work as under the
-Trainer. ``setup_distributed`` (the peer watchdog) runs once, on the first trainable model's participants when it is
-set up; ``process_dataloader`` runs from ``fabric.setup_dataloaders`` (a loader set up before its model is left as it
-is). Fabric has no ``on_exception`` hook: the participants' ``on_exception`` is never called, and an exception leaves
-the user's loop as it is (Gloo peers see their collective fail; a peer blocked where no error reaches it is ended by
-its watchdog with one line).
+Each trainable module set up gets the step participants the Trainer strategy runs (``fabric/model.py`` says which of
+the user's calls drives which phase, and which models a ``fabric.backward`` synchronises): the Trainer's sections
+work here, ``simulate`` as ``Fabric(devices=1)``. ``setup_distributed`` (the peer watchdog) runs once, on the first
+trainable model's; ``process_dataloader`` from ``fabric.setup_dataloaders``. Fabric has no ``on_exception`` hook:
+teardown reads whether it follows a failure (``fabric/processes.py``), and then does no collective.
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ from lightning_static_dist.config import ConfigError
 from lightning_static_dist.ddp_arguments import DDPArguments, yield_to
 from lightning_static_dist.fabric.metrics import StepFigures
 from lightning_static_dist.fabric.checkpoints import FabricCheckpoints
-from lightning_static_dist.fabric.model import LocalAccumulation, SynchronisedModel
+from lightning_static_dist.fabric.model import LocalAccumulation, SynchronisedModel, run_backward, teardown_models
 from lightning_static_dist.processes.launcher import register_names
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.strategy_config import StrategyConfig
@@ -86,7 +81,7 @@ class StaticDistFabricStrategy(FabricCheckpoints):
                          process_group_backend=process_group_backend, start_method=start_method)
         for note in notes:
             rank_zero_info(note)
-        self._figures = StepFigures(self.root_device if self.parallel_devices else torch.device("cpu"))
+        self._figures = StepFigures()  # (on the root device, read when it first combines: not known before launch)
         self._backward_sync_control = LocalAccumulation(self._model_of)
         self._monitor_every = monitor_every_n_steps
         log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
@@ -137,7 +132,8 @@ class StaticDistFabricStrategy(FabricCheckpoints):
         start_from_rank_zero(module, self.dp_group)
         if any(p.requires_grad for p in module.parameters()) and self._model_of(module) is None:
             recorder = StepRecorder(self.root_device) if self._monitor_every and not self._models else None
-            self._models.append(SynchronisedModel(self, module, optimizers or [], recorder, self._monitor_every))
+            self._add_model(SynchronisedModel(self, module, optimizers or [], recorder, self._monitor_every,
+                                              failed=self.has_failed))
             if len(self._models) == 1:  # once per process (the peer watchdog): the process group is up since launch
                 self._models[0].each("setup_distributed")
             if optimizers:
@@ -147,9 +143,8 @@ class StaticDistFabricStrategy(FabricCheckpoints):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         model = self._model_stepped_by(optimizer)
-        if model is not None and not model.is_set_up:
-            model.view.optimizers.append(optimizer)
-            model.set_up()
+        if model is not None:
+            model.add_optimizer(optimizer)
         return optimizer
 
     @override
@@ -160,12 +155,10 @@ class StaticDistFabricStrategy(FabricCheckpoints):
 
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
-        # the models whose training forward ran since their last step (``fabric.backward(loss, model=...)``: that one)
-        models = [m for m in self._models if (m.module is module if module is not None else m.step_open)]
-        run = lambda: super(StaticDistFabricStrategy, self).backward(tensor, module, *args, **kwargs)  # noqa: E731
-        for model in models[1:]:
-            model.backward(lambda: None)
-        models[0].backward(run) if models else run()
+        # the models whose training forward ran since their last step (and ``model=``'s); those the backward gives
+        # gradients synchronise (``run_backward``)
+        models = [m for m in self._models if m.step_open or (module is not None and m.module is module)]
+        run_backward(models, lambda: super(StaticDistFabricStrategy, self).backward(tensor, module, *args, **kwargs))
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -173,7 +166,7 @@ class StaticDistFabricStrategy(FabricCheckpoints):
         model = self._model_stepped_by(optimizer)
         if model is not None:
             timeline = model.after_optimizer_step()
-            self._figures.after_step(timeline, self.world_size)
+            self._figures.after_step(timeline, self.world_size, self.root_device)
         return output
 
     @override
@@ -187,10 +180,17 @@ class StaticDistFabricStrategy(FabricCheckpoints):
 
     @override
     def teardown(self) -> None:
-        for model in self._models:
-            model.teardown()
-        self._models = []
-        super().teardown()
+        """The models' participants and hooks, then Fabric's. After a failure (:meth:`failed_at_teardown`) or with the
+        ranks out of step (raised at the end, as under the Trainer), with no collective."""
+        models, self._models = self._models, []
+        try:
+            mismatch = teardown_models(models, self.failed_at_teardown())
+            if mismatch is not None:
+                self.mark_failed()
+        finally:
+            super().teardown()
+        if mismatch is not None:
+            raise mismatch
 
     @classmethod
     @override

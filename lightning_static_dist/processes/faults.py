@@ -87,6 +87,12 @@ def is_collective_failure(err: BaseException) -> bool:
     return any(marker in text for marker in _BACKEND_MARKERS)
 
 
+def collective_failed() -> bool:
+    """Whether an exception left a marked collective (:func:`waiting_in`) in this process, not forgotten since: a peer
+    may be gone (a front end without an exception hook reads it at teardown: ``fabric/processes.py``)."""
+    return bool(_failed_in)
+
+
 def forget_failure() -> None:
     """A collective's failure handled where it happened (the job stops anyway): no later line names it."""
     _failed_in.clear()

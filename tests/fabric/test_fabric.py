@@ -94,6 +94,8 @@ def train(fabric: L.Fabric, steps: int = STEPS, accumulate: int = 1, checkpoint:
         facts["recompiles"] = len(report.recompiles)
     if isinstance(fabric.strategy, StaticDistFabricStrategy):
         facts["metrics"] = fabric.strategy.metrics()  # (rank-local; the overlap figures were combined in optimizer.step)
+        aggregate = fabric.strategy._figures._aggregate
+        facts["aggregate_on_root_device"] = aggregate is not None and aggregate.device == fabric.strategy.root_device
     return facts
 
 
@@ -234,6 +236,8 @@ def test_trains_to_the_weights_fabric_ddp_gives(ddp_weights: dict[str, torch.Ten
     metrics = ours["metrics"]
     assert metrics["static_dist/bytes_sent"] == ours["stats"]["last_round_bytes"]  # (the same on both ranks)
     assert metrics["static_dist/compression_ratio"] == 1.0 and 0 <= metrics["static_dist/overlap_ratio"] <= 1
+    # combined on the root device, read after launch (on CPU the only device: NCCL's CUDA-only gather is not shown)
+    assert ours["aggregate_on_root_device"]
     assert "static_dist/recompiles" not in metrics  # nothing compiled
     untouched = make_model().state_dict()
     assert any(not torch.equal(ours["state"][k], untouched[k]) for k in untouched)  # training did something
@@ -393,3 +397,56 @@ def test_a_script_with_strategy_static_dist_logs_the_metrics(tmp_path: Path) -> 
     assert all(float(row["static_dist/bytes_sent"]) > 0 for row in rows)
     assert all(float(row["static_dist/compression_ratio"]) == 1.0 for row in rows)
     assert all(0.0 <= float(row["static_dist/overlap_ratio"]) <= 1.0 for row in rows)
+
+
+def _a_second_optimizer_set_up_late(fabric: L.Fabric) -> bytes:
+    model = fabric.setup_module(make_model())
+    first = torch.optim.SGD(list(model.parameters())[:2], lr=0.1)
+    second = torch.optim.SGD(list(model.parameters())[2:], lr=0.1)
+    try:
+        fabric.setup_optimizers(first, second)  # the step is set up with the first; the second would be left out
+    except ConfigError as err:
+        return pickle.dumps(str(err))
+    return pickle.dumps(None)
+
+
+def test_an_optimizer_set_up_after_its_models_step_is_refused_in_one_line() -> None:
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=static_dist())
+    assert pickle.loads(fabric.launch(_a_second_optimizer_set_up_late)) == (
+        "fabric.setup_optimizers: an optimizer over a model whose step is set up already (with an optimizer, or at its"
+        " first forward); allowed: set the model up with all its optimizers at once, fabric.setup(model, optimizer1,"
+        " optimizer2)")
+
+
+def _out_of_step_then_teardown(fabric: L.Fabric) -> bytes:
+    """Rank 1 runs one backward more (accumulated locally) on the last step: the ranks' passes disagree, found at
+    teardown; whatever it raises, the model's hooks are gone."""
+    from lightning_static_dist.processes.fingerprint import RankMismatchError
+
+    fabric.seed_everything(7)
+    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))  # (no buffers: no broadcast per forward)
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    batches = list(fabric.setup_dataloaders(make_loader()))
+    for step in range(3):
+        x, y = batches[step]
+        if step == 2 and fabric.global_rank == 1:
+            with fabric.no_backward_sync(model):
+                fabric.backward(F.mse_loss(model(x), y))
+        fabric.backward(F.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    raised = None
+    try:
+        fabric.strategy.teardown()
+    except RankMismatchError as err:
+        raised = str(err)
+    hooks = len(net._forward_pre_hooks) + len(net._forward_hooks) + sum(
+        len(p._post_accumulate_grad_hooks or {}) for p in net.parameters())
+    return pickle.dumps({"raised": raised, "hooks": hooks, "failed": getattr(fabric.strategy, "has_failed", bool)()})
+
+
+def test_teardown_of_ranks_out_of_step_raises_after_taking_the_hooks_out() -> None:
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=static_dist(timeout_s=60))
+    facts = pickle.loads(fabric.launch(_out_of_step_then_teardown))
+    assert facts["raised"] is not None and facts["raised"].startswith("static_dist: ranks are in different steps")
+    assert facts["hooks"] == 0 and facts["failed"], facts

@@ -68,6 +68,19 @@ def _one_model(fabric: L.Fabric, tokens: bool) -> bytes:
     return pickle.dumps(facts)
 
 
+def _gan_step(fabric: L.Fabric, generator: Any, critic: Any, g_opt: Any, c_opt: Any, x: Any, y: Any) -> None:
+    """The critic's step on a detached fake (its backward does not reach the generator), then the generator's (its
+    backward reaches both models)."""
+    fake = generator(x)
+    fabric.backward((critic(fake.detach()) - critic(y)).mean())
+    c_opt.step()
+    c_opt.zero_grad()
+    fabric.backward(-critic(generator(x)).mean())
+    g_opt.step()
+    g_opt.zero_grad()
+    critic.zero_grad()
+
+
 def _gan(fabric: L.Fabric) -> bytes:
     fabric.seed_everything(13)
     generator, critic = _mlp(), nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
@@ -78,14 +91,7 @@ def _gan(fabric: L.Fabric) -> bytes:
     for step, (x, y) in enumerate(fabric.setup_dataloaders(_loader(False))):
         if step == STEPS:
             break
-        fake = generator(x)
-        fabric.backward((critic(fake.detach()) - critic(y)).mean())
-        c_opt.step()
-        c_opt.zero_grad()
-        fabric.backward(-critic(generator(x)).mean())
-        g_opt.step()
-        g_opt.zero_grad()
-        critic.zero_grad()
+        _gan_step(fabric, generator, critic, g_opt, c_opt, x, y)
     state = {f"g.{k}": v.detach().clone() for k, v in generator.state_dict().items()}
     state.update({f"c.{k}": v.detach().clone() for k, v in critic.state_dict().items()})
     metrics = fabric.strategy.metrics() if hasattr(fabric.strategy, "metrics") else {}
@@ -169,3 +175,84 @@ def test_a_reduce_scatter_run_saved_and_loaded_into_fresh_processes_ends_as_an_u
     resumed = launch(static_dist(**REDUCE_SCATTER), _adam_steps, SAVED_AT, RESUME_STEPS, path)
     assert_same_weights(resumed["state"], straight["state"], tol=1e-6)
     assert_same_weights(resumed["state"], reference["state"], tol=1e-5)
+
+
+# ------------------------------------------------------------ which models a fabric.backward synchronises
+
+
+def _nan_in_the_critics_loss(fabric: L.Fabric) -> bytes:
+    """The generator's forward, then the critic's on the detached fake: the backward reaches the critic only."""
+    fabric.seed_everything(13)
+    generator, critic = _mlp(), nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    generator, _ = fabric.setup(generator, torch.optim.SGD(generator.parameters(), lr=0.05))
+    critic, _ = fabric.setup(critic, torch.optim.SGD(critic.parameters(), lr=0.05))
+    loss = critic(generator(torch.randn(4, 8)).detach()).mean()
+    try:
+        fabric.backward(loss * float("nan"))
+    except FloatingPointError as err:
+        return pickle.dumps({"raised": str(err)})
+    return pickle.dumps({"raised": None, "nan": [not torch.isfinite(p.grad).all() for p in critic.parameters()]})
+
+
+def test_the_nonfinite_check_of_a_second_model_sees_the_backwards_gradients() -> None:
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=static_dist(sync={"nonfinite": "error"}))
+    facts = pickle.loads(fabric.launch(_nan_in_the_critics_loss))
+    assert facts["raised"] is not None, facts  # (before the fix: nothing raised, the critic's gradients NaN)
+    assert facts["raised"].startswith("static_dist: non-finite gradient at step 0, first offending parameter '0.weight'")
+
+
+def test_each_model_synchronises_in_the_backward_passes_that_give_it_gradients() -> None:
+    # as DDP: the critic in both backward passes of a step (its loss, and the generator's, which reaches it), the
+    # generator in its own only (the critic's loss reads a detached fake)
+    figures = launch(static_dist(), _gan)["metrics"]
+    assert figures["static_dist/sync_rounds"] == STEPS, figures
+    assert figures["static_dist/model1/sync_rounds"] == 2 * STEPS, figures
+
+
+# --------------------------------------------------------------- two compressed models saved and loaded
+
+TOPK = {"name": "topk", "density": 0.25, "min_numel": 1}  # each rank's error-feedback residual, per model
+
+
+def _gan_steps(fabric: L.Fabric, first: int, last: int, load: Any = None, save: Any = None,
+               load_before_setup: bool = False) -> bytes:
+    """Steps ``first`` .. ``last`` of the GAN loop with momentum; ``load``: a fresh pair takes the checkpoint first
+    (``load_before_setup``: ``fabric.load`` before ``fabric.setup``); ``save``: ``fabric.save`` at the end."""
+    fabric.seed_everything(13 if load is None else 14)  # a fresh pair starts from other weights: the load must tell
+    generator, critic = _mlp(), nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    g_opt = torch.optim.SGD(generator.parameters(), lr=0.05, momentum=0.9)
+    c_opt = torch.optim.SGD(critic.parameters(), lr=0.05, momentum=0.9)
+    state: dict[str, Any] = {"g": generator, "c": critic, "g_opt": g_opt, "c_opt": c_opt, "step": -1}
+    remainder = fabric.load(load, state) if load is not None and load_before_setup else None
+    generator, g_opt = fabric.setup(generator, g_opt)
+    critic, c_opt = fabric.setup(critic, c_opt)
+    if load is not None and not load_before_setup:
+        state.update(g=generator, c=critic, g_opt=g_opt, c_opt=c_opt)
+        remainder = fabric.load(load, state)
+    fabric.seed_everything(13)  # (the sampler's order: the same batches in every run)
+    batches = list(fabric.setup_dataloaders(_loader(False)))
+    assert load is None or state["step"] == first, state["step"]
+    for x, y in batches[first:last]:
+        _gan_step(fabric, generator, critic, g_opt, c_opt, x, y)
+    if save is not None:
+        fabric.save(save, {"g": generator, "c": critic, "g_opt": g_opt, "c_opt": c_opt, "step": last})
+    weights = {f"g.{k}": v.detach().clone() for k, v in generator.state_dict().items()}
+    weights.update({f"c.{k}": v.detach().clone() for k, v in critic.state_dict().items()})
+    return pickle.dumps({"state": weights, "remainder": None if remainder is None else sorted(remainder)})
+
+
+@pytest.mark.parametrize("load_before_setup", [False, True], ids=["after_setup", "before_setup"])
+def test_two_compressed_models_saved_and_loaded_each_get_their_own_state_back(tmp_path: Any,
+                                                                               load_before_setup: bool) -> None:
+    path = tmp_path / "gan.ckpt"
+    straight = launch(static_dist(compression=TOPK), _gan_steps, 0, 4)
+    launch(static_dist(compression=TOPK), _gan_steps, 0, 2, None, path)
+    saved = torch.load(path, weights_only=True)
+    assert sorted(k for k in saved if k.startswith("static_dist")) == [
+        "static_dist_compression", "static_dist_model1/static_dist_compression"]
+    residuals = [saved[key]["ranks"][0]["state"]["residuals"]["0.weight"]
+                 for key in ("static_dist_compression", "static_dist_model1/static_dist_compression")]
+    assert residuals[0].numel() == 32 * 8 and residuals[1].numel() == 16 * 4  # the generator's, the critic's
+    resumed = launch(static_dist(compression=TOPK), _gan_steps, 2, 4, path, None, load_before_setup)
+    assert resumed["remainder"] == []  # (the strategy's entries are not the user's)
+    assert_same_weights(resumed["state"], straight["state"], tol=1e-6)
