@@ -18,9 +18,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 import lightning as L
 
+from lightning_static_dist.mesh import reduces_by_scatter
 from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.strategy_config import StrategyConfig
 
@@ -59,12 +61,14 @@ class Context:
 
 class View:
     """A :class:`~lightning_static_dist.participants.StrategyView` over a real module, its optimizers and the default
-    process group (world size 1 without one)."""
+    process group (world size 1 without one); ``mesh``, where a test builds one (``build_dp_mesh``, as the strategy does),
+    is its data-parallel mesh."""
 
     def __init__(self, module: Optional[nn.Module], config: Optional[StrategyConfig] = None,
                  optimizers: Optional[list[Any]] = None, synchronizer: Any = None,
-                 simulation: Optional[SimulateConfig] = None) -> None:
+                 simulation: Optional[SimulateConfig] = None, mesh: Optional[DeviceMesh] = None) -> None:
         self._module = module
+        self._mesh = mesh
         self._config = config if config is not None else StrategyConfig()
         self._optimizers = list(optimizers or [])
         self.synchronizer_built = synchronizer
@@ -97,8 +101,8 @@ class View:
         return torch.device("cpu")
 
     @property
-    def device_mesh(self) -> Any:
-        return None
+    def device_mesh(self) -> Optional[DeviceMesh]:
+        return self._mesh
 
     @property
     def simulation(self) -> Optional[SimulateConfig]:
@@ -145,8 +149,8 @@ class View:
         return None
 
     def reduce_scatter(self) -> bool:
-        # (no mesh here: ``auto`` never shards; the strategy reads the mesh's dp_shard)
-        return self._config.sync.reduce == "reduce_scatter" and self.world_size > 1
+        # as the strategy resolves it (without a mesh ``auto`` never shards)
+        return reduces_by_scatter(self._config.sync.reduce, self._mesh, self.world_size)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if dist.is_initialized():
