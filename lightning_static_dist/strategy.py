@@ -53,6 +53,7 @@ from lightning_static_dist.checkpoint import (
 )
 from lightning_static_dist.compat import allow_compiled_models_in_trainer
 from lightning_static_dist.config import ConfigError
+from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.compile import CompileReport
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compression.auto import CompressionTrial
@@ -298,6 +299,12 @@ class StaticDistStrategy(DataParallelProcesses):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        # a strategy LightningCLI built: a value refused only here, where the callbacks, the optimizers and the model
+        # are known (save_on_exception, reduce_scatter's one optimizer ...), ends the command in one line too
+        with parse_errors_of(self):
+            self._setup(trainer)
+
+    def _setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         refuse_saves_on_exception(trainer.callbacks, self.world_size)
         self.accelerator.setup(trainer)
