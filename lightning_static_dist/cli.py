@@ -73,26 +73,51 @@ def find_last_checkpoint(roots: Sequence[str]) -> Optional[str]:
     return max(found)[1] if found else None
 
 
-def resume_from(cfg: RunConfig) -> Optional[str]:
+def resume_from(cfg: RunConfig) -> tuple[Optional[str], Optional[str]]:
     """The checkpoint this run resumes from: ``ckpt_path`` resolved (``last``: the newest under the run's folders),
-    and under ``torchrun --max-restarts`` a restarted attempt resumes from the newest by itself. Says which, in one
-    line on rank 0; ``last`` with nothing to resume from says so and starts from step 0."""
+    and under ``torchrun --max-restarts`` a restarted attempt resumes from the newest by itself; with the one line
+    rank 0 says about it (``last`` with nothing to resume from: that it starts from step 0), or ``None``."""
     if RESUME_ENV in os.environ and os.environ.get("LOCAL_RANK", "0") != "0":
-        return os.environ[RESUME_ENV] or None  # a rank Lightning's launcher started: rank 0 resolved it already
+        return os.environ[RESUME_ENV] or None, None  # a rank Lightning's launcher started: rank 0 resolved it already
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     wanted = cfg.ckpt_path if cfg.ckpt_path is not None or restart == 0 else "last"
-    path = wanted
+    path, line = wanted, None
     if wanted == "last":
         roots = [cfg.trainer.get("default_root_dir") or os.getcwd()]
         dirpath = cfg.callbacks["model_checkpoint"].options.get("dirpath") if "model_checkpoint" in cfg.callbacks else None
         roots += [dirpath] if dirpath else []
         path = find_last_checkpoint(roots)
         why = f"restart {restart} of torchrun --max-restarts" if cfg.ckpt_path is None else "ckpt_path=last"
-        if int(os.environ.get("RANK", "0") or 0) == 0:
-            print(f"lsd-train: {why}: " + (f"resuming from {path}" if path else
-                  f"no checkpoint under {', '.join(roots)}; starting from step 0"), file=sys.stderr, flush=True)
+        line = f"lsd-train: {why}: " + (f"resuming from {path}" if path else
+                                        f"no checkpoint under {', '.join(roots)}; starting from step 0")
     os.environ[RESUME_ENV] = path or ""
-    return path
+    return path, line
+
+
+def finished_already(cfg: RunConfig, ckpt_path: Optional[str], command: Sequence[str]) -> Optional[str]:
+    """The one line ``lsd-train`` ends with when the checkpoint it resumes from is already as far as the run goes
+    (``trainer.max_steps``, else ``trainer.max_epochs``): Lightning would restore it, stop at once, print nothing and
+    leave an empty ``version_N`` folder. It names the limit and the command that continues the run (``command``: the
+    config and the overrides given); ``None`` when there is training left, or the checkpoint cannot be read here."""
+    from lightning_static_dist.checkpoint import training_progress
+
+    progress = training_progress(ckpt_path) if ckpt_path is not None else None
+    if progress is None:
+        return None
+    step, epochs = progress
+    max_steps = cfg.trainer.get("max_steps", -1)
+    max_epochs = cfg.trainer.get("max_epochs")
+    if max_epochs is None:  # (Lightning's default: 1000 epochs unless max_steps limits the run)
+        max_epochs = 1000 if max_steps == -1 else -1
+    if max_steps != -1 and step >= max_steps:
+        key, at, limit, more = "trainer.max_steps", f"step {step}", max_steps, max(2 * step, step + 1)
+    elif max_epochs != -1 and epochs >= max_epochs:
+        key, at, limit, more = "trainer.max_epochs", f"{counted(epochs, 'epoch')} done", max_epochs, epochs + 1
+    else:
+        return None
+    kept = [arg for arg in command if not arg.startswith(f"{key}=")]
+    return (f"lsd-train: nothing to train: {ckpt_path} is at {at}, and {key} is {limit}; to continue the run, raise"
+            f" it: lsd-train {' '.join(kept)} {key}={more}")
 
 
 def default_loggers(root_dir: str) -> list[Any]:
@@ -132,7 +157,13 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         if args.print_config:
             print(print_run_file(cfg), end="")
             return
-        ckpt_path = resume_from(cfg)
+        ckpt_path, resuming = resume_from(cfg)
+        # a finished run: one line, before any process, logger or version folder exists
+        finished = finished_already(cfg, ckpt_path, [args.config, *args.overrides])
+        if (finished or resuming) and int(os.environ.get("RANK", "0") or 0) == 0:
+            print(finished or resuming, file=sys.stderr, flush=True)
+        if finished is not None:
+            return
         trainer, model, datamodule = build_trainer_inputs(cfg)
     except ConfigError as err:
         parser.exit(2, f"lsd-train: error: {err}\n")
