@@ -30,7 +30,7 @@ def build_trainer_inputs(cfg: RunConfig) -> tuple[Any, Any, Any]:
     from lightning_static_dist.callbacks import GraphReport
     from lightning_static_dist.strategy import StaticDistStrategy
 
-    L.seed_everything(cfg.seed, workers=True)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)  # (the run file says it: no line before an error)
     model, datamodule = cfg.model.instantiate("model"), cfg.data.instantiate("data")
     strategy = StaticDistStrategy.from_config(cfg.strategy)
     callbacks = [block.build(name) for name, block in cfg.callbacks.items() if block.enabled]
