@@ -199,13 +199,19 @@ def print_run_file(cfg: RunConfig) -> str:
 # ---------------------------------------------------------------------------------------------------- report
 
 
+#: the start of a TensorBoard event file's name (``events.out.tfevents.<time>.<host>...``)
+EVENTS_FILE = "events.out.tfevents."
+
+
 def find_run_dirs(root: str) -> list[str]:
-    """Lightning log directories (holding ``metrics.csv``) under ``root``, newest last."""
+    """Lightning log directories under ``root`` (holding ``metrics.csv`` or TensorBoard event files: LightningCLI's
+    default logger writes only these), newest last by their newest such file."""
     found = []
     for dirpath, _, filenames in os.walk(root):
-        if "metrics.csv" in filenames:
-            found.append(dirpath)
-    return sorted(found, key=lambda d: os.path.getmtime(os.path.join(d, "metrics.csv")))
+        logs = [os.path.join(dirpath, f) for f in filenames if f == "metrics.csv" or f.startswith(EVENTS_FILE)]
+        if logs:
+            found.append((max(os.path.getmtime(p) for p in logs), dirpath))
+    return [d for _, d in sorted(found)]
 
 
 def read_metrics(path: str) -> dict[str, list[tuple[int, float]]]:
@@ -221,6 +227,27 @@ def read_metrics(path: str) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
+def read_event_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of the TensorBoard event files in ``log_dir``, as :func:`read_metrics` returns a CSV's, read with
+    TensorBoard's own reader (every point kept: its default keeps a sample of 10,000). Lightning's ``epoch`` and its
+    hyperparameters' placeholder ``hp_metric`` are left out, as the CSV's ``epoch`` is."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        raise ValueError(f"lsd-report: {log_dir} holds TensorBoard event files and no metrics.csv; reading them needs"
+                         " tensorboard (pip install tensorboard)") from None
+    events = EventAccumulator(log_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+            if tag not in ("epoch", "hp_metric")}
+
+
+def read_series(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """A log directory's metrics: its ``metrics.csv`` where there is one, else its TensorBoard event files."""
+    csv_path = os.path.join(log_dir, "metrics.csv")
+    return read_metrics(csv_path) if os.path.exists(csv_path) else read_event_scalars(log_dir)
+
+
 def report(run_dir: str, plot: bool = True) -> str:
     """The summary table of the newest run under ``run_dir``; writes ``<log_dir>/curves.png`` when ``plot`` and then
     names the constant series the picture lists instead of drawing (``lightning_static_dist/report_plot.py``)."""
@@ -228,9 +255,9 @@ def report(run_dir: str, plot: bool = True) -> str:
     if not runs:
         raise FileNotFoundError(_why_no_metrics(run_dir))
     log_dir = runs[-1]
-    series = read_metrics(os.path.join(log_dir, "metrics.csv"))
-    if not series:
-        raise FileNotFoundError(f"lsd-report: {log_dir}/metrics.csv holds no values yet: did the run log anything?")
+    series = read_series(log_dir)
+    if not series:  # (a TensorBoard logger writes its event file before any value)
+        raise FileNotFoundError(_why_no_metrics(log_dir, empty_log=True))
     width = max(28, *(len(k) for k in series))
     lines = [f"run: {log_dir}", f"{'metric':<{width}} {'first':>12} {'last':>12} {'min':>12} {'median':>12} {'points':>7}"]
     for key in sorted(series):
@@ -255,13 +282,17 @@ def report(run_dir: str, plot: bool = True) -> str:
     return "\n".join(lines)
 
 
-def _why_no_metrics(run_dir: str) -> str:
-    """The one line ``lsd-report`` prints when it finds no ``metrics.csv``: a run that logged nothing (shorter than
-    Lightning's ``log_every_n_steps``) is told apart from a directory that holds no run."""
+def _why_no_metrics(run_dir: str, empty_log: bool = False) -> str:
+    """The one line ``lsd-report`` prints when it finds no metrics (``empty_log``: a log directory with no value in
+    it): a run that logged nothing (shorter than Lightning's ``log_every_n_steps``) is told apart from a directory
+    that holds no run."""
     logged = sorted(os.path.join(d, f) for d, _, files in os.walk(run_dir) for f in files
                     if f in ("summary.json", "hparams.yaml"))
+    if not logged and empty_log:
+        return f"lsd-report: {run_dir} holds no values yet: did the run log anything?"
     if not logged:
-        return f"lsd-report: no metrics.csv under {run_dir!r}: is it a finished run's directory?"
+        return (f"lsd-report: no metrics.csv under {run_dir!r}, nor TensorBoard event files: is it a finished run's"
+                " directory?")
     steps = ""
     summary = next((p for p in logged if p.endswith("summary.json")), None)
     if summary is not None:

@@ -238,6 +238,49 @@ def test_report_on_a_run_that_logged_nothing_names_log_every_n_steps(tmp_path: P
     assert "trainer.log_every_n_steps" in lines[0] and str(log_dir) in lines[0]
 
 
+_LIGHTNING_CLI_SCRIPT = """
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+
+class LoggingModel(BoringModel):
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.log("train_loss", out["loss"])
+        return out
+
+
+LightningCLI(LoggingModel)
+"""
+
+
+@pytest.mark.multiprocess
+def test_report_reads_a_run_that_logged_to_tensorboard_only(tmp_path: Path) -> None:
+    # the README's LightningCLI file: LightningCLI's default logger is TensorBoard's, which writes no metrics.csv
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### LightningCLI"):]
+    start = section.index("```yaml") + len("```yaml")
+    (tmp_path / "conf").mkdir()  # (LightningCLI saves the parsed config as ./config.yaml)
+    (tmp_path / "conf" / "config.yaml").write_text(section[start:section.index("```", start)])
+    (tmp_path / "main.py").write_text(_LIGHTNING_CLI_SCRIPT)
+    trained = subprocess.run(
+        [sys.executable, "main.py", "fit", "--config", "conf/config.yaml", "--trainer.max_steps=6",
+         "--trainer.log_every_n_steps=1", "--trainer.strategy.compile.backend=aot_eager",
+         f"--trainer.default_root_dir={tmp_path / 'run'}", "--trainer.enable_checkpointing=false",
+         "--trainer.limit_val_batches=0"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, env=fresh_job_env())
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    log_dir = tmp_path / "run" / "lightning_logs" / "version_0"
+    assert list(log_dir.glob("events.out.tfevents.*")) and not list(tmp_path.rglob("metrics.csv"))
+    result = lsd_report(str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    assert f"run: {log_dir}" in result.stdout, result.stdout
+    assert metric_row(result.stdout, "train_loss")[-1] == "6", result.stdout  # a point per step, as logged
+    assert "static_dist/overlap_ratio" in result.stdout and "hp_metric" not in result.stdout, result.stdout
+    assert summary_row(result.stdout, "world_size") == ["world_size", "2"]  # RunSummary's summary.json beside them
+    assert (log_dir / "curves.png").read_bytes()[:8] == PNG_MAGIC
+
+
 # ------------------------------------------------------------------------------------ end to end, 2 CPU ranks
 
 
