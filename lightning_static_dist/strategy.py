@@ -223,6 +223,7 @@ class StaticDistStrategy(DataParallelProcesses):
         self._parts = Participants(self, failed=self.has_failed)
         self._offer = ParticipantsOffer(self._parts, self, host_max=self.host_max)
         self._context: Optional[TrainerContext] = None
+        self._layers_synced = False  # ``Trainer(sync_batchnorm=True)`` applied to the model in setup
         log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
 
     @classmethod
@@ -311,6 +312,7 @@ class StaticDistStrategy(DataParallelProcesses):
         assert self.model is not None
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
+            self._layers_synced = True  # (reverted in teardown, as Lightning's DDP does)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         start_from_rank_zero(self.model, self.dp_group)
@@ -528,6 +530,11 @@ class StaticDistStrategy(DataParallelProcesses):
                 participant.teardown(self._failed)
         finally:  # (also when the last checkpoint's consolidation fails)
             self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # the plugin's own clipping again
+            if self._layers_synced and self._layer_sync is not None and self.model is not None:
+                # the user's BatchNorm layers back, as Lightning's DDP leaves them: a later stage or another
+                # Trainer must not find SyncBatchNorm (a collective in every forward) in the model
+                self.model = self._layer_sync.revert(self.model)
+                self._layers_synced = False
 
         super().teardown()  # (the processes' part reads whether this rank failed)
         self._failed = False
