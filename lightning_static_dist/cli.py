@@ -189,11 +189,16 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 def print_run_file(cfg: RunConfig) -> str:
-    """``lsd-train --print-config``: the validated run file as YAML that ``lsd-train`` accepts back as it is."""
+    """``lsd-train --print-config``: the validated run file as YAML that ``lsd-train`` accepts back as it is. A run
+    file without a ``callbacks.model_checkpoint`` block gets it, as the run has it (Lightning's default checkpoint
+    callback, or none with ``trainer.enable_checkpointing: false``): the printed file is the one to edit."""
     import yaml
 
+    printed = cfg.to_dict()
+    checkpointing = cfg.trainer.get("enable_checkpointing", True) is not False
+    printed["callbacks"].setdefault("model_checkpoint", {"enabled": checkpointing})
     header = "# the validated run file (lsd-train --print-config); train with: lsd-train THIS_FILE.yaml\n"
-    return header + yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
+    return header + yaml.safe_dump(printed, sort_keys=False, default_flow_style=False)
 
 
 # ---------------------------------------------------------------------------------------------------- report

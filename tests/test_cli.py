@@ -100,6 +100,10 @@ def test_print_config_shows_the_merged_overrides(capsys: pytest.CaptureFixture[s
     assert printed["model"]["class_path"] == "lightning_static_dist.examples.charlm.CharGPT"
     assert printed["model"]["n_layer"] == 2  # a run file's shape: the arguments beside class_path
     assert printed["callbacks"]["run_summary"] == {"enabled": True, "warmup_steps": 5, "print_every_n_steps": 25}
+    # the README's key table names callbacks.model_checkpoint: the printed file has the block to edit, as the run has it
+    assert printed["callbacks"]["model_checkpoint"] == {"enabled": True}
+    train_main([CPU_CONFIG, "trainer.enable_checkpointing=false", "--print-config"])
+    assert yaml.safe_load(capsys.readouterr().out)["callbacks"]["model_checkpoint"] == {"enabled": False}
 
 
 def test_print_config_output_trains_as_a_run_file(tmp_path: Path) -> None:
