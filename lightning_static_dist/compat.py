@@ -132,8 +132,10 @@ Left where they are (so that this list is the whole inventory)
       ``torch._inductor.comms`` (checked with ``hasattr``). Also ``torch._dynamo.lookup_backend``,
       ``list_backends`` and ``register_backend`` (``inductor_distributed`` is registered at import),
       ``torch._guards.CompileContext``, and the ``_torchdynamo_orig_backend`` wrappers.
-    - ``report.py``: ``torch._logging._internal.log_registry`` (dynamo's artifact loggers) and
-      ``InstructionTranslator.current_tx``.
+    - ``report.py``: ``torch._logging._internal.log_registry`` (dynamo's artifact loggers),
+      ``InstructionTranslator.current_tx`` (the frame being compiled) and ``torch._dynamo.utils.guard_failures``
+      (the guard that failed, per recompile: dynamo writes its ``recompiles`` log only when ``TORCH_LOGS`` asks for
+      it, but it always keeps these). A public hook that hands a recompile's reason to the backend would retire it.
     - ``split.py``: ``torch._dynamo.backends.distributed.DDPOptimizer`` (the graph splitter).
 """
 
