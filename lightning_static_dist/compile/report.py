@@ -83,6 +83,9 @@ class CompileReport:
     """With a whole-step region cut at the gradient buckets: the backend that cut it (its pieces, what stayed uncut)."""
     notes: list[str] = field(default_factory=list)
     """Settings the graphs were compiled with that a reader should know (graph mode's communication passes)."""
+    logged_calls: int = 0
+    """How many ``self.log`` / ``self.log_dict`` calls the last compiled ``training_step`` recorded in its graph and
+    made after it returned (:mod:`~lightning_static_dist.compile.log_calls`)."""
     outside_blocks: list[str] = field(default_factory=list)
     """With blocks compiled one by one: the modules holding parameters outside every block (they run eagerly, with
     the rest of ``training_step``, unless ``around_blocks`` compiles around the blocks)."""
@@ -113,6 +116,9 @@ class CompileReport:
             lines.insert(2, f"  cut into {counted(self.splitter.pieces, 'piece')} at the gradient buckets (one autograd node"
                             " each: their collectives overlap backward)")
             lines.extend(f"  - NOT cut, its gradients are ready only at its end: {why}" for why in self.splitter.uncut)
+        if self.logged_calls:
+            lines.append(f"self.log: {counted(self.logged_calls, 'call')} per step recorded in the graph and made after"
+                         " it, through Lightning's log (eagerly: sync_dist reduces then)")
         lines.extend(self.notes)
         if self.outside_blocks and self.around_blocks is None:
             lines.append(f"runs eagerly, outside the compiled blocks: {', '.join(self.outside_blocks[:8])}"
