@@ -135,6 +135,10 @@ Left where they are (so that this list is the whole inventory)
     - ``report.py``: ``torch._logging._internal.log_registry`` (dynamo's artifact loggers) and
       ``InstructionTranslator.current_tx``.
     - ``split.py``: ``torch._dynamo.backends.distributed.DDPOptimizer`` (the graph splitter).
+    - ``cudagraphs.py``: inductor's ``triton.cudagraphs`` setting (what ``mode="reduce-overhead"`` sets), and the
+      ``cudagraphs`` artifact logger of ``torch._inductor.cudagraph_utils`` ("skipping cudagraphs due to ..."),
+      read through ``report.py``'s ``log_registry``. A public report of the graphs inductor did not capture would
+      retire the logger.
 """
 
 from __future__ import annotations
