@@ -143,6 +143,10 @@ Left where they are (so that this list is the whole inventory)
       why a traced ``self.log`` breaks the graph. A ``self.log`` that Lightning itself keeps in the graph
       (Lightning-AI/pytorch-lightning#18835, open) would retire it.
     - ``split.py``: ``torch._dynamo.backends.distributed.DDPOptimizer`` (the graph splitter).
+    - ``cudagraphs.py``: inductor's ``triton.cudagraphs`` setting (what ``mode="reduce-overhead"`` sets), and the
+      ``cudagraphs`` artifact logger of ``torch._inductor.cudagraph_utils`` ("skipping cudagraphs due to ..."),
+      read through ``report.py``'s ``log_registry``. A public report of the graphs inductor did not capture would
+      retire the logger.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from lightning_static_dist.compile.report import (
     _structure,
 )
 from lightning_static_dist.compile.config import CompileConfig
+from lightning_static_dist.compile.cudagraphs import inductor_options
 from lightning_static_dist.sync.plan import BucketCapacity
 from lightning_static_dist.wording import counted
 
@@ -34,12 +35,13 @@ log = logging.getLogger(__name__)
 
 
 def _resolve_backend(config: CompileConfig, inductor_patches: Optional[dict[str, Any]] = None) -> Callable[..., Any]:
-    """The compiler function for ``config.backend``/``config.mode``, as ``torch.compile`` would pick it (with
-    ``inductor_patches`` on top when the backend is inductor)."""
+    """The compiler function for ``config.backend``/``config.mode``, as ``torch.compile`` would pick it, with
+    ``compile.cudagraphs`` (resolved) and ``inductor_patches`` on top when the backend is inductor."""
     if config.backend in ("inductor", "inductor_distributed"):
         from torch._inductor.compile_fx import compile_fx
 
         options = torch._inductor.list_mode_options(config.mode, config.dynamic) if config.mode != "default" else {}
+        options = {**options, **inductor_options(config)}  # compile.cudagraphs, once resolved
         if config.backend == "inductor_distributed" or inductor_patches:
             options = {**options, **(inductor_patches or graph_mode_patches())}
         return lambda gm, example_inputs: compile_fx(gm, example_inputs, config_patches=options)

@@ -81,6 +81,11 @@ class CompileReport:
     """The region being run now (set by its forward): graphs compiled meanwhile are recorded as its own."""
     splitter: Optional[BucketGraphSplitter] = None
     """With a whole-step region cut at the gradient buckets: the backend that cut it (its pieces, what stayed uncut)."""
+    cudagraphs: Optional[str] = None
+    """Whether the graphs are replayed as CUDA graphs, and why (``CudagraphChoice.describe()``; ``None``: not decided
+    by the strategy)."""
+    cudagraph_skips: list[str] = field(default_factory=list)
+    """Inductor's reason for each graph it left without CUDA graphs (its kernels launched one by one)."""
     notes: list[str] = field(default_factory=list)
     """Settings the graphs were compiled with that a reader should know (graph mode's communication passes)."""
     logged_calls: int = 0
@@ -116,6 +121,9 @@ class CompileReport:
             lines.insert(2, f"  cut into {counted(self.splitter.pieces, 'piece')} at the gradient buckets (one autograd node"
                             " each: their collectives overlap backward)")
             lines.extend(f"  - NOT cut, its gradients are ready only at its end: {why}" for why in self.splitter.uncut)
+        if self.cudagraphs is not None:
+            lines.append(self.cudagraphs)
+        lines.extend(f"  - NOT replayed as a CUDA graph: {why}" for why in self.cudagraph_skips[:10])
         if self.logged_calls:
             lines.append(f"self.log: {counted(self.logged_calls, 'call')} per step recorded in the graph and made after"
                          " it, through Lightning's log (eagerly: sync_dist reduces then)")
@@ -308,19 +316,25 @@ _CAPTURE = _DynamoLogCapture()
 
 def _capture_dynamo_logs(report: CompileReport) -> None:
     import torch._dynamo  # noqa: F401  (imports the modules that own the artifact loggers)
-    from torch._logging._internal import log_registry
 
     _CAPTURE.report = report
+    listen_to_artifacts(_CAPTURE, ("__graph_breaks",), logging.DEBUG)
+
+
+def listen_to_artifacts(handler: logging.Handler, suffixes: tuple[str, ...], level: int) -> None:
+    """Attach ``handler`` to torch's artifact loggers whose names end with one of ``suffixes`` (their modules must be
+    imported). One that ``TORCH_LOGS`` did not ask for is enabled for us alone, at ``level``: torch's own handler on
+    "torch" would print every record that propagates, whatever the parent's level."""
+    from torch._logging._internal import log_registry
+
     for qname in list(log_registry.artifact_log_qnames):
-        if qname.endswith("__graph_breaks"):
+        if qname.endswith(suffixes):
             logger = logging.getLogger(qname)
-            if _CAPTURE not in logger.handlers:
-                logger.addHandler(_CAPTURE)
+            if handler not in logger.handlers:
+                logger.addHandler(handler)
             if logger.level == logging.NOTSET:
-                # TORCH_LOGS did not ask for it: enable it for us only — torch's own handler on "torch" would
-                # print every record that propagates, whatever the parent's level
                 logger.propagate = False
-                logger.setLevel(logging.DEBUG)
+                logger.setLevel(level)
 
 
 def failure_reason(err: BaseException) -> str:
