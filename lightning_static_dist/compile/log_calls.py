@@ -105,13 +105,14 @@ def _owned(value: Any) -> Any:
     """``value`` with each tensor in it (in tuples, lists and dicts) cloned: once inside the graph when the call is
     recorded (the value at the call), and once more after the graph when the call is replayed.
 
-    The second clone is for CUDA graphs. A recorded tensor is an output of the compiled call; under inductor's
-    cudagraph trees that output lives in the graph's memory pool, and the next replay of the graph overwrites it,
-    while Lightning keeps what is logged beyond the step (``_ResultMetric`` holds the ``on_step`` value until the
-    loggers read it, and accumulates the ``on_epoch`` one). Lightning 2.6 happens to copy both (``value.clone()`` on
-    step, ``value * batch_size`` on epoch), but that is its detail, not a promise: a logged value is a scalar (Lightning
-    refuses others), so the copy is one small kernel. A clone keeps autograd history, so ``enable_graph=True`` works as
-    before; Lightning detaches the value otherwise.
+    The second clone is for CUDA graphs. A recorded tensor is an output of the compiled call; under
+    ``strategy.compile.cudagraphs`` (inductor's cudagraph trees, on by default with CUDA and inductor) that output
+    lives in the graph's memory pool, and the next replay of the graph overwrites it, while Lightning keeps what is
+    logged beyond the step (``_ResultMetric`` holds the ``on_step`` value until the loggers read it, and accumulates
+    the ``on_epoch`` one). Lightning 2.6 happens to copy both (``value.clone()`` on step, ``value * batch_size`` on
+    epoch), but that is its detail, not a promise: a logged value is a scalar (Lightning refuses others), so the copy
+    is one small kernel. A clone keeps autograd history, so ``enable_graph=True`` works as before; Lightning detaches
+    the value otherwise.
     """
     if isinstance(value, torch.Tensor):
         return value.clone()
