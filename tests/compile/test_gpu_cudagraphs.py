@@ -29,7 +29,15 @@ import json, sys
 import torch, lightning as L
 from torch.profiler import ProfilerActivity, profile
 from lightning_static_dist import StaticDistStrategy
-from tests.compile.test_compile import SMALL_BUCKETS, nested_gpt
+from tests.compile.test_compile import SMALL_BUCKETS, NestedGPT
+
+class LoggingGPT(NestedGPT):
+    # self.log inside the CUDA-graphed step: a graph output that the next replay overwrites, unless copied
+    def training_step(self, batch, batch_idx):
+        loss = self(*batch)
+        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True)
+        self.log("lr", 0.5)
+        return loss
 
 class Launches(L.Callback):
     # how the fourth step reached the GPU: CUDA graph launches, and kernels launched one by one
@@ -50,7 +58,8 @@ class Launches(L.Callback):
 
 out = {}
 for cudagraphs in ("auto", False):
-    model = nested_gpt()
+    torch.manual_seed(0)
+    model = LoggingGPT()
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     strategy = StaticDistStrategy(compile={"enabled": True, "cudagraphs": cudagraphs}, sync=SMALL_BUCKETS,
                                   simulate={"world_size": 2})
@@ -61,11 +70,12 @@ for cudagraphs in ("auto", False):
                         enable_model_summary=False, callbacks=[launches])
     trainer.fit(model)
     report = strategy.compile_report
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items()}  # read after the last step's replay
     out[str(cudagraphs)] = {
         "weights": {k: v.detach().cpu().tolist() for k, v in model.state_dict().items()},
         "moved": any(not torch.equal(v.detach(), initial[k]) for k, v in model.state_dict().items()),
         "cudagraphs": report.cudagraphs, "skips": report.cudagraph_skips, "pieces": report.splitter.pieces,
-        "graph_breaks": len(report.graph_breaks), **launches.counts}
+        "graph_breaks": len(report.graph_breaks), "logged": logged, **launches.counts}
 print(json.dumps(out))
 """
 
@@ -89,6 +99,10 @@ def test_the_cut_step_replays_cuda_graphs_by_default_and_trains_as_it_does_launc
     assert graphed["graph_launches"] >= 2 * graphed["pieces"], graphed
     assert plain["graph_launches"] == 0 and plain["kernel_launches"] > graphed["kernel_launches"], (plain, graphed)
     assert graphed["moved"] and plain["moved"]
+    # the logged values (the last step's, and the epoch's mean over every step) are the same either way
+    assert set(graphed["logged"]) == {"train_loss", "train_loss_step", "train_loss_epoch", "lr"}, graphed["logged"]
+    for name, value in graphed["logged"].items():
+        assert abs(value - plain["logged"][name]) <= 1e-5 * max(1.0, abs(value)), (name, graphed["logged"], plain["logged"])
     for name, weight in graphed["weights"].items():
         torch.testing.assert_close(torch.tensor(weight), torch.tensor(plain["weights"][name]), rtol=1e-5, atol=1e-6,
                                    msg=name)
