@@ -100,7 +100,7 @@ def test_the_cut_step_replays_cuda_graphs_by_default_and_trains_as_it_does_launc
     assert plain["graph_launches"] == 0 and plain["kernel_launches"] > graphed["kernel_launches"], (plain, graphed)
     assert graphed["moved"] and plain["moved"]
     # the logged values (the last step's, and the epoch's mean over every step) are the same either way
-    assert set(graphed["logged"]) == {"train_loss", "train_loss_step", "train_loss_epoch", "lr"}, graphed["logged"]
+    assert {"train_loss_step", "lr"} <= set(graphed["logged"]) == set(plain["logged"]), (graphed, plain)
     for name, value in graphed["logged"].items():
         assert abs(value - plain["logged"][name]) <= 1e-5 * max(1.0, abs(value)), (name, graphed["logged"], plain["logged"])
     for name, weight in graphed["weights"].items():
