@@ -80,14 +80,17 @@ from _common import ROOT, SAFE_ENV, run_job, worker_env
 
 sys.path.insert(0, ROOT)  # the checkout's package, for the workload
 
-PLAIN = ("ceiling", "plain_ddp_compile", "plain_ddp_compile_b100")
+PLAIN = ("ceiling", "ceiling_cudagraphs", "plain_ddp_compile", "plain_ddp_compile_b100")
 """Hand-written PyTorch loops, started with torchrun."""
+ALONE = ("ceiling", "ceiling_cudagraphs")
+"""Plain loops that train alone (no process group): run once, on one GPU, whatever the world."""
 LIGHTNING_DDP = ("ddp_eager", "ddp_compile")
 LIGHTNING = LIGHTNING_DDP + ("lightning_compile",)
 """Lightning's own strategies (no StaticDistStrategy)."""
 #: contender -> the StaticDistStrategy sections it sets over the default (None: a plain loop or Lightning's DDPStrategy)
 CONTENDERS: dict[str, Optional[dict[str, Any]]] = {
     "ceiling": None,
+    "ceiling_cudagraphs": None,  # the ceiling with torch.compile(mode="reduce-overhead"): the GPU's own pace
     "plain_ddp_compile": None,
     "plain_ddp_compile_b100": None,  # DDP at our own bucket size (100 MiB: the baseline gets the tuning we got)
     "ddp_eager": None,
@@ -112,6 +115,10 @@ CONTENDERS: dict[str, Optional[dict[str, Any]]] = {
     "static_dist_b200": {"sync": {"bucket_mb": 200.0}},
     # CUDA graphs per piece (inductor's reduce-overhead): the pieces' host cost is what paced the cut graph
     "static_dist_cudagraphs": {"compile": {"mode": "reduce-overhead"}},
+    # compile.cudagraphs false: the compiled step launched kernel by kernel (the default before issue 33)
+    "static_dist_nocg": {"compile": {"cudagraphs": False}},
+    # the defaults with the OverlapMonitor recording every step during the timed windows (its cost: monitor-cost)
+    "static_dist_monitor": {},
     "static_dist_cbf16": {"compression": {"name": "bf16"}},
     "static_dist_powersgd": {"compression": {"name": "powersgd", "rank": 4}},
     "static_dist_powersgd_r1": {"compression": {"name": "powersgd", "rank": 1}},
@@ -142,6 +149,16 @@ def simulated_links(args: argparse.Namespace) -> Optional[Any]:
     return WindowLinks([parse_link(text) for text in args.link or ["free"]])
 
 
+def total_steps(args: argparse.Namespace) -> int:
+    """The training steps a worker runs: warmup, timed, tail; a persistent worker's come from the driver's plan."""
+    if not args.gate:
+        return args.warmup + args.steps + args.tail
+    from _rounds import steps_needed
+
+    return steps_needed(args.warmup, args.rounds * args.conditions, args.pre, args.window, args.round_windows,
+                        args.profile_steps, args.tail)
+
+
 # ------------------------------------------------------------------------------------------------------ worker
 def worker(name: str, args: argparse.Namespace) -> None:
     """One rank of a contender's job: train warmup + steps + tail steps, write this rank's figures to ``<out>.rank<R>``."""
@@ -149,7 +166,7 @@ def worker(name: str, args: argparse.Namespace) -> None:
 
     from _gpt2s import FULL, TINY, StepTimer, loader, new_nanogpt
 
-    cfg, total, cuda = (TINY if args.tiny else FULL), args.warmup + args.steps + args.tail, not args.tiny
+    cfg, total, cuda = (TINY if args.tiny else FULL), total_steps(args), not args.tiny
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # unset in rank 0 of a Lightning job (it launches the rest)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
@@ -160,8 +177,15 @@ def worker(name: str, args: argparse.Namespace) -> None:
     if profile is not None:
         os.makedirs(args.out_dir, exist_ok=True)
     links = simulated_links(args)
-    timer = StepTimer(cuda, window=args.window, warmup=args.warmup, profile=profile,
-                      on_window=links.switch if links is not None else None, windows=args.steps // args.window)
+    if args.gate:  # a persistent worker: its rounds come from the driver (benchmarks/_rounds.py)
+        from _rounds import Gate, RoundTimer
+
+        timer: Any = RoundTimer(cuda, Gate(args.gate), args.warmup, args.pre, args.window, args.round_windows,
+                                args.profile_steps, args.tail, args.trace_prefix,
+                                on_window=links.switch if links is not None else None)
+    else:
+        timer = StepTimer(cuda, window=args.window, warmup=args.warmup, profile=profile,
+                          on_window=links.switch if links is not None else None, windows=args.steps // args.window)
     batches = loader(cfg, total, device, seed=1234 + local_rank)
     if links is not None:
         links.prepare(device)
@@ -172,7 +196,7 @@ def worker(name: str, args: argparse.Namespace) -> None:
     from torch._dynamo.utils import counters
 
     record = {
-        **timer.timings(args.warmup, total),
+        **(timer.timings() if args.gate else timer.timings(args.warmup, total)),
         "rank": rank,
         "world_size": world,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
@@ -180,7 +204,7 @@ def worker(name: str, args: argparse.Namespace) -> None:
         "dynamo_graphs": counters["stats"]["unique_graphs"],
         "tokens_per_step": cfg["batch"] * cfg["block_size"],
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
-        **({"window_links": links.window_names(len(timer.marks) - 1)} if links is not None else {}),
+        **({"window_links": links.window_names(len(timer.marks) - 1)} if links is not None and not args.gate else {}),
         **extra,
     }
     with open(f"{args.out}.rank{rank}", "w") as f:
@@ -209,7 +233,8 @@ def _plain_loop(name: str, model: Any, batches: Any, timer: Any, device: Any, cu
                                                         bucket_cap_mb=100 if name.endswith("_b100") else 25)
     from _gpt2s import train_plainly
 
-    train_plainly(torch.compile(net), optimizer, batches, timer, device)  # DDP: DDPOptimizer cuts at DDP's buckets
+    compiled = torch.compile(net, mode="reduce-overhead" if name == "ceiling_cudagraphs" else "default")
+    train_plainly(compiled, optimizer, batches, timer, device)  # DDP: DDPOptimizer cuts at DDP's buckets
     if dist.is_initialized():
         dist.destroy_process_group()
     return rank, world, {}
@@ -224,7 +249,7 @@ def _lightning_fit(name: str, model: Any, batches: Any, timer: Any, args: argpar
     from lightning_static_dist import OverlapMonitor, StaticDistStrategy
     from lightning_static_dist.overlap.intervals import median_of
 
-    tail_start = args.warmup + args.steps
+    tail_start = total_steps(args) - args.tail
 
     class TailMonitor(OverlapMonitor):
         """Records only after the timed steps: its CUDA events and per-step aggregation stay out of the timing."""
@@ -232,7 +257,12 @@ def _lightning_fit(name: str, model: Any, batches: Any, timer: Any, args: argpar
         def _recording(self, trainer: L.Trainer) -> bool:
             return super()._recording(trainer) and trainer.global_step >= tail_start
 
-    callbacks: list[L.Callback] = [timer]
+    if args.gate:
+        from _rounds import lightning_timer
+
+        callbacks: list[L.Callback] = [lightning_timer(timer)]
+    else:
+        callbacks = [timer]
     monitor = None
     if name == "lightning_compile":
         strategy: Any = "auto"
@@ -242,11 +272,12 @@ def _lightning_fit(name: str, model: Any, batches: Any, timer: Any, args: argpar
         simulate = {"world_size": args.simulate_world} if args.simulate_world else None
         strategy = StaticDistStrategy(**strategy_sections(name), simulate=simulate)
         profile = (PROFILE_TINY if args.tiny else PROFILE) if args.profile else None
-        monitor = OverlapMonitor(profiler=profile) if profile else TailMonitor()
+        monitor = OverlapMonitor(profiler=profile) if profile else (
+            OverlapMonitor() if name == "static_dist_monitor" else TailMonitor())
         callbacks.append(monitor)
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu", devices=args.gpus, strategy=strategy, precision="bf16-mixed",
-        max_steps=args.warmup + args.steps + args.tail, logger=False, enable_checkpointing=False,
+        max_steps=total_steps(args), logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=callbacks,
         # each rank's loader already yields its own batches (its own token pool)
@@ -444,6 +475,15 @@ def main() -> None:
     parser.add_argument("--calibrated", help="with --simulate: the --link name the 2-GPU record is compared at")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("--no-record", action="store_true", help="print only; write no JSON record")
+    parser.add_argument("--pre", type=int, default=3, help="with --simulate: untimed steps at each round's start")
+    parser.add_argument("--round-windows", type=int, default=3, help="with --simulate: timed windows per round")
+    parser.add_argument("--busy-host", type=int, default=0, metavar="K",
+                        help="with --simulate: every round also run with the host loaded: the worker confined to K"
+                             " cores, K busy-loop processes pinned there (benchmarks/_rounds.py)")
+    parser.add_argument("--keep-logs", metavar="FILE.tar.gz", help="with --simulate: keep each worker's log there")
+    parser.add_argument("--gate", help=argparse.SUPPRESS)
+    parser.add_argument("--conditions", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--trace-prefix", help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=tuple(CONTENDERS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--profile", help=argparse.SUPPRESS)
@@ -453,7 +493,8 @@ def main() -> None:
     args.window = args.window if args.window is not None else (2 if args.tiny else 10)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 12)
     args.tail = args.tail if args.tail is not None else (2 if args.tiny else 6)
-    if not 0 <= args.profile_steps < args.warmup:
+    persistent = bool(args.simulate or args.gate)  # (--profile-steps: its own command there, not warmup steps)
+    if args.profile_steps < 0 or (not persistent and args.profile_steps >= args.warmup):
         parser.error(f"--profile-steps {args.profile_steps}: 0 (off) up to --warmup - 1 ({args.warmup - 1})")
     if args.steps % args.window:
         parser.error(f"--steps {args.steps} must be a multiple of --window {args.window}")
@@ -568,85 +609,121 @@ def main() -> None:
 
 
 def simulate_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """``--simulate N[,M]``: every contender a one-GPU job in a simulated world (the ceiling alone), rounds rotated."""
+    """``--simulate N[,M]``: every contender a persistent one-GPU worker in a simulated world (the ceiling alone), its
+    rounds interleaved with the others' in an order rotated every round (``benchmarks/_rounds.py``)."""
     import lightning
     import torch
 
+    from _rounds import BusyHost, drive
     from _simulated import parse_link, sim_rows, sim_summary
+    from profile_summary import summarise
 
     worlds = [int(w) for w in args.simulate.split(",") if w.strip()]
     links = [parse_link(text) for text in args.link or ["free"]]
     if any(w < 2 for w in worlds):
         parser.error(f"--simulate {args.simulate}: world sizes >= 2")
-    if args.steps % (args.window * len(links)):
-        parser.error(f"--steps {args.steps}: a multiple of --window x {len(links)} links, so every link gets whole windows")
+    if args.round_windows % len(links):
+        parser.error(f"--round-windows {args.round_windows}: a multiple of the {len(links)} links, so every link gets"
+                     " the same windows")
     if args.calibrated is not None and args.calibrated not in {link.name for link in links}:
         parser.error(f"--calibrated {args.calibrated}: not a --link name ({', '.join(link.name for link in links)})")
-    chosen = [c.strip() for c in (args.contenders if args.contenders is not None else SIMULATED).split(",") if c.strip()]
-    unknown = sorted(set(chosen) - set(CONTENDERS))
+    # a contender runs in every world of --simulate, or only in the one it names: "static_dist_nocg@2"
+    specs = [c.strip() for c in (args.contenders if args.contenders is not None else SIMULATED).split(",") if c.strip()]
+    chosen = list(dict.fromkeys(spec.split("@")[0] for spec in specs))
+    only = {name: {int(w) for spec in specs if spec.startswith(name + "@") for w in [spec.split("@")[1]]}
+            for name in chosen}
+    at_one = [c.strip() for c in args.one_gpu.split(",") if c.strip()]
+    unknown = sorted(set(chosen + at_one) - set(CONTENDERS))
     if unknown:
-        parser.error(f"--contenders: unknown {unknown}; allowed: {', '.join(CONTENDERS)}")
-    unsimulated = sorted(set(chosen) & set(LIGHTNING))
+        parser.error(f"--contenders/--one-gpu: unknown {unknown}; allowed: {', '.join(CONTENDERS)}")
+    unsimulated = sorted(set(chosen + at_one) & set(LIGHTNING))
     if unsimulated:  # Lightning's own strategies start their own (real) process group
         parser.error(f"--contenders {unsimulated}: not run in a simulated world; allowed with --simulate: the plain loops"
                      " and the static_dist contenders")
-    plan = (["ceiling@1"] if "ceiling" in chosen else []) + [
-        f"{c}@sim{w}" for w in worlds for c in chosen if c != "ceiling"]
+    plan = ([f"{c}@1" for c in chosen if c in ALONE]
+            + [f"{c}@sim{w}" for w in worlds for c in chosen if c not in ALONE and (not only[c] or w in only[c])]
+            + [f"{c}@1" for c in at_one if c not in ALONE and c not in PLAIN])
     args.gpus = 1
-    runs: dict[str, list[dict]] = {key: [] for key in plan}
+    args.conditions = 2 if args.busy_host else 1
     today = datetime.date.today().isoformat()
     scenario = "sim-gpt2s" + ("-tiny" if args.tiny else "")
     path = os.path.join(args.out_dir, f"{scenario}-{today}.json")
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="gpuN-cache-")
+    scratch = tempfile.mkdtemp(prefix="sim-gpt2s-")
+    busy = BusyHost(sorted(os.sched_getaffinity(0))[:args.busy_host]) if args.busy_host else None
     record: dict[str, Any] = {
         "scenario": scenario, "date": today,
         "simulated": {"world_size": worlds, "link": [link.describe() for link in links],
                       "note": "simulated on one GPU: one process as rank 0 of N identical ranks; not a multi-GPU figure"},
-        "hardware": {"gpus": 1, "gpu": None},
+        "hardware": {"gpus": 1, "gpu": None, "cpus": len(os.sched_getaffinity(0))},
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__},
         "command": "python benchmarks/gpuN_gpt2s.py " + " ".join(map(shlex.quote, sys.argv[1:])),
-        "config": {"steps": args.steps, "window": args.window, "warmup": args.warmup, "monitored_tail_steps": args.tail,
-                   "rounds": args.rounds, "order": "rotated every round",
+        "config": {"warmup": args.warmup, "rounds": args.rounds, "per_round": f"{args.pre} untimed steps, then"
+                   f" {args.round_windows} windows of {args.window} steps", "monitored_tail_steps": args.tail,
+                   "order": "rotated every round; every contender one persistent worker (compiled once)",
+                   "busy_host": busy.describe() if busy else None,
+                   "profiled_steps": args.profile_steps or None,
                    "contenders": {c: strategy_sections(c) if CONTENDERS[c] is not None else "plain loop"
-                                  for c in chosen}},
+                                  for c in dict.fromkeys(chosen + at_one)}},
     }
-    started, longest = time.perf_counter(), 0.0
+    outs = {key: os.path.join(scratch, key.replace("@", "-") + ".json") for key in plan}
+    commands = {}
+    for key in plan:
+        name, where = key.rsplit("@", 1)
+        commands[key] = [
+            sys.executable, os.path.abspath(__file__), "--worker", name, "--gpus", "1", "--out", outs[key],
+            "--warmup", str(args.warmup), "--window", str(args.window), "--tail", str(args.tail),
+            "--rounds", str(args.rounds), "--conditions", str(args.conditions), "--pre", str(args.pre),
+            "--round-windows", str(args.round_windows), "--profile-steps", str(args.profile_steps),
+            "--trace-prefix", os.path.join(scratch, f"profile-{key.replace('@', '-')}"), "--out-dir", scratch,
+            *(["--simulate-world", where[3:], *[f"--link={text}" for text in args.link or ["free"]]]
+              if where.startswith("sim") else []),
+            *(["--tiny"] if args.tiny else [])]
+    workers: dict[str, dict] = {}
 
-    def save() -> None:
-        rows = sim_rows({k: v for k, v in runs.items() if v}, links, 0)
-        first_ok = next((rec for recs in runs.values() for rec in recs if "error" not in rec), {})
-        record["hardware"]["gpu"] = first_ok.get("device")
-        record.update(rows=rows, summary=sim_summary(rows, links, args.calibrated), runs=runs)
+    def save(results: dict[str, Any]) -> None:
+        for key, trace in results["traces"].items():  # each profile summarised as soon as it is there
+            if key not in record.setdefault("profiles", {}):
+                record["profiles"][key] = summarise(trace, args.profile_steps)
+        rows = sim_rows(results["runs"], links, workers)
+        record["hardware"]["gpu"] = next((w.get("device") for w in workers.values()), None)
+        record.update(rows=rows, summary=sim_summary(rows, links, args.calibrated), runs=results["runs"],
+                      failed=results["failed"], profiles=record.get("profiles", {}))
         if not args.no_record:
             os.makedirs(args.out_dir, exist_ok=True)
             with open(path, "w") as f:
                 json.dump(record, f, indent=2)
 
-    for r in range(args.rounds):
-        for key in plan[r % len(plan):] + plan[:r % len(plan)]:
-            name, where = key.rsplit("@", 1)
-            if any("error" in rec for rec in runs[key]):
-                continue
-            if args.budget_s is not None and time.perf_counter() - started + 1.2 * longest > args.budget_s:
-                print(f"budget: {args.budget_s:.0f} s would be passed; {key} not run (round {r + 1})", flush=True)
-                continue
-            rec = run_one(name, 1, args, cache_dir, world=int(where[3:]) if where.startswith("sim") else 0)
-            longest = max(longest, rec["wall_s"])
-            runs[key].append(rec)
-            shown = (f"{1e3 * statistics.median(rec['step_s']):8.2f} ms (all links)" if "error" not in rec
-                     else f"FAILED: {rec['error']}")
-            print(f"round {r + 1}/{args.rounds} {key:<28} {shown}  ({rec['wall_s']:.0f} s)", flush=True)
-            save()
-    save()
+    results = drive(commands, worker_env(cache_dir), args.rounds, busy, args.profile_steps > 0, args.worker_timeout,
+                    scratch, save)
+    for key in plan:
+        if os.path.exists(f"{outs[key]}.rank0"):
+            with open(f"{outs[key]}.rank0") as f:
+                workers[key] = json.load(f)
+    save(results)
+    if args.keep_logs:  # one file: each worker's log
+        import tarfile
+
+        with tarfile.open(args.keep_logs, "w:gz") as tar:
+            for name in sorted(os.listdir(scratch)):
+                if name.endswith(".log"):
+                    tar.add(os.path.join(scratch, name), arcname=name)
+    shutil.rmtree(scratch, ignore_errors=True)
     if not args.cache_dir:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    print(f"\n{'contender':<24} {'world':>5} {'link':<16} {'step ms':>8} {'x ceiling':>9} {'rounds':>6}  per round")
+    print(f"\n{'contender':<22} {'world':>5} {'link':<10} {'host':<5} {'step ms':>8} {'host ms':>8} {'x ceil':>7}"
+          f" {'min':>7} {'spread':>7} {'peak GiB':>8}  per round")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for row in record["rows"]:
-        if row.get("step_ms_median") is None:
-            print(f"{row['contender']:<24} {row['world']:>5} {str(row['link']):<16}  {row['status']}")
-            continue
-        print(f"{row['contender']:<24} {row['world']:>5} {str(row['link'] or '-'):<16} {row['step_ms_median']:>8.2f} "
-              f"{row['vs_ceiling'] or float('nan'):>9.4f} {row['rounds']:>6}  {row['step_ms_per_round']}")
+        print(f"{row['contender']:<22} {row['world']:>5} {str(row['link'] or '-'):<10} {row['host']:<5}"
+              f" {row['step_ms_median']:>8.2f} {row['host_ms_median']:>8.2f} {fmt(row['vs_ceiling'], '.4f'):>7}"
+              f" {fmt(row['vs_ceiling_min'], '.4f'):>7} {row['spread']:>7.4f} {fmt(row['peak_mem_gib'], '.2f'):>8}"
+              f"  {row['step_ms_per_round']}")
+    for key, why in results["failed"].items():
+        print(f"{key}: FAILED: {why}")
+    for key, prof in record["profiles"].items():
+        print(f"profile {key}: " + ", ".join(f"{k} {prof.get(k)}" for k in (
+            "step_ms", "compute_ms", "idle_ms", "host_lead_ms_median", "host_bound_kernel_share", "kernels_per_step")))
     print("\n" + json.dumps(record["summary"]))
     if not args.no_record:
         print(f"recorded: {path}")

@@ -132,9 +132,21 @@ Left where they are (so that this list is the whole inventory)
       ``torch._inductor.comms`` (checked with ``hasattr``). Also ``torch._dynamo.lookup_backend``,
       ``list_backends`` and ``register_backend`` (``inductor_distributed`` is registered at import),
       ``torch._guards.CompileContext``, and the ``_torchdynamo_orig_backend`` wrappers.
-    - ``report.py``: ``torch._logging._internal.log_registry`` (dynamo's artifact loggers) and
-      ``InstructionTranslator.current_tx``.
+    - ``report.py``: ``torch._logging._internal.log_registry`` (dynamo's artifact loggers),
+      ``InstructionTranslator.current_tx`` (the frame being compiled) and ``torch._dynamo.utils.guard_failures``
+      (the guard that failed, per recompile: dynamo writes its ``recompiles`` log only when ``TORCH_LOGS`` asks for
+      it, but it always keeps these). A public hook that hands a recompile's reason to the backend would retire it.
+    - ``log_calls.py``: no private name, but it shadows Lightning's public ``LightningModule.log`` and ``log_dict``
+      on the compiled module's instance, and it relies on what Lightning reads at log time (the hook's name, the
+      current batch for its size) still being the step's when the recorded calls are made, right after the compiled
+      call and before backward. Lightning's own ``_ResultCollection.log`` is ``torch.compiler.disable``d, which is
+      why a traced ``self.log`` breaks the graph. A ``self.log`` that Lightning itself keeps in the graph
+      (Lightning-AI/pytorch-lightning#18835, open) would retire it.
     - ``split.py``: ``torch._dynamo.backends.distributed.DDPOptimizer`` (the graph splitter).
+    - ``cudagraphs.py``: inductor's ``triton.cudagraphs`` setting (what ``mode="reduce-overhead"`` sets), and the
+      ``cudagraphs`` artifact logger of ``torch._inductor.cudagraph_utils`` ("skipping cudagraphs due to ..."),
+      read through ``report.py``'s ``log_registry``. A public report of the graphs inductor did not capture would
+      retire the logger.
 """
 
 from __future__ import annotations

@@ -154,6 +154,8 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     ("torch._inductor.compile_fx", "compile_fx", "compile/backends.py: inductor with config patches"),
     ("torch._inductor", "list_mode_options", "compile/backends.py: compile.mode"),
     ("torch._logging._internal", "log_registry.artifact_log_qnames", "compile/report.py: dynamo's artifact loggers"),
+    ("torch._dynamo.utils", "guard_failures", "compile/report.py: every recompile names its guard"),
+    ("torch._inductor", "cudagraph_utils", "compile/cudagraphs.py: its logger names each graph left without CUDA graphs"),
     # Python
     ("atexit", "_run_exitfuncs", "compat.py: exit handlers before os._exit"),
     ("sys", "_current_frames", "processes/watchdog.py: where the main thread is"),

@@ -7,8 +7,10 @@
   ``inductor_distributed`` dynamo backend.
 - :mod:`~lightning_static_dist.compile.report`: what compilation did (:class:`CompileReport`) and every reading of
   dynamo's internal logs.
+- :mod:`~lightning_static_dist.compile.log_calls`: ``self.log`` / ``self.log_dict`` in a compiled ``training_step``,
+  recorded in the graph and made after it.
 
-Imports flow one way: ``regions`` → ``backends`` → ``report``, and ``regions`` → ``split``.
+Imports flow one way: ``regions`` → ``backends`` → ``report``, and ``regions`` → ``split``, ``log_calls``.
 """
 
 from lightning_static_dist.compile.backends import (

@@ -19,26 +19,30 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
 from lightning_static_dist.compile.report import (
-    _CAPTURE,
     CompileReport,
     GraphRecord,
+    _code_name,
     _compiling_code,
     _device_transfers,
+    _guard_failures,
     _structure,
 )
 from lightning_static_dist.compile.config import CompileConfig
+from lightning_static_dist.compile.cudagraphs import inductor_options
 from lightning_static_dist.sync.plan import BucketCapacity
+from lightning_static_dist.wording import counted
 
 log = logging.getLogger(__name__)
 
 
 def _resolve_backend(config: CompileConfig, inductor_patches: Optional[dict[str, Any]] = None) -> Callable[..., Any]:
-    """The compiler function for ``config.backend``/``config.mode``, as ``torch.compile`` would pick it (with
-    ``inductor_patches`` on top when the backend is inductor)."""
+    """The compiler function for ``config.backend``/``config.mode``, as ``torch.compile`` would pick it, with
+    ``compile.cudagraphs`` (resolved) and ``inductor_patches`` on top when the backend is inductor."""
     if config.backend in ("inductor", "inductor_distributed"):
         from torch._inductor.compile_fx import compile_fx
 
         options = torch._inductor.list_mode_options(config.mode, config.dynamic) if config.mode != "default" else {}
+        options = {**options, **inductor_options(config)}  # compile.cudagraphs, once resolved
         if config.backend == "inductor_distributed" or inductor_patches:
             options = {**options, **(inductor_patches or graph_mode_patches())}
         return lambda gm, example_inputs: compile_fx(gm, example_inputs, config_patches=options)
@@ -58,19 +62,27 @@ class RecordingBackend:
         self._report = report
         self._compiles: dict[int, Optional[int]] = {}
         """dynamo frame id -> the compile number this backend last compiled it under."""
+        self._failures_seen: dict[int, int] = {}
+        """dynamo frame id -> how many of dynamo's guard failures for its code had been recorded at that compile."""
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         started = time.perf_counter()
         compile_id = torch._guards.CompileContext.current_compile_id()
         frame = compile_id.frame_id if compile_id is not None else None
+        code = _compiling_code()
+        failures = _guard_failures(code)
         if frame is not None and self._compiles.get(frame, compile_id.frame_compile_id) != compile_id.frame_compile_id:
-            # a frame this backend compiled before, compiled again: a guard failed. Dynamo logs which one only when
-            # TORCH_LOGS asks for "recompiles" (the capture keeps it then); it is counted here either way. Dynamo's
-            # own numbering counts other backends' compiles of the same code too (another model, an earlier fit)
-            self._report.recompiles.append(f"{_compiling_code()} compiled again in region"
-                                           f" {self._report.active_region!r}: {_CAPTURE.take_guard() or 'guard not logged'}")
+            # a frame this backend compiled before, compiled again: a guard failed, and dynamo recorded which against
+            # each of the frame's cached graphs (newest first) since we last looked. Dynamo's own numbering counts
+            # other backends' compiles of the same code too (another model, an earlier fit)
+            new = failures[self._failures_seen.get(frame, 0):]
+            guard = new[0] + (f" (and {counted(len(new) - 1, 'older graph')} of this frame)" if len(new) > 1 else "") \
+                if new else "dynamo recorded no failed guard"
+            self._report.recompiles.append(f"{_code_name(code)} compiled again in region"
+                                           f" {self._report.active_region!r}: {guard}")
         if frame is not None:
             self._compiles[frame] = compile_id.frame_compile_id
+            self._failures_seen[frame] = len(failures)
         compiled = self._compiler(gm, example_inputs)
         params = sum(isinstance(x, nn.Parameter) and x.requires_grad for x in example_inputs)
         self._report.graphs.append(GraphRecord(len(gm.graph.nodes), _structure(gm), time.perf_counter() - started,

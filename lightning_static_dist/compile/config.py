@@ -16,6 +16,11 @@ from typing import Literal, Union
 
 from lightning_static_dist.config.check import check_fields, fail
 
+INDUCTOR_BACKENDS = ("inductor", "inductor_distributed")
+"""The backends whose graphs inductor compiles (and can replay as CUDA graphs)."""
+MODE_CUDAGRAPHS = {"reduce-overhead": True, "max-autotune": True, "max-autotune-no-cudagraphs": False}
+"""The inductor modes that decide CUDA graphs themselves (``default`` leaves it to ``cudagraphs``)."""
+
 
 @dataclass
 class CompileConfig:
@@ -61,6 +66,15 @@ class CompileConfig:
     """A region that fails to compile: run it eagerly (logged once, counted) or raise."""
     optimizer: bool = False
     """Also compile ``optimizer.step()``."""
+    cudagraphs: Union[bool, Literal["auto"]] = "auto"
+    """Replay the compiled graphs as CUDA graphs (inductor's CUDA graph trees): a piece of the step then costs the
+    host one launch instead of one per kernel, so the host runs ahead and the step goes at the GPU's pace, with
+    the gradient collectives issued between the pieces as before. ``auto``: on where it is safe to assume, on CUDA
+    with ``backend: inductor`` and ``sync.mode: hooks``, without sharded embeddings or ``reduce_scatter`` (whose
+    gathers move parameters between steps), unless ``mode`` decides; the compile report says what was chosen and
+    why, and names every graph inductor left without CUDA graphs. Tensors a CUDA-graphed step returns live in
+    the graphs' memory pool until the next step (Lightning's loop and ``self.log`` copy what they keep); a tensor
+    kept across steps must be cloned, or the next step's replay overwrites it and reading it raises."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -71,6 +85,13 @@ class CompileConfig:
             fail(f"{self.KEY}.backend", self.backend, f"not a registered dynamo backend; allowed: {', '.join(sorted(backends))}")
         if self.mode != "default" and self.backend != "inductor":
             fail(f"{self.KEY}.mode", self.mode, f"a mode needs backend 'inductor' (backend is {self.backend!r}); allowed with it: 'default'")
+        if self.cudagraphs is True and self.backend not in INDUCTOR_BACKENDS:
+            fail(f"{self.KEY}.cudagraphs", self.cudagraphs,
+                 f"CUDA graphs come from inductor (backend is {self.backend!r}); allowed with it: auto, false")
+        decided = MODE_CUDAGRAPHS.get(self.mode)
+        if decided is not None and self.cudagraphs not in ("auto", decided):
+            fail(f"{self.KEY}.cudagraphs", self.cudagraphs, f"mode {self.mode!r} turns CUDA graphs"
+                 f" {'on' if decided else 'off'} itself; allowed with it: auto, {str(decided).lower()}")
         if self.around_blocks and self.regional is not True:
             fail(f"{self.KEY}.around_blocks", self.around_blocks,
                   f"compiles around blocks compiled one by one, which needs {self.KEY}.regional=true"

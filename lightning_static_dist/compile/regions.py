@@ -30,6 +30,7 @@ from torch import nn
 
 from lightning_static_dist.compat import unwrap_optimizer
 from lightning_static_dist.compile.backends import RecordingBackend
+from lightning_static_dist.compile.log_calls import LogCalls
 from lightning_static_dist.compile.report import CompileFailure, CompileReport, _capture_dynamo_logs, failure_reason
 from lightning_static_dist.compile.split import BucketGraphSplitter
 from lightning_static_dist.compile.config import CompileConfig
@@ -95,7 +96,7 @@ class _RegionForward:
     """
 
     def __init__(self, region: str, eager: Callable[..., Any], compiled: Callable[..., Any], config: CompileConfig,
-                 report: CompileReport) -> None:
+                 report: CompileReport, log_calls: Optional[LogCalls] = None) -> None:
         self.region = region
         self.eager = eager
         # Lightning's is_overridden("training_step", module) compares code objects: look like the method we replace
@@ -106,13 +107,20 @@ class _RegionForward:
         self.compiled = compiled
         self.config = config
         self.report = report
+        self.log_calls = log_calls
+        """For a LightningModule's ``training_step``: its ``self.log`` calls, recorded in the graph, made after it."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.region in self.report.fallbacks:
             return self.eager(*args, **kwargs)
         outer, self.report.active_region = self.report.active_region, self.region
         try:
-            return self._run(*args, **kwargs)
+            if self.log_calls is None:
+                return self._run(*args, **kwargs)
+            with self.log_calls.recording():
+                out = self._run(*args, **kwargs)
+            self.report.logged_calls = self.log_calls.replayed
+            return out
         finally:
             self.report.active_region = outer
 
@@ -133,6 +141,8 @@ class _RegionForward:
             # after a graph break, subgraphs that already ran (BatchNorm statistics, RNG draws) run once more
             self.report.fallbacks[self.region] = reason
             log.warning(f"static_dist: region {self.region!r} failed to compile and runs eagerly: {reason}")
+            if self.log_calls is not None:
+                self.log_calls.discard()  # the eager run logs again
             return self.eager(*args, **kwargs)
 
 
@@ -202,8 +212,10 @@ def _compile_method(region: nn.Module, method: str, name: str, backend: Callable
                     report: CompileReport, wrapper: type) -> None:
     eager = getattr(type(region), method)
     compiled = torch.compile(eager, backend=backend, fullgraph=config.fullgraph, dynamic=config.dynamic)
+    # a LightningModule's step: self.log / self.log_dict recorded in the graph, replayed when it returns (one graph)
+    log_calls = LogCalls.install(region) if method == "training_step" and hasattr(type(region), "log") else None
     # an instance attribute shadows the class's method: nn.Module.__call__ (and its hooks) stay as they are
-    setattr(region, method, types.MethodType(wrapper(name, eager, compiled, config, report), region))
+    setattr(region, method, types.MethodType(wrapper(name, eager, compiled, config, report, log_calls), region))
     report.regions.append(name)
 
 

@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import re
+import types
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -80,8 +81,16 @@ class CompileReport:
     """The region being run now (set by its forward): graphs compiled meanwhile are recorded as its own."""
     splitter: Optional[BucketGraphSplitter] = None
     """With a whole-step region cut at the gradient buckets: the backend that cut it (its pieces, what stayed uncut)."""
+    cudagraphs: Optional[str] = None
+    """Whether the graphs are replayed as CUDA graphs, and why (``CudagraphChoice.describe()``; ``None``: not decided
+    by the strategy)."""
+    cudagraph_skips: list[str] = field(default_factory=list)
+    """Inductor's reason for each graph it left without CUDA graphs (its kernels launched one by one)."""
     notes: list[str] = field(default_factory=list)
     """Settings the graphs were compiled with that a reader should know (graph mode's communication passes)."""
+    logged_calls: int = 0
+    """How many ``self.log`` / ``self.log_dict`` calls the last compiled ``training_step`` recorded in its graph and
+    made after it returned (:mod:`~lightning_static_dist.compile.log_calls`)."""
     outside_blocks: list[str] = field(default_factory=list)
     """With blocks compiled one by one: the modules holding parameters outside every block (they run eagerly, with
     the rest of ``training_step``, unless ``around_blocks`` compiles around the blocks)."""
@@ -112,6 +121,12 @@ class CompileReport:
             lines.insert(2, f"  cut into {counted(self.splitter.pieces, 'piece')} at the gradient buckets (one autograd node"
                             " each: their collectives overlap backward)")
             lines.extend(f"  - NOT cut, its gradients are ready only at its end: {why}" for why in self.splitter.uncut)
+        if self.cudagraphs is not None:
+            lines.append(self.cudagraphs)
+        lines.extend(f"  - NOT replayed as a CUDA graph: {why}" for why in self.cudagraph_skips[:10])
+        if self.logged_calls:
+            lines.append(f"self.log: {counted(self.logged_calls, 'call')} per step recorded in the graph and made after"
+                         " it, through Lightning's log (eagerly: sync_dist reduces then)")
         lines.extend(self.notes)
         if self.outside_blocks and self.around_blocks is None:
             lines.append(f"runs eagerly, outside the compiled blocks: {', '.join(self.outside_blocks[:8])}"
@@ -187,12 +202,17 @@ def _frames(node: torch.fx.Node) -> list[tuple[str, str, str]]:
 
 
 _THIS_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_EXAMPLES = _THIS_PACKAGE + "examples" + os.sep
+_REGIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "regions.py")
 
 
 def is_library_path(path: str) -> bool:
-    """Whether ``path`` is a library's file (an installed package, or this one), not the user's own code."""
-    return ("site-packages" in path or "dist-packages" in path
-            or os.path.abspath(path).startswith(_THIS_PACKAGE))
+    """Whether ``path`` is a library's file (an installed package, or this one), not the user's own code. The
+    package's example models (``examples/``) are a user's model, wherever the package is installed."""
+    path = os.path.abspath(path)
+    if path.startswith(_EXAMPLES):
+        return False
+    return "site-packages" in path or "dist-packages" in path or path.startswith(_THIS_PACKAGE)
 
 
 def _in_library(path: str) -> str:
@@ -213,43 +233,53 @@ def _looks_like_device(value: Any) -> bool:
     return isinstance(value, str) and re.fullmatch(r"(cpu|cuda|mps|xpu|meta)(:\d+)?", value) is not None
 
 
-def _compiling_code() -> str:
-    """``function (file:line)`` of the frame dynamo is compiling now."""
+def _compiling_code() -> Optional[types.CodeType]:
+    """The code object of the frame dynamo is compiling now (``None`` where this dynamo does not say)."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        code = InstructionTranslator.current_tx().f_code
-        return f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
+        return InstructionTranslator.current_tx().f_code
     except Exception:  # a dynamo without this internal: the frame stays unnamed
-        return "a frame"
+        return None
+
+
+def _code_name(code: Optional[types.CodeType]) -> str:
+    """``function (file:line)`` of ``code``."""
+    return f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else "a frame"
+
+
+def _guard_failures(code: Optional[types.CodeType]) -> list[str]:
+    """Every guard failure dynamo has found for ``code`` so far in this process, oldest first: one line per cache
+    entry it checked before a recompile (``0/0: L['batch_idx'] == 0``).
+
+    Dynamo writes its ``recompiles`` log only when ``TORCH_LOGS`` asks for it (the artifact's logger level is not
+    enough), but it always records the reasons in ``torch._dynamo.utils.guard_failures``, keyed by the frame's
+    original code: read there, every recompile names its guard."""
+    try:
+        from torch._dynamo.utils import guard_failures
+    except ImportError:  # a dynamo without it: the recompile is still counted, without its guard
+        return []
+    # one line each: dynamo appends the guard's source line and a stack after runs of spaces and newlines
+    return [re.sub(r"\s+", " ", str(reason).split("\nUser stack trace:")[0]).strip()
+            for reason in guard_failures.get(code, [])]
 
 
 # -------------------------------------------------------------------------------------------- dynamo's logs
 
 
 class _DynamoLogCapture(logging.Handler):
-    """Collects dynamo's ``graph_breaks`` and ``recompiles`` artifact records into a report."""
+    """Collects dynamo's ``graph_breaks`` artifact records into a report (recompiles: :func:`_guard_failures`)."""
 
     _AT = re.compile(r" at (\S+:\d+)")
 
     def __init__(self) -> None:
         super().__init__(level=logging.DEBUG)
         self.report: Optional[CompileReport] = None
-        self._guard: Optional[str] = None
-
-    def take_guard(self) -> Optional[str]:
-        """The guard failure of the recompile being compiled now, if dynamo logged it."""
-        guard, self._guard = self._guard, None
-        return guard
 
     def emit(self, record: logging.LogRecord) -> None:
         if self.report is None:
             return
         message = record.getMessage()
-        if record.name.endswith("__recompiles"):  # counted by the backend when the new graph compiles
-            guards = [line.strip(" -") for line in message.splitlines() if line.strip().startswith("- ")]
-            self._guard = "; ".join(guards) or message.splitlines()[0]
-            return
         if "Graph Break Reason:" not in message and "Graph break" not in message:
             return
         lines = message.splitlines()
@@ -277,10 +307,18 @@ class _DynamoLogCapture(logging.Handler):
     @staticmethod
     def _user_frame(message: str) -> Optional[str]:
         """The innermost frame of the user's own code in dynamo's "User code traceback" (not torch, Lightning
-        or this package): where ``self.log(...)`` was called, not where Lightning's ``log`` breaks."""
+        or this package): where the user's line called the code that broke, not the line inside a library.
+
+        The traceback holds the whole Python stack, the launcher's and the Trainer's frames included: only the frames
+        inside a compiled region's call (after this package's ``regions.py``) are looked at. When all of those are a
+        library's (a model installed as a package), the region's own frame (the compiled method's line) is named."""
         frames = re.findall(r'File "([^"]+)", line (\d+)', message.split("User code traceback:", 1)[-1])
-        own = [f"{path}:{line}" for path, line in frames if not is_library_path(path)]
-        return own[-1] if own else None
+        inside = [i for i, (path, _) in enumerate(frames) if os.path.abspath(path) == _REGIONS]
+        traced = frames[inside[-1] + 1:] if inside else frames
+        own = [f"{path}:{line}" for path, line in traced if not is_library_path(path)]
+        if own:
+            return own[-1]
+        return f"{traced[0][0]}:{traced[0][1]}" if inside and traced else None
 
 
 _CAPTURE = _DynamoLogCapture()
@@ -288,19 +326,25 @@ _CAPTURE = _DynamoLogCapture()
 
 def _capture_dynamo_logs(report: CompileReport) -> None:
     import torch._dynamo  # noqa: F401  (imports the modules that own the artifact loggers)
-    from torch._logging._internal import log_registry
 
     _CAPTURE.report = report
+    listen_to_artifacts(_CAPTURE, ("__graph_breaks",), logging.DEBUG)
+
+
+def listen_to_artifacts(handler: logging.Handler, suffixes: tuple[str, ...], level: int) -> None:
+    """Attach ``handler`` to torch's artifact loggers whose names end with one of ``suffixes`` (their modules must be
+    imported). One that ``TORCH_LOGS`` did not ask for is enabled for us alone, at ``level``: torch's own handler on
+    "torch" would print every record that propagates, whatever the parent's level."""
+    from torch._logging._internal import log_registry
+
     for qname in list(log_registry.artifact_log_qnames):
-        if qname.endswith(("__graph_breaks", "__recompiles")):
+        if qname.endswith(suffixes):
             logger = logging.getLogger(qname)
-            if _CAPTURE not in logger.handlers:
-                logger.addHandler(_CAPTURE)
+            if handler not in logger.handlers:
+                logger.addHandler(handler)
             if logger.level == logging.NOTSET:
-                # TORCH_LOGS did not ask for it: enable it for us only — torch's own handler on "torch" would
-                # print every record that propagates, whatever the parent's level
                 logger.propagate = False
-                logger.setLevel(logging.DEBUG)
+                logger.setLevel(level)
 
 
 def failure_reason(err: BaseException) -> str:

@@ -31,6 +31,7 @@ from lightning_static_dist.compile import (
     is_compiled,
 )
 from lightning_static_dist.compile.config import CompileConfig
+from lightning_static_dist.compile.cudagraphs import CudagraphChoice, capture_skips, choose_cudagraphs
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.processes.fingerprint import check_same_on_all_ranks
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
@@ -73,14 +74,28 @@ class StaticCompile(StepParticipant):
         """``strategy.compile`` as it applies to this run: enabled by ``trainer.fit(torch.compile(model))``, and with
         ``reduce_scatter`` a ``regional: auto`` resolved to the blocks one by one (each block waits for its own
         parameters' all-gather in a forward pre-hook; a graph cut at the buckets could not follow that synchroniser's
-        static plan), or to the whole step uncut for a model without repeated blocks."""
+        static plan), or to the whole step uncut for a model without repeated blocks; ``cudagraphs`` resolved to a
+        bool (:meth:`cudagraphs` says why)."""
         config = self._view.config.compile
         if self.requested_backend is not None:
             # the user passed torch.compile(model); Lightning's compile check unwrapped it
             config = dataclasses.replace(config, enabled=True, backend=self.requested_backend)
         if config.regional == "auto" and self._view.reduce_scatter():
             config = dataclasses.replace(config, regional=bool(self.repeated_blocks()))
-        return config
+        return dataclasses.replace(config, cudagraphs=self._choose_cudagraphs(config).on)
+
+    def cudagraphs(self) -> CudagraphChoice:
+        """``compile.cudagraphs`` for this run, and why: ``auto`` resolved from the device and the features that
+        move parameters between steps (:func:`~lightning_static_dist.compile.cudagraphs.choose_cudagraphs`)."""
+        config = self._view.config.compile
+        if self.requested_backend is not None:
+            config = dataclasses.replace(config, backend=self.requested_backend)
+        return self._choose_cudagraphs(config)
+
+    def _choose_cudagraphs(self, config: CompileConfig) -> CudagraphChoice:
+        view = self._view
+        return choose_cudagraphs(config, view.root_device, sync_mode=view.config.sync.mode,
+                                 gathers_parameters=view.reduce_scatter() or view.config.embedding.shard is not False)
 
     def repeated_blocks(self) -> list[torch.nn.Module]:
         """The blocks ``regional: true`` would compile one by one (none when the model has no repeated blocks)."""
@@ -110,6 +125,8 @@ class StaticCompile(StepParticipant):
             split = compile_split(config, sync, view.world_size)
             patches = graph_mode_patches(sync.capacity) if graph_mode else None
             self.report = compile_regions(module, config, split=split, inductor_patches=patches)
+            self.report.cudagraphs = self.cudagraphs().describe()
+            capture_skips(self.report.cudagraph_skips)
             if config.optimizer and context.fitting:
                 for optimizer in view.optimizers:
                     compile_optimizer_step(optimizer, config, self.report)

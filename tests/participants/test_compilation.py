@@ -38,6 +38,17 @@ def test_setup_compiles_the_training_step_which_computes_what_eager_computes() -
     assert [type(c) for c in context.callbacks] == [GraphReport]
 
 
+@pytest.mark.parametrize(("backend", "says"), [("aot_eager", "off (backend 'aot_eager': CUDA graphs come from inductor)"),
+                                                ("inductor", "off (auto: the device is cpu)")])
+def test_the_report_says_whether_the_step_replays_cuda_graphs_and_why(backend: str, says: str) -> None:
+    view = _compiling(backend=backend)
+    participant = StaticCompile(view)
+    participant.setup(view.enter(Context()))
+    assert participant.report is not None and participant.report.cudagraphs == f"CUDA graphs: {says}"
+    assert f"CUDA graphs: {says}" in participant.report.summary()
+    assert participant.config().cudagraphs is False  # resolved: what the backend compiles with
+
+
 def test_a_later_setup_of_the_compiled_model_compiles_nothing_again() -> None:
     view = _compiling()
     participant = StaticCompile(view)

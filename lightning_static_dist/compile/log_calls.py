@@ -1,0 +1,123 @@
+"""``self.log`` and ``self.log_dict`` inside a compiled ``training_step``: recorded in the graph, replayed after it.
+
+Lightning's own ``log`` ends in a ``torch.compiler.disable``d call, so a traced ``self.log`` splits the step into two
+graphs. While the strategy's compiled step runs, a LightningModule's ``log`` and ``log_dict`` are stand-ins that
+append the call to a list: dynamo traces the append as a side effect, so the logged tensors become outputs of the
+graph. When the compiled call returns, the calls are made in order, with the same arguments, through the class's
+real ``log`` / ``log_dict``: ``sync_dist``, ``on_step`` / ``on_epoch`` and the batch size happen eagerly, as without
+compile. A Python number that changes between steps still recompiles the step (the traced code reads it). The whole
+story, with what recompiles and why: ``docs/how-it-works.md`` (Compilation).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+#: the LightningModule methods the compiled step records instead of tracing into
+LOGGING_METHODS = ("log", "log_dict")
+
+
+class LogCalls:
+    """The logging calls of one LightningModule's compiled step: recorded while it runs, replayed when it returns.
+
+    Example::
+
+        calls = LogCalls.install(module)    # module.log / module.log_dict are stand-ins from now on
+        with calls.recording():             # around the compiled training_step (regions.py does this)
+            loss = compiled_training_step(module, batch, batch_idx)
+        # the recorded self.log calls have now run through Lightning's own log, in order
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[nn.Module, str, tuple[Any, ...], dict[str, Any]]] = []
+        """``(module, method, args, kwargs)`` per call of this step, in call order. One list for the module's life:
+        dynamo guards on it, and replacing it would recompile."""
+        self.depth = 0
+        """How many compiled calls of the step are running (more than 1 only when one is nested in another)."""
+        self.replayed = 0
+        """How many calls the last replay made (for the compile report)."""
+
+    @classmethod
+    def install(cls, module: nn.Module) -> LogCalls:
+        """Put stand-ins for ``module.log`` and ``module.log_dict`` on the instance (the class keeps the real ones).
+
+        Bound with ``types.MethodType``, as the region wrappers are: a ``copy.deepcopy`` of the module rebinds them to
+        the copy, which records into the same list and replays on itself."""
+        calls = cls()
+        for method in LOGGING_METHODS:
+            if callable(getattr(type(module), method, None)):
+                setattr(module, method, types.MethodType(calls._stand_in(method), module))
+        return calls
+
+    def _stand_in(self, method: str) -> Any:
+        calls = self
+
+        def record(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+            # traced by dynamo inside the compiled step (it guards on depth == 1 and traces only the append)
+            if calls.depth:
+                # a snapshot, as Lightning's log takes one when called: a parameter logged as it is
+                # (self.log("temperature", self.temperature)) and then stepped by a manual optimizer inside the step
+                # must be logged with its value at the call
+                calls.entries.append((module, method, _owned(args), _owned(kwargs)))
+                return None
+            return getattr(type(module), method)(module, *args, **kwargs)
+
+        record.__name__ = record.__qualname__ = method
+        return record
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record the step's logging calls while the block runs; when the outermost block ends, replay them (or, if
+        it raised, drop them: the step did not happen)."""
+        self.depth += 1
+        try:
+            yield
+        except BaseException:
+            if self.depth == 1:
+                self.entries.clear()
+            raise
+        finally:
+            self.depth -= 1
+        if self.depth == 0:
+            self.replay()
+
+    def discard(self) -> None:
+        """Forget what was recorded so far in this step: a compiled call that failed half way is run again eagerly
+        (``compile.fallback: eager``), and its logging calls with it."""
+        self.entries.clear()
+
+    def replay(self) -> None:
+        """Make the recorded calls through the modules' real ``log`` / ``log_dict``, in order."""
+        entries = list(self.entries)
+        self.entries.clear()
+        for module, method, args, kwargs in entries:
+            getattr(type(module), method)(module, *_owned(args), **_owned(kwargs))
+        self.replayed = len(entries)
+
+
+def _owned(value: Any) -> Any:
+    """``value`` with each tensor in it (in tuples, lists and dicts) cloned: once inside the graph when the call is
+    recorded (the value at the call), and once more after the graph when the call is replayed.
+
+    The second clone is for CUDA graphs. A recorded tensor is an output of the compiled call; under
+    ``strategy.compile.cudagraphs`` (inductor's cudagraph trees, on by default with CUDA and inductor) that output
+    lives in the graph's memory pool, and the next replay of the graph overwrites it, while Lightning keeps what is
+    logged beyond the step (``_ResultMetric`` holds the ``on_step`` value until the loggers read it, and accumulates
+    the ``on_epoch`` one). Lightning 2.6 happens to copy both (``value.clone()`` on step, ``value * batch_size`` on
+    epoch), but that is its detail, not a promise: a logged value is a scalar (Lightning refuses others), so the copy
+    is one small kernel. A clone keeps autograd history, so ``enable_graph=True`` works as before; Lightning detaches
+    the value otherwise.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if type(value) in (tuple, list):
+        return type(value)(_owned(v) for v in value)
+    if type(value) is dict:
+        return {k: _owned(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,75 @@
+"""The bookkeeping of ``gpuN_gpt2s.py --simulate``'s persistent rounds (``benchmarks/_rounds.py``,
+``benchmarks/_simulated.py``) on rounds written by hand: every figure checked against numbers worked out here."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
+from _rounds import rotated, steps_needed  # noqa: E402
+from _simulated import parse_link, sim_rows, sim_summary, split_key  # noqa: E402
+
+LINKS = [parse_link("free"), parse_link("nvlink=70,5,8")]
+
+
+def _round(r: int, windows: list[float], host: list[float]) -> dict:
+    return {"round": r, "window_s": windows, "host_s": host}
+
+
+#: window seconds; static_dist's windows alternate free, nvlink (its two links)
+RUNS = {
+    "ceiling@1": [_round(0, [0.030, 0.030], [0.020, 0.020]), _round(1, [0.032, 0.032], [0.021, 0.021])],
+    "static_dist@sim2": [_round(0, [0.030, 0.040], [0.005, 0.005]), _round(1, [0.031, 0.041], [0.006, 0.006])],
+    "ceiling@1+busy": [_round(0, [0.045, 0.045], [0.045, 0.045]), _round(1, [0.047, 0.047], [0.047, 0.047])],
+    "static_dist@sim2+busy": [_round(0, [0.030, 0.040], [0.009, 0.009]), _round(1, [0.030, 0.041], [0.009, 0.009])],
+}
+WORKERS = {"ceiling@1": {"peak_mem_gib": 8.0, "tokens_per_step": 16384, "window": 10},
+           "static_dist@sim2": {"peak_mem_gib": 8.4, "tokens_per_step": 16384, "window": 10}}
+
+
+def test_keys_name_the_contender_the_world_and_the_host() -> None:
+    assert split_key("static_dist@sim8+busy") == ("static_dist", 8, "busy")
+    assert split_key("ceiling@1") == ("ceiling", 1, "quiet")
+
+
+def test_each_round_is_paired_with_the_ceilings_same_round_under_the_same_load() -> None:
+    rows = {(r["contender"], r["link"], r["host"]): r for r in sim_rows(RUNS, LINKS, WORKERS)}
+    free = rows[("static_dist", "free", "quiet")]
+    assert free["step_ms_per_round"] == [30.0, 31.0]
+    assert free["vs_ceiling_per_round"] == [1.0, round(0.032 / 0.031, 4)]
+    assert free["vs_ceiling_min"] == 1.0
+    assert free["vs_ceiling"] == round(0.031 / 0.0305, 4)  # the medians: ceiling 31 ms, static_dist 30.5 ms
+    assert free["spread"] == round(1.0 / 30.5, 4)
+    assert free["host_ms_median"] == 5.5
+    assert free["peak_mem_gib"] == 8.4 and free["tokens_per_s_per_gpu"] == round(16384 / 0.0305)
+    nvlink = rows[("static_dist", "nvlink", "quiet")]
+    assert nvlink["step_ms_per_round"] == [40.0, 41.0]
+    busy = rows[("static_dist", "free", "busy")]
+    assert busy["vs_ceiling_per_round"] == [1.5, round(0.047 / 0.030, 4)]  # against the loaded ceiling
+    assert busy["overlap_tail"] is None  # (the monitored tail ran unloaded)
+
+
+def test_the_summary_names_the_issues_figures() -> None:
+    rows = sim_rows(RUNS, LINKS, WORKERS)
+    summary = sim_summary(rows, LINKS, "nvlink")
+    assert summary["sim_free_vs_ceiling_min"] == 1.0
+    assert summary["sim_free_spread"] == round(1.0 / 30.5, 4)
+    assert summary["sim_free_busy_host_vs_ceiling"] == round(0.046 / 0.030, 4)
+    assert summary["busy_host_ceiling_vs_quiet"] == round(31.0 / 46.0, 4)
+    assert summary["peak_gib_vs_ceiling"] == round(8.4 / 8.0, 4)
+    assert summary["sim_nvlink_vs_ceiling"] == round(0.031 / 0.0405, 4)
+    assert summary["sim_free_vs_ceiling_8"] is None  # no world of 8 in these runs
+
+
+@pytest.mark.parametrize(("r", "order"), [(0, "ABC"), (1, "BCA"), (2, "CAB"), (3, "ABC")])
+def test_the_order_is_rotated_every_round(r: int, order: str) -> None:
+    assert "".join(rotated(list("ABC"), r)) == order
+
+
+def test_a_worker_runs_exactly_the_steps_the_drivers_commands_ask_for() -> None:
+    # 12 warm-up steps, 10 rounds (5 quiet, 5 busy) of 3 + 3 x 10, a profile of 3 + 3, a tail of 6
+    assert steps_needed(12, 10, 3, 10, 3, 3, 6) == 12 + 10 * 33 + 6 + 6
+    assert steps_needed(12, 10, 3, 10, 3, 0, 6) == 12 + 10 * 33 + 6
