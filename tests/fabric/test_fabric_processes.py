@@ -101,9 +101,11 @@ def test_a_simulated_world_under_fabric_gives_the_trainer_strategys_figures() ->
 # ------------------------------------------------------------------------------------------- the peer watchdog
 
 
-_KILLED_PEER_SCRIPT = """
-import os, signal, sys, time
+#: a 2-rank Fabric job of a user's script, up to its training loop
+_FABRIC_JOB = """
+import os, signal, sys, threading, time
 import torch
+import torch.distributed as dist
 import lightning as L
 import lightning_static_dist
 
@@ -111,6 +113,9 @@ fabric = L.Fabric(accelerator="cpu", devices=2, strategy="static_dist")
 fabric.launch()
 model = torch.nn.Linear(4, 2)
 model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+"""
+
+_KILLED_PEER_SCRIPT = _FABRIC_JOB + """
 for step in range(6):
     if step == 3:
         if fabric.global_rank == 1:
@@ -148,17 +153,7 @@ def test_a_rank_killed_while_its_peer_is_blocked_ends_a_fabric_job_with_one_line
     assert seconds < 90
 
 
-_LEFT_BEHIND_SCRIPT = """
-import sys, threading, time
-import torch
-import torch.distributed as dist
-import lightning as L
-import lightning_static_dist
-
-fabric = L.Fabric(accelerator="cpu", devices=2, strategy="static_dist")
-fabric.launch()
-model = torch.nn.Linear(4, 2)
-model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+_LEFT_BEHIND_SCRIPT = _FABRIC_JOB + """
 for step in range(2):
     fabric.backward(model(torch.randn(8, 4)).sum())
     optimizer.step()
