@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.config import ConfigError
-from lightning_static_dist.config.lightning_cli import report_config_errors_under_jsonargparse
+from lightning_static_dist.config.lightning_cli import report_config_errors_under_jsonargparse, sections_of
 from lightning_static_dist.embedding import EmbeddingConfig
 from lightning_static_dist.mesh import MeshConfig
 from lightning_static_dist.strategy_config import StrategyConfig
@@ -59,6 +59,7 @@ __all__ = [
 
 StaticDistStrategy.register_strategies(StrategyRegistry)
 register_inductor_distributed()
-# LightningCLI builds these after parsing: a bad value is one line there too, not jsonargparse's traceback
+# LightningCLI builds these after parsing (the sections too, from a nested key): a bad value is one line there too,
+# not jsonargparse's traceback
 report_config_errors_under_jsonargparse(StaticDistStrategy, StaticDistFabricStrategy, OverlapMonitor, RunSummary,
-                                        GraphReport, CompressionGuard)
+                                        GraphReport, CompressionGuard, *sections_of(StrategyConfig))

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -32,19 +33,37 @@ SUMMARY_FILE = "summary.json"
 
 
 def say(trainer: pl.Trainer, text: str) -> None:
-    """Log ``text`` on rank 0 at INFO, like Lightning's own messages; above the bar while a TQDM bar is open.
+    """Log a diagnostic (the compile report) on rank 0 at INFO, on stderr like Lightning's own messages; above the bar
+    while a TQDM bar is open.
 
     Example::
 
-        say(trainer, f"step {trainer.global_step}  loss {loss:.4f}")
+        say(trainer, f"static_dist compile report (after the first step):\n{report.summary()}")
     """
-    if not trainer.is_global_zero:
-        return
+    _write(trainer, text, result=False)
+
+
+def show(trainer: pl.Trainer, text: str) -> None:
+    """Print a result (a progress line, the summary table) on rank 0 to stdout, so that ``lsd-train ... > log.txt``
+    keeps it; above the bar while a TQDM bar is open; nothing while Lightning's INFO messages are silenced.
+
+    Example::
+
+        show(trainer, f"step {trainer.global_step}  loss {loss:.4f}")
+    """
+    _write(trainer, text, result=True)
+
+
+def _write(trainer: pl.Trainer, text: str, result: bool) -> None:
+    if not trainer.is_global_zero or not rank_zero_module.log.isEnabledFor(logging.INFO):
+        return  # (the level rank_zero_info respects: a user who silenced Lightning's messages silenced these too)
     bar = _open_tqdm_bar(trainer)
-    if bar is None:
+    if bar is not None:  # a line in mid-bar would be cut into the bar's own line: tqdm clears the bar first
+        bar.write(text, file=sys.stdout if result else sys.stderr)
+    elif result:
+        print(text, flush=True)
+    else:
         rank_zero_info(text)
-    elif rank_zero_module.log.isEnabledFor(logging.INFO):  # the level rank_zero_info would have respected
-        bar.write(text)  # a log line in mid-bar would be cut into the bar's own line
 
 
 def _open_tqdm_bar(trainer: pl.Trainer) -> Any:
@@ -134,6 +153,7 @@ class RunSummary(Callback):
         self._window = (0.0, 0)  # (seconds, tokens or samples) of the micro-batches since the last optimizer step
         self._optimizer_steps: list[tuple[float, int]] = []  # (seconds, tokens or samples) of each recent optimizer step
         self._printed_step = -1
+        self._log_dir: Optional[str] = None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -171,7 +191,7 @@ class RunSummary(Callback):
             median_s = statistics.median(s for s, _ in self._optimizer_steps)
             per_s = statistics.median(n / s for s, n in self._optimizer_steps) * trainer.world_size
             total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-            say(trainer, f"step {step}{f'/{total}' if total else ''}  loss {float(self.losses[-1]):.4f}"
+            show(trainer, f"step {step}{f'/{total}' if total else ''}  loss {float(self.losses[-1]):.4f}"
                          f"  {1e3 * median_s:.1f} ms/step  {per_s:,.0f} {self.unit}/s")
 
     @override
@@ -181,7 +201,7 @@ class RunSummary(Callback):
         shown = {k: float(v) for k, v in trainer.callback_metrics.items()
                  if k.startswith("val") and isinstance(v, torch.Tensor) and v.numel() == 1}
         if shown:
-            say(trainer, f"validation at step {trainer.global_step}: "
+            show(trainer, f"validation at step {trainer.global_step}: "
                          + "  ".join(f"{k} {v:.4f}" for k, v in sorted(shown.items())))
 
     @override
@@ -214,13 +234,19 @@ class RunSummary(Callback):
             link = simulation.link
             self.summary["simulated_world_size"] = simulation.world_size
             self.summary["simulated_link"] = link.describe() if link is not None else "free (no data crossed a link)"
-        log_dir = trainer.log_dir  # a collective under distributed strategies: every rank must ask
-        if trainer.is_global_zero:
-            say(trainer, format_summary(self.summary))
-            if log_dir is not None:
-                os.makedirs(log_dir, exist_ok=True)
-                with open(os.path.join(log_dir, SUMMARY_FILE), "w") as f:
-                    json.dump(self.summary, f, indent=2)
+        log_dir = self._log_dir = trainer.log_dir  # a collective under distributed strategies: every rank must ask
+        if trainer.is_global_zero and log_dir is not None:
+            os.makedirs(log_dir, exist_ok=True)
+            with open(os.path.join(log_dir, SUMMARY_FILE), "w") as f:
+                json.dump(self.summary, f, indent=2)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # printed here, not in on_train_end: a progress bar closes in its own on_train_end, which Lightning may call
+        # after this callback's, and would draw its last line again below the table
+        if not self.summary:
+            return
+        show(trainer, format_summary(self.summary) + (f"\nrun folder: {self._log_dir}" if self._log_dir else ""))
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -279,6 +305,7 @@ class GraphReport(Callback):
         self.print_summary = self.config.print_summary
         self._printed_recompiles: Optional[int] = None
         self._logged_at = 0  # the global step last logged at (0: no optimizer step yet)
+        self._at_end: Optional[str] = None  # the end-of-training report, said once the progress bar has closed
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -315,4 +342,11 @@ class GraphReport(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         report = self._report(trainer)
         if report is not None and self.print_summary and len(report.recompiles) != self._printed_recompiles:
-            say(trainer, f"static_dist compile report (end of training):\n{report.summary()}")
+            self._at_end = f"static_dist compile report (end of training):\n{report.summary()}"
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # said here, after the progress bar's own on_train_end closed its bar (as RunSummary's table)
+        if self._at_end is not None:
+            say(trainer, self._at_end)
+            self._at_end = None

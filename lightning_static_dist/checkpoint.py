@@ -546,3 +546,21 @@ def consolidate(path: str, out: str, weights_only: Optional[bool] = None) -> Non
         checkpoint["optimizer_states"] = [s.full(no_dist=True) if isinstance(s, ShardedOptimizerState) else s
                                           for s in checkpoint["optimizer_states"]]
     save_full(checkpoint, out)
+
+
+def training_progress(path: str) -> Optional[tuple[int, int]]:
+    """``(global_step, completed epochs)`` a checkpoint (a file, or a sharded checkpoint's directory) was saved at,
+    read without loading its tensors (a memory-mapped, weights-only load); ``None`` when it cannot be read that way,
+    and the resume itself then says what is wrong with it.
+
+    Example::
+
+        training_progress("runs/x/checkpoints/epoch=0-step=300.ckpt")   # (300, 0)
+    """
+    target = os.path.join(path, META_FILE) if is_sharded_checkpoint(path) else path
+    try:
+        meta = torch.load(target, map_location="cpu", mmap=True, weights_only=True)
+        epochs = meta.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+        return int(meta["global_step"]), int(epochs.get("completed", 0))
+    except Exception:  # (damaged, planted, or not a Lightning checkpoint)
+        return None

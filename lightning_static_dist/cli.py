@@ -30,7 +30,7 @@ def build_trainer_inputs(cfg: RunConfig) -> tuple[Any, Any, Any]:
     from lightning_static_dist.callbacks import GraphReport
     from lightning_static_dist.strategy import StaticDistStrategy
 
-    L.seed_everything(cfg.seed, workers=True)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)  # (the run file says it: no line before an error)
     model, datamodule = cfg.model.instantiate("model"), cfg.data.instantiate("data")
     strategy = StaticDistStrategy.from_config(cfg.strategy)
     callbacks = [block.build(name) for name, block in cfg.callbacks.items() if block.enabled]
@@ -73,26 +73,51 @@ def find_last_checkpoint(roots: Sequence[str]) -> Optional[str]:
     return max(found)[1] if found else None
 
 
-def resume_from(cfg: RunConfig) -> Optional[str]:
+def resume_from(cfg: RunConfig) -> tuple[Optional[str], Optional[str]]:
     """The checkpoint this run resumes from: ``ckpt_path`` resolved (``last``: the newest under the run's folders),
-    and under ``torchrun --max-restarts`` a restarted attempt resumes from the newest by itself. Says which, in one
-    line on rank 0; ``last`` with nothing to resume from says so and starts from step 0."""
+    and under ``torchrun --max-restarts`` a restarted attempt resumes from the newest by itself; with the one line
+    rank 0 says about it (``last`` with nothing to resume from: that it starts from step 0), or ``None``."""
     if RESUME_ENV in os.environ and os.environ.get("LOCAL_RANK", "0") != "0":
-        return os.environ[RESUME_ENV] or None  # a rank Lightning's launcher started: rank 0 resolved it already
+        return os.environ[RESUME_ENV] or None, None  # a rank Lightning's launcher started: rank 0 resolved it already
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     wanted = cfg.ckpt_path if cfg.ckpt_path is not None or restart == 0 else "last"
-    path = wanted
+    path, line = wanted, None
     if wanted == "last":
         roots = [cfg.trainer.get("default_root_dir") or os.getcwd()]
         dirpath = cfg.callbacks["model_checkpoint"].options.get("dirpath") if "model_checkpoint" in cfg.callbacks else None
         roots += [dirpath] if dirpath else []
         path = find_last_checkpoint(roots)
         why = f"restart {restart} of torchrun --max-restarts" if cfg.ckpt_path is None else "ckpt_path=last"
-        if int(os.environ.get("RANK", "0") or 0) == 0:
-            print(f"lsd-train: {why}: " + (f"resuming from {path}" if path else
-                  f"no checkpoint under {', '.join(roots)}; starting from step 0"), file=sys.stderr, flush=True)
+        line = f"lsd-train: {why}: " + (f"resuming from {path}" if path else
+                                        f"no checkpoint under {', '.join(roots)}; starting from step 0")
     os.environ[RESUME_ENV] = path or ""
-    return path
+    return path, line
+
+
+def finished_already(cfg: RunConfig, ckpt_path: Optional[str], command: Sequence[str]) -> Optional[str]:
+    """The one line ``lsd-train`` ends with when the checkpoint it resumes from is already as far as the run goes
+    (``trainer.max_steps``, else ``trainer.max_epochs``): Lightning would restore it, stop at once, print nothing and
+    leave an empty ``version_N`` folder. It names the limit and the command that continues the run (``command``: the
+    config and the overrides given); ``None`` when there is training left, or the checkpoint cannot be read here."""
+    from lightning_static_dist.checkpoint import training_progress
+
+    progress = training_progress(ckpt_path) if ckpt_path is not None else None
+    if progress is None:
+        return None
+    step, epochs = progress
+    max_steps = cfg.trainer.get("max_steps", -1)
+    max_epochs = cfg.trainer.get("max_epochs")
+    if max_epochs is None:  # (Lightning's default: 1000 epochs unless max_steps limits the run)
+        max_epochs = 1000 if max_steps == -1 else -1
+    if max_steps != -1 and step >= max_steps:
+        key, at, limit, more = "trainer.max_steps", f"step {step}", max_steps, max(2 * step, step + 1)
+    elif max_epochs != -1 and epochs >= max_epochs:
+        key, at, limit, more = "trainer.max_epochs", f"{counted(epochs, 'epoch')} done", max_epochs, epochs + 1
+    else:
+        return None
+    kept = [arg for arg in command if not arg.startswith(f"{key}=")]
+    return (f"lsd-train: nothing to train: {ckpt_path} is at {at}, and {key} is {limit}; to continue the run, raise"
+            f" it: lsd-train {' '.join(kept)} {key}={more}")
 
 
 def default_loggers(root_dir: str) -> list[Any]:
@@ -132,7 +157,13 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         if args.print_config:
             print(print_run_file(cfg), end="")
             return
-        ckpt_path = resume_from(cfg)
+        ckpt_path, resuming = resume_from(cfg)
+        # a finished run: one line, before any process, logger or version folder exists
+        finished = finished_already(cfg, ckpt_path, [args.config, *args.overrides])
+        if (finished or resuming) and int(os.environ.get("RANK", "0") or 0) == 0:
+            print(finished or resuming, file=sys.stderr, flush=True)
+        if finished is not None:
+            return
         trainer, model, datamodule = build_trainer_inputs(cfg)
     except ConfigError as err:
         parser.exit(2, f"lsd-train: error: {err}\n")
@@ -158,23 +189,34 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 def print_run_file(cfg: RunConfig) -> str:
-    """``lsd-train --print-config``: the validated run file as YAML that ``lsd-train`` accepts back as it is."""
+    """``lsd-train --print-config``: the validated run file as YAML that ``lsd-train`` accepts back as it is. A run
+    file without a ``callbacks.model_checkpoint`` block gets it, as the run has it (Lightning's default checkpoint
+    callback, or none with ``trainer.enable_checkpointing: false``): the printed file is the one to edit."""
     import yaml
 
+    printed = cfg.to_dict()
+    checkpointing = cfg.trainer.get("enable_checkpointing", True) is not False
+    printed["callbacks"].setdefault("model_checkpoint", {"enabled": checkpointing})
     header = "# the validated run file (lsd-train --print-config); train with: lsd-train THIS_FILE.yaml\n"
-    return header + yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
+    return header + yaml.safe_dump(printed, sort_keys=False, default_flow_style=False)
 
 
 # ---------------------------------------------------------------------------------------------------- report
 
 
+#: the start of a TensorBoard event file's name (``events.out.tfevents.<time>.<host>...``)
+EVENTS_FILE = "events.out.tfevents."
+
+
 def find_run_dirs(root: str) -> list[str]:
-    """Lightning log directories (holding ``metrics.csv``) under ``root``, newest last."""
+    """Lightning log directories under ``root`` (holding ``metrics.csv`` or TensorBoard event files: LightningCLI's
+    default logger writes only these), newest last by their newest such file."""
     found = []
     for dirpath, _, filenames in os.walk(root):
-        if "metrics.csv" in filenames:
-            found.append(dirpath)
-    return sorted(found, key=lambda d: os.path.getmtime(os.path.join(d, "metrics.csv")))
+        logs = [os.path.join(dirpath, f) for f in filenames if f == "metrics.csv" or f.startswith(EVENTS_FILE)]
+        if logs:
+            found.append((max(os.path.getmtime(p) for p in logs), dirpath))
+    return [d for _, d in sorted(found)]
 
 
 def read_metrics(path: str) -> dict[str, list[tuple[int, float]]]:
@@ -190,6 +232,27 @@ def read_metrics(path: str) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
+def read_event_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of the TensorBoard event files in ``log_dir``, as :func:`read_metrics` returns a CSV's, read with
+    TensorBoard's own reader (every point kept: its default keeps a sample of 10,000). Lightning's ``epoch`` and its
+    hyperparameters' placeholder ``hp_metric`` are left out, as the CSV's ``epoch`` is."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        raise ValueError(f"lsd-report: {log_dir} holds TensorBoard event files and no metrics.csv; reading them needs"
+                         " tensorboard (pip install tensorboard)") from None
+    events = EventAccumulator(log_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+            if tag not in ("epoch", "hp_metric")}
+
+
+def read_series(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """A log directory's metrics: its ``metrics.csv`` where there is one, else its TensorBoard event files."""
+    csv_path = os.path.join(log_dir, "metrics.csv")
+    return read_metrics(csv_path) if os.path.exists(csv_path) else read_event_scalars(log_dir)
+
+
 def report(run_dir: str, plot: bool = True) -> str:
     """The summary table of the newest run under ``run_dir``; writes ``<log_dir>/curves.png`` when ``plot`` and then
     names the constant series the picture lists instead of drawing (``lightning_static_dist/report_plot.py``)."""
@@ -197,9 +260,9 @@ def report(run_dir: str, plot: bool = True) -> str:
     if not runs:
         raise FileNotFoundError(_why_no_metrics(run_dir))
     log_dir = runs[-1]
-    series = read_metrics(os.path.join(log_dir, "metrics.csv"))
-    if not series:
-        raise FileNotFoundError(f"lsd-report: {log_dir}/metrics.csv holds no values yet: did the run log anything?")
+    series = read_series(log_dir)
+    if not series:  # (a TensorBoard logger writes its event file before any value)
+        raise FileNotFoundError(_why_no_metrics(log_dir, empty_log=True))
     width = max(28, *(len(k) for k in series))
     lines = [f"run: {log_dir}", f"{'metric':<{width}} {'first':>12} {'last':>12} {'min':>12} {'median':>12} {'points':>7}"]
     for key in sorted(series):
@@ -224,13 +287,17 @@ def report(run_dir: str, plot: bool = True) -> str:
     return "\n".join(lines)
 
 
-def _why_no_metrics(run_dir: str) -> str:
-    """The one line ``lsd-report`` prints when it finds no ``metrics.csv``: a run that logged nothing (shorter than
-    Lightning's ``log_every_n_steps``) is told apart from a directory that holds no run."""
+def _why_no_metrics(run_dir: str, empty_log: bool = False) -> str:
+    """The one line ``lsd-report`` prints when it finds no metrics (``empty_log``: a log directory with no value in
+    it): a run that logged nothing (shorter than Lightning's ``log_every_n_steps``) is told apart from a directory
+    that holds no run."""
     logged = sorted(os.path.join(d, f) for d, _, files in os.walk(run_dir) for f in files
                     if f in ("summary.json", "hparams.yaml"))
+    if not logged and empty_log:
+        return f"lsd-report: {run_dir} holds no values yet: did the run log anything?"
     if not logged:
-        return f"lsd-report: no metrics.csv under {run_dir!r}: is it a finished run's directory?"
+        return (f"lsd-report: no metrics.csv under {run_dir!r}, nor TensorBoard event files: is it a finished run's"
+                " directory?")
     steps = ""
     summary = next((p for p in logged if p.endswith("summary.json")), None)
     if summary is not None:

@@ -298,9 +298,9 @@ def _callbacks_from_dict(data: Any) -> dict[str, CallbackConfig]:
         enabled = options.pop("enabled", True)
         check_value(f"callbacks.{name}.enabled", enabled, bool)
         if name in LIGHTNING_CALLBACKS:  # Lightning's own: its constructor's arguments
-            check_kwargs_against(f"callbacks.{name}", LIGHTNING_CALLBACKS[name], options)
-        else:
-            section_from_dict(CALLBACKS[name].Config, options, key=f"callbacks.{name}")  # checked before any process
+            check_kwargs_against(f"callbacks.{name}", LIGHTNING_CALLBACKS[name], options, taken=("enabled",))
+        else:  # checked before any process
+            section_from_dict(CALLBACKS[name].Config, options, key=f"callbacks.{name}", taken=("enabled",))
         out[name] = CallbackConfig(enabled=enabled, options=options)
     return out
 

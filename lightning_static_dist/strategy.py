@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
-from typing import Any, Literal, Optional, TypeVar, Union
+from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
 
 import torch
 from torch import Tensor
@@ -53,6 +53,7 @@ from lightning_static_dist.checkpoint import (
 )
 from lightning_static_dist.compat import allow_compiled_models_in_trainer
 from lightning_static_dist.config import ConfigError
+from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.compile import CompileReport
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compression.auto import CompressionTrial
@@ -63,6 +64,7 @@ from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.processes.launcher import register_names
 from lightning_static_dist.mesh import MeshConfig
 from lightning_static_dist.offer import StaticDistOffer
+from lightning_static_dist.overlap.monitor import OverlapMonitor
 from lightning_static_dist.participants import Participants
 from lightning_static_dist.participants.offer import ParticipantsOffer
 from lightning_static_dist.processes.data_parallel import DataParallelProcesses
@@ -173,6 +175,12 @@ class StaticDistStrategy(DataParallelProcesses):
         trainer = L.Trainer(devices=2, strategy=lightning_static_dist.StaticDistStrategy(sync={"bucket_mb": 10}))
     """
 
+    default_monitor: ClassVar[Optional[dict[str, Any]]] = None
+    """The :class:`~lightning_static_dist.overlap.monitor.OverlapMonitor` options the strategy adds a monitor with to
+    a fit whose Trainer has none, so that the ``static_dist/*`` figures reach its loggers; ``None``: none is added
+    (the default until the monitor's cost at world size 2 on a GPU is measured against the 1 % it may take). One
+    value switches the monitor on for every Trainer: ``StaticDistStrategy.default_monitor = {"every_n_steps": 10}``."""
+
     strategy_name = "static_dist"
 
     def __init__(
@@ -222,6 +230,7 @@ class StaticDistStrategy(DataParallelProcesses):
         self._parts = Participants(self, failed=self.has_failed)
         self._offer = ParticipantsOffer(self._parts, self, host_max=self.host_max)
         self._context: Optional[TrainerContext] = None
+        self._layers_synced = False  # ``Trainer(sync_batchnorm=True)`` applied to the model in setup
         log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
 
     @classmethod
@@ -289,6 +298,16 @@ class StaticDistStrategy(DataParallelProcesses):
         self._parts.compile.adopt(dynamo_ctx)
 
     @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        trainer = model.trainer  # (attached by then: fit, validate ... attach their data first)
+        if self.default_monitor is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        if not any(isinstance(c, OverlapMonitor) for c in trainer.callbacks):
+            # before the callbacks' own setup hooks, where the monitor attaches its recorder
+            trainer.callbacks.append(OverlapMonitor(**self.default_monitor))
+
+    @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
         for participant in self._parts.ordered:
@@ -298,12 +317,19 @@ class StaticDistStrategy(DataParallelProcesses):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        # a strategy LightningCLI built: a value refused only here, where the callbacks, the optimizers and the model
+        # are known (save_on_exception, reduce_scatter's one optimizer ...), ends the command in one line too
+        with parse_errors_of(self):
+            self._setup(trainer)
+
+    def _setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         refuse_saves_on_exception(trainer.callbacks, self.world_size)
         self.accelerator.setup(trainer)
         assert self.model is not None
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
+            self._layers_synced = True  # (reverted in teardown, as Lightning's DDP does)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         start_from_rank_zero(self.model, self.dp_group)
@@ -521,6 +547,11 @@ class StaticDistStrategy(DataParallelProcesses):
                 participant.teardown(self._failed)
         finally:  # (also when the last checkpoint's consolidation fails)
             self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # the plugin's own clipping again
+            if self._layers_synced and self._layer_sync is not None and self.model is not None:
+                # the user's BatchNorm layers back, as Lightning's DDP leaves them: a later stage or another
+                # Trainer must not find SyncBatchNorm (a collective in every forward) in the model
+                self.model = self._layer_sync.revert(self.model)
+                self._layers_synced = False
 
         super().teardown()  # (the processes' part reads whether this rank failed)
         self._failed = False

@@ -54,8 +54,9 @@ def lsd_report(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         ("trainer.max_stepz=3", ["trainer.max_stepz", "max_steps"]),
         ("model.n_head=5", ["model", "n_head=5", "n_embd=128"]),  # a constructor's own check, before processes
         ("data.path=/nonexistent", ["data", "/nonexistent"]),
+        ("strategy.mesh.dp_shard=3", ["strategy.mesh.dp_shard=3", "does not divide the world size 2"]),
     ],
-    ids=["trainer-typo", "model-constructor", "data-path-missing"],
+    ids=["trainer-typo", "model-constructor", "data-path-missing", "mesh-against-the-world"],
 )
 def test_train_config_error_exits_2_before_any_process_group(override: str, named: list[str]) -> None:
     started = time.monotonic()
@@ -65,6 +66,7 @@ def test_train_config_error_exits_2_before_any_process_group(override: str, name
     assert result.returncode == 2, output
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("lsd-train: error:"), result.stderr
+    assert result.stderr.strip().splitlines() == [last_line] and result.stdout == "", output  # (no "Seed set to")
     for fragment in named:
         assert fragment in last_line, f"{fragment!r} not in {last_line!r}"
     assert "Traceback" not in output
@@ -98,6 +100,10 @@ def test_print_config_shows_the_merged_overrides(capsys: pytest.CaptureFixture[s
     assert printed["model"]["class_path"] == "lightning_static_dist.examples.charlm.CharGPT"
     assert printed["model"]["n_layer"] == 2  # a run file's shape: the arguments beside class_path
     assert printed["callbacks"]["run_summary"] == {"enabled": True, "warmup_steps": 5, "print_every_n_steps": 25}
+    # the README's key table names callbacks.model_checkpoint: the printed file has the block to edit, as the run has it
+    assert printed["callbacks"]["model_checkpoint"] == {"enabled": True}
+    train_main([CPU_CONFIG, "trainer.enable_checkpointing=false", "--print-config"])
+    assert yaml.safe_load(capsys.readouterr().out)["callbacks"]["model_checkpoint"] == {"enabled": False}
 
 
 def test_print_config_output_trains_as_a_run_file(tmp_path: Path) -> None:
@@ -236,6 +242,49 @@ def test_report_on_a_run_that_logged_nothing_names_log_every_n_steps(tmp_path: P
     assert "trainer.log_every_n_steps" in lines[0] and str(log_dir) in lines[0]
 
 
+_LIGHTNING_CLI_SCRIPT = """
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+
+class LoggingModel(BoringModel):
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.log("train_loss", out["loss"])
+        return out
+
+
+LightningCLI(LoggingModel)
+"""
+
+
+@pytest.mark.multiprocess
+def test_report_reads_a_run_that_logged_to_tensorboard_only(tmp_path: Path) -> None:
+    # the README's LightningCLI file: LightningCLI's default logger is TensorBoard's, which writes no metrics.csv
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### LightningCLI"):]
+    start = section.index("```yaml") + len("```yaml")
+    (tmp_path / "conf").mkdir()  # (LightningCLI saves the parsed config as ./config.yaml)
+    (tmp_path / "conf" / "config.yaml").write_text(section[start:section.index("```", start)])
+    (tmp_path / "main.py").write_text(_LIGHTNING_CLI_SCRIPT)
+    trained = subprocess.run(
+        [sys.executable, "main.py", "fit", "--config", "conf/config.yaml", "--trainer.max_steps=6",
+         "--trainer.log_every_n_steps=1", "--trainer.strategy.compile.backend=aot_eager",
+         f"--trainer.default_root_dir={tmp_path / 'run'}", "--trainer.enable_checkpointing=false",
+         "--trainer.limit_val_batches=0"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, env=fresh_job_env())
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    log_dir = tmp_path / "run" / "lightning_logs" / "version_0"
+    assert list(log_dir.glob("events.out.tfevents.*")) and not list(tmp_path.rglob("metrics.csv"))
+    result = lsd_report(str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    assert f"run: {log_dir}" in result.stdout, result.stdout
+    assert metric_row(result.stdout, "train_loss")[-1] == "6", result.stdout  # a point per step, as logged
+    assert "static_dist/overlap_ratio" in result.stdout and "hp_metric" not in result.stdout, result.stdout
+    assert summary_row(result.stdout, "world_size") == ["world_size", "2"]  # RunSummary's summary.json beside them
+    assert (log_dir / "curves.png").read_bytes()[:8] == PNG_MAGIC
+
+
 # ------------------------------------------------------------------------------------ end to end, 2 CPU ranks
 
 
@@ -324,6 +373,29 @@ def test_train_two_cpu_ranks_then_report(tmp_path: Path, wheel_install: Path) ->
     assert metric_row(report_result.stdout, "val_loss")[-1] == "2"
     assert summary_row(report_result.stdout, "world_size") == ["world_size", "2"]
     assert summary_row(report_result.stdout, "sync_rounds") == ["sync_rounds", "12"]
+
+
+@pytest.mark.multiprocess
+def test_results_go_to_stdout_after_the_progress_bar_and_diagnostics_to_stderr(tmp_path: Path) -> None:
+    # lsd-train ... > log.txt keeps the results: progress and validation lines, the summary table and the run's folder;
+    # the compile report and Lightning's own messages stay on stderr; the table comes after the bar's last line
+    tiny = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.block_size=32",
+            "data.batch_size=8", "data.max_bytes=200000", "trainer.max_steps=8", "trainer.val_check_interval=4",
+            "trainer.limit_val_batches=2", "trainer.enable_progress_bar=true", f"trainer.default_root_dir={tmp_path}",
+            "callbacks.overlap_monitor.enabled=false", "callbacks.run_summary.print_every_n_steps=4",
+            "strategy.compile.enabled=true", "strategy.compile.backend=aot_eager"]
+    done = lsd_train("charlm_cpu", *tiny, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out, err = done.stdout.replace("\r", "\n"), done.stderr
+    for result in ("step 4/8  loss ", "validation at step 8: val_loss ", "lightning-static-dist run summary"):
+        assert result in out and result not in err, (result, out[-3000:], err[-3000:])
+    assert "compile report (after the first step)" in err and "compile report" not in out, err[-3000:]
+    table = out[out.index("lightning-static-dist run summary"):]
+    # after the table: its closing rule and the run's folder, no progress bar drawn again below it
+    rows = table.splitlines()
+    closing = next(i for i in range(2, len(rows)) if rows[i].startswith("---"))
+    assert rows[closing + 1:] == [f"run folder: {tmp_path}/lightning_logs/version_0"], table
+    assert "Seed set to" not in err
 
 
 def test_lsd_consolidate_refuses_what_is_not_a_sharded_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

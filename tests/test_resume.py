@@ -70,6 +70,43 @@ def test_a_checkpoint_given_by_path_is_resumed(tmp_path: Path) -> None:
     assert [(s["steps"], s["batches"]) for s in summaries(tmp_path)] == [(10, 10), (14, 4)]
 
 
+@pytest.mark.multiprocess
+def test_resuming_a_finished_run_says_so_in_one_line_and_how_to_continue(tmp_path: Path) -> None:
+    """Lightning restores a checkpoint already at ``max_steps`` and stops at once, silently, leaving an empty
+    ``version_1``: the run says so in one line, before any process starts, with the command that continues it."""
+    lsd_train(tmp_path, "trainer.max_steps=10")
+    ckpt = tmp_path / "lightning_logs/version_0/checkpoints/epoch=0-step=10.ckpt"
+    out = lsd_train(tmp_path, "trainer.max_steps=10", "ckpt_path=last")
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, out
+    told, _, command = lines[0].partition("; to continue the run, raise it: ")
+    assert told == f"lsd-train: nothing to train: {ckpt} is at step 10, and trainer.max_steps is 10", lines[0]
+    assert command.startswith("lsd-train charlm_cpu ") and command.endswith(" ckpt_path=last trainer.max_steps=20")
+    assert [p.name for p in (tmp_path / "lightning_logs").iterdir()] == ["version_0"]  # no empty version_1
+    done = subprocess.run([sys.executable, "-m", "lightning_static_dist", *command.split()[1:]], cwd=REPO,
+                          capture_output=True, text=True, timeout=240, env=fresh_job_env())  # the command, as told
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [(s["steps"], s["batches"]) for s in summaries(tmp_path)] == [(10, 10), (20, 10)]
+
+
+def test_a_run_finished_by_its_epochs_says_so_too(tmp_path: Path) -> None:
+    import torch
+
+    from lightning_static_dist.cli import finished_already
+    from lightning_static_dist.runfile import load_run_config
+
+    ckpt = tmp_path / "e.ckpt"
+    torch.save({"global_step": 40, "loops": {"fit_loop": {"epoch_progress": {"current": {"completed": 2}}}}}, ckpt)
+    by_epochs = load_run_config("charlm_cpu", ["trainer.max_steps=-1", "trainer.max_epochs=2"])
+    assert finished_already(by_epochs, str(ckpt), ["charlm_cpu", "trainer.max_epochs=2"]) == (
+        f"lsd-train: nothing to train: {ckpt} is at 2 epochs done, and trainer.max_epochs is 2; to continue the run,"
+        " raise it: lsd-train charlm_cpu trainer.max_epochs=3")
+    longer = load_run_config("charlm_cpu", ["trainer.max_steps=-1", "trainer.max_epochs=3"])
+    assert finished_already(longer, str(ckpt), ["charlm_cpu"]) is None
+    (tmp_path / "torn.ckpt").write_bytes(b"PK\x03\x04 not whole")  # unreadable here: the resume itself says why
+    assert finished_already(by_epochs, str(tmp_path / "torn.ckpt"), ["charlm_cpu"]) is None
+
+
 @pytest.mark.parametrize(("override", "named"), [
     ("ckpt_path=/nonexistent/x.ckpt", ["ckpt_path='/nonexistent/x.ckpt'", "no such file", "'last'"]),
     ("callbacks.model_checkpoint.every_n_train_stepz=3", ["callbacks.model_checkpoint.every_n_train_stepz",

@@ -74,6 +74,31 @@ def test_importing_the_package_leaves_other_strategies_as_they_were() -> None:
     assert "DDPStrategy ok" in done.stdout and "ModelParallelStrategy RuntimeError" in done.stdout, done.stdout
 
 
+class _WithBatchNorm(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(nn.Linear(32, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+
+
+class _NormsSeen(Callback):
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.during = [type(m).__name__ for m in pl_module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def test_sync_batchnorm_is_reverted_in_teardown_as_ddp_does() -> None:
+    # Trainer(sync_batchnorm=True) converts the model's BatchNorm layers in setup; left converted after fit, the model
+    # would hold a collective in every training forward (on CPU, SyncBatchNorm refuses to run at all)
+    model, seen = _WithBatchNorm(), _NormsSeen()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="static_dist", sync_batchnorm=True, limit_train_batches=0,
+                        limit_val_batches=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[seen])
+    trainer.fit(model)
+    assert seen.during == ["SyncBatchNorm"]
+    assert not any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+    model.train()
+    assert model(torch.randn(4, 32)).shape == (4, 2)  # a plain BatchNorm again: trains without a process group
+
+
 def test_lightning_cli_accepts_the_class_path() -> None:
     from lightning.pytorch.cli import LightningCLI
 

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 import torch._dynamo
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
 from lightning_static_dist.compile.report import (
@@ -88,14 +89,15 @@ class RecordingBackend:
                                                self._report.active_region, params))
         for transfer, in_library in _device_transfers(gm):
             if in_library:  # not the user's to change: one line for all of them, once (the report lists where)
-                if not self._report.library_transfers:
+                if not self._report.library_transfers and rank_zero_only.rank == 0:  # (one line, not one per rank)
                     log.warning("static_dist: device transfers inside compiled graphs from library code, the first at"
                                 f" {transfer}; not yours to move (the compile report lists every place)")
                 if transfer not in self._report.library_transfers:
                     self._report.library_transfers.append(transfer)
             elif transfer not in self._report.placement:
                 self._report.placement.append(transfer)
-                log.warning(f"static_dist: device transfer inside a compiled graph: {transfer}")
+                if rank_zero_only.rank == 0:  # (every rank compiles the same graph: one line, not one per rank)
+                    log.warning(f"static_dist: device transfer inside a compiled graph: {transfer}")
         return compiled
 
 

@@ -170,6 +170,8 @@ def _device_transfers(gm: torch.fx.GraphModule) -> list[tuple[str, bool]]:
             continue
         frames = _frames(node)
         if frames and is_library_path(frames[-1][0]):
+            if _stays_on_its_device(node):
+                continue  # (torchmetrics' ``.to(self.device)`` of a state already there: no copy, nothing to say)
             user = next((f"{path}:{line}" for path, line, _ in reversed(frames) if not is_library_path(path)), None)
             where = f"{_in_library(frames[-1][0])}:{frames[-1][1]}"
             found.append((where + (f" (from {user})" if user else ""), True))
@@ -177,6 +179,14 @@ def _device_transfers(gm: torch.fx.GraphModule) -> list[tuple[str, bool]]:
             at = f"{frames[-1][0]}:{frames[-1][1]}: {frames[-1][2]}" if frames else "<unknown location>"
             found.append((f"{node.format_node()[:120]} at {at}", False))
     return found
+
+
+def _stays_on_its_device(node: torch.fx.Node) -> bool:
+    """Whether a move's input and result are on one device (dynamo's example values), so that it copies nothing. Only
+    a library's moves are excused by it: a device the user's own code names is fixed in the graph wherever it runs."""
+    source = node.args[0].meta.get("example_value") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    result = node.meta.get("example_value")
+    return isinstance(source, torch.Tensor) and isinstance(result, torch.Tensor) and source.device == result.device
 
 
 def _frames(node: torch.fx.Node) -> list[tuple[str, str, str]]:
@@ -214,7 +224,7 @@ def library_transfers_line(where: list[str]) -> str:
     """The one line that reports every device transfer a library's code makes inside the compiled graphs."""
     shown = ", ".join(where[:3]) + (" ..." if len(where) > 3 else "")
     return (f"device transfers inside graphs from library code: {counted(len(where), 'place')} ({shown}); not"
-            " yours to move, and harmless when source and target are the same device")
+            " yours to move")
 
 
 def _looks_like_device(value: Any) -> bool:

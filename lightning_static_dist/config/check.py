@@ -122,11 +122,13 @@ def check_fields(section: Any) -> None:
 _Section = TypeVar("_Section")
 
 
-def section_from_dict(cls: type[_Section], data: Any, key: Optional[str] = None, show_value: bool = False) -> _Section:
+def section_from_dict(cls: type[_Section], data: Any, key: Optional[str] = None, show_value: bool = False,
+                      taken: Sequence[str] = ()) -> _Section:
     """Build the dataclass ``cls`` from a mapping, an instance of ``cls`` or ``None`` (defaults).
 
     ``key``: the section's full key (default: ``cls.KEY``). ``show_value``: an unknown key's message shows its
-    value too (``key.name=value: unknown key; ...``).
+    value too (``key.name=value: unknown key; ...``). ``taken``: keys of the block the caller took out of ``data``
+    first (a callback block's ``enabled``): an unknown key's message lists them, and may suggest one.
 
     Example::
 
@@ -139,13 +141,13 @@ def section_from_dict(cls: type[_Section], data: Any, key: Optional[str] = None,
         return data
     if not isinstance(data, Mapping):
         raise ConfigError(f"{key}={data!r}: expected a mapping of {_field_names(cls)} or a {cls.__name__}")
-    names = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+    names = [*taken, *(f.name for f in dataclasses.fields(cls) if not f.name.startswith("_"))]
     for name in data:
         if name not in names:
-            close = difflib.get_close_matches(str(name), sorted(names), n=1)
+            close = difflib.get_close_matches(str(name), names, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             shown = f"={data[name]!r}" if show_value else ""
-            raise ConfigError(f"{key}.{name}{shown}: unknown key; {hint}allowed: {_field_names(cls)}")
+            raise ConfigError(f"{key}.{name}{shown}: unknown key; {hint}allowed: {', '.join(names)}")
     return cls(**dict(data))
 
 
@@ -170,10 +172,12 @@ def import_object(key: str, class_path: str) -> Any:
     return target
 
 
-def check_kwargs_against(key: str, target: Any, kwargs: Mapping[str, Any], exclude: Sequence[str] = ()) -> None:
+def check_kwargs_against(key: str, target: Any, kwargs: Mapping[str, Any], exclude: Sequence[str] = (),
+                         taken: Sequence[str] = ()) -> None:
     """Check ``kwargs`` against the signature of ``target`` (a class or a callable): names and simple types.
 
     ``exclude``: argument names that exist but are not for the user to set (left out of the allowed list).
+    ``taken``: keys the caller took out of ``kwargs`` first, listed (and suggested) among the allowed ones.
     """
     init = target.__init__ if isinstance(target, type) else target
     params = inspect.signature(init).parameters
@@ -182,7 +186,7 @@ def check_kwargs_against(key: str, target: Any, kwargs: Mapping[str, Any], exclu
     except Exception:  # unresolvable forward references: check names only
         hints = {}
     accepts_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    allowed = [
+    allowed = [*taken] + [
         n
         for n, p in params.items()
         if n != "self" and n not in exclude and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)

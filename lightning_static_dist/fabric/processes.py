@@ -26,6 +26,7 @@ from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.distributed import group as _group
 
 from lightning_static_dist.compat import mark_run_failed
+from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.ddp_arguments import check_process_group_backend
 from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
 from lightning_static_dist.processes.faults import collective_failed
@@ -110,10 +111,11 @@ class FabricProcesses(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         # before any rank starts: a mesh that cannot fit the world, or an unknown backend, is a config error
-        check_simulation(self.simulation, self.num_processes, self.num_nodes, self.parallel_devices,
-                         "Fabric(devices=1, num_nodes=1)")
-        resolve_mesh_shape(self._config.mesh, self._ranks_in_world())
-        check_process_group_backend(self._process_group_backend)
+        with parse_errors_of(self):  # (a strategy jsonargparse built: its command line's error, in one line)
+            check_simulation(self.simulation, self.num_processes, self.num_nodes, self.parallel_devices,
+                             "Fabric(devices=1, num_nodes=1)")
+            resolve_mesh_shape(self._config.mesh, self._ranks_in_world())
+            check_process_group_backend(self._process_group_backend)
         if self._start_method == "popen":  # the Trainer's: a grace period for a survivor's one line
             self._launcher = StaticDistLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:

@@ -51,6 +51,7 @@ from lightning_static_dist.processes import sigterm as loop_patches
 from lightning_static_dist.checkpoint import CheckpointError
 from lightning_static_dist.compat import destroy_process_groups_at_exit, mark_run_failed
 from lightning_static_dist.config import ConfigError
+from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.ddp_arguments import check_process_group_backend, device_backend
 from lightning_static_dist.processes.faults import diagnose, is_collective_failure, record_nccl_flight, waiting_in
@@ -324,15 +325,16 @@ class DataParallelProcesses(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         environment = self.cluster_environment
-        # this process opens the rendezvous store when it starts the ranks itself and is on the first node
-        check_launch_environment(os.environ, hosts_store=not environment.creates_processes_externally
-                                 and environment.node_rank() == 0)
-        # before any rank starts, against the backends torch knows now (again in each rank, at setup_distributed)
-        check_process_group_backend(self._process_group_backend)
-        check_simulation(self.simulation, self.num_processes, self.num_nodes, self.parallel_devices,
-                         "Trainer(devices=1, num_nodes=1)")
-        # in the launching process, before any rank starts: a mesh that cannot fit the world is a config error
-        resolve_mesh_shape(self._config.mesh, self._ranks_in_world())
+        with parse_errors_of(self):  # (a strategy LightningCLI built: its command line's error, in one line)
+            # this process opens the rendezvous store when it starts the ranks itself and is on the first node
+            check_launch_environment(os.environ, hosts_store=not environment.creates_processes_externally
+                                     and environment.node_rank() == 0)
+            # before any rank starts, against the backends torch knows now (again in each rank, at setup_distributed)
+            check_process_group_backend(self._process_group_backend)
+            check_simulation(self.simulation, self.num_processes, self.num_nodes, self.parallel_devices,
+                             "Trainer(devices=1, num_nodes=1)")
+            # in the launching process, before any rank starts: a mesh that cannot fit the world is a config error
+            resolve_mesh_shape(self._config.mesh, self._ranks_in_world())
         if self._start_method == "popen":
             self._launcher = StaticDistLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:

@@ -20,6 +20,11 @@ thread's client can be held for minutes by a rendezvous waiting for a late rank.
 
 A rank whose watchdog stopped cleanly (the end of a fit) says so in its last heartbeat: its exit is no death. A peer
 that is alive but stuck is left to the process group's timeout.
+
+The watchdog lives no longer than the process group it watches: a Fabric script or a notebook never tears the strategy
+down, and once the group is destroyed (``torch.distributed.destroy_process_group()``) the thread stops by itself, at
+its next heartbeat. Its thread has a ``stop()``, the convention by which Lightning's own test suite ends a daemon
+thread a test left behind.
 """
 
 from __future__ import annotations
@@ -135,18 +140,20 @@ class PeerWatchdog:
         self._clean = True
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._group: Optional[dist.ProcessGroup] = None  # the process group watched: the thread ends with it
 
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
-        """Start heartbeating (nothing happens while it runs)."""
+        """Start heartbeating (nothing happens while it runs), until :meth:`stop` or the end of this process group."""
         if self.running:
             return
         self._stop, self._clean = threading.Event(), True  # an old thread that outlived its join keeps its own event
         self._store = _own_client(rendezvous_store(), timeout_s=2 * self.interval_s)
-        self._thread = threading.Thread(target=self._run, args=(self._stop,), name=THREAD_NAME, daemon=True)
+        self._group = dist.group.WORLD
+        self._thread = _HeartbeatThread(self, self._stop)
         self._thread.start()
         # a process that never tears the strategy down (Lightning's own spawn launcher, a script's setup_environment
         # alone) must not reach the interpreter's finalisation with this thread inside a store call: CPython 3.11
@@ -169,13 +176,15 @@ class PeerWatchdog:
             self._store = None  # its own store client closed now, not by the interpreter's finalisation
 
     def _stop_at_exit(self) -> None:
-        """Stopped by the interpreter's exit, not by the strategy's teardown: clean only where this rank reported no
-        failure (a rank leaving on an uncaught error must still look gone to its peers)."""
+        """Stopped by the interpreter's exit or by its thread's ``stop()``, not by the strategy's teardown: clean only
+        where this rank reported no failure (a rank leaving on an uncaught error must still look gone to its peers)."""
         self.stop(clean=not self._failed())
 
     def _run(self, stop: threading.Event) -> None:
         heard: dict[int, _Heard] = {}
         while not stop.is_set():
+            if dist.group.WORLD is not self._group:
+                break  # the group was destroyed (or replaced): nothing left to watch, and no peer's exit is a death
             death = self._quietly(lambda: self._beat(heard))
             if death is not None:
                 self._report(stop, *death)
@@ -263,6 +272,18 @@ class PeerWatchdog:
                 print(line, file=sys.stderr, flush=True)
                 os._exit(1)  # the main thread is where no exception reaches it: no interpreter teardown to wait for
             where = now
+
+
+class _HeartbeatThread(threading.Thread):
+    """The watchdog's daemon thread, with the ``stop()`` by which Lightning's test suite (and anyone holding the
+    thread, in a notebook) ends a daemon thread left behind: the watchdog stopped, clean unless this rank failed."""
+
+    def __init__(self, watchdog: PeerWatchdog, stop: threading.Event) -> None:
+        super().__init__(target=watchdog._run, args=(stop,), name=THREAD_NAME, daemon=True)
+        self._watchdog = watchdog
+
+    def stop(self) -> None:
+        self._watchdog._stop_at_exit()
 
 
 def _frame_of(thread_id: Optional[int]) -> Optional[tuple[int, int]]:

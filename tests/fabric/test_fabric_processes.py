@@ -101,9 +101,11 @@ def test_a_simulated_world_under_fabric_gives_the_trainer_strategys_figures() ->
 # ------------------------------------------------------------------------------------------- the peer watchdog
 
 
-_KILLED_PEER_SCRIPT = """
-import os, signal, sys, time
+#: a 2-rank Fabric job of a user's script, up to its training loop
+_FABRIC_JOB = """
+import os, signal, sys, threading, time
 import torch
+import torch.distributed as dist
 import lightning as L
 import lightning_static_dist
 
@@ -111,6 +113,9 @@ fabric = L.Fabric(accelerator="cpu", devices=2, strategy="static_dist")
 fabric.launch()
 model = torch.nn.Linear(4, 2)
 model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+"""
+
+_KILLED_PEER_SCRIPT = _FABRIC_JOB + """
 for step in range(6):
     if step == 3:
         if fabric.global_rank == 1:
@@ -146,3 +151,43 @@ def test_a_rank_killed_while_its_peer_is_blocked_ends_a_fabric_job_with_one_line
     (killed,) = [float(line.rsplit(" ", 1)[1]) for line in err.splitlines() if line.startswith("rank 1 kills itself at ")]
     assert ended - killed < StaticDistLauncher.grace_s
     assert seconds < 90
+
+
+_LEFT_BEHIND_SCRIPT = _FABRIC_JOB + """
+for step in range(2):
+    fabric.backward(model(torch.randn(8, 4)).sum())
+    optimizer.step()
+    optimizer.zero_grad()
+# a Fabric script, a notebook, Lightning's own tests: no fabric.strategy.teardown()
+(watchdog,) = [t for t in threading.enumerate() if t.name == "static_dist-peer-watchdog"]
+rank = fabric.global_rank
+if sys.argv[1] == "police":  # what Lightning's test suite does with a daemon thread a test left behind
+    stop = getattr(watchdog, "stop", None) or getattr(watchdog, "exit", None)
+    assert watchdog.daemon and callable(stop), f"Test left zombie thread: {watchdog}"
+    stop()
+    print(f"rank {rank}: stopped, alive={watchdog.is_alive()}", flush=True)
+else:
+    fabric.barrier()
+    dist.destroy_process_group()  # the job's group ends (Lightning's _destroy_dist_connection, a notebook's cell)
+    watchdog.join(timeout=5)
+    print(f"rank {rank}: group destroyed, alive={watchdog.is_alive()}", flush=True)
+    time.sleep(8)  # longer than a dead peer takes to be noticed: a watchdog still running could end this process
+    print(f"rank {rank}: still here", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ending", ["police", "destroy"])
+def test_the_watchdog_does_not_outlive_a_fabric_job_that_never_tears_down(tmp_path: Path, ending: str) -> None:
+    # Lightning's test_clip_gradients under Fabric failed its teardown check ("Test left zombie thread:
+    # static_dist-peer-watchdog"): the thread has the stop() that check calls, and it ends with the process group
+    script = tmp_path / "left_behind.py"
+    script.write_text(_LEFT_BEHIND_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), ending], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=180, env=fresh_job_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = sorted(done.stdout.splitlines())
+    if ending == "police":
+        assert said == ["rank 0: stopped, alive=False", "rank 1: stopped, alive=False"], done.stdout
+    else:
+        assert said == ["rank 0: group destroyed, alive=False", "rank 0: still here",
+                        "rank 1: group destroyed, alive=False", "rank 1: still here"], done.stdout
