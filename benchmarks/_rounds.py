@@ -76,9 +76,6 @@ class RoundTimer:
         self._timed = 0  # timed steps run in this round
         self.last_loss: Any = None
         self.rounds: list[dict[str, Any]] = []
-        self.warmup_peak_bytes: Optional[int] = None
-        """The device's peak allocation over the warm-up (compilation, the first round of the synchroniser); the
-        peak statistics start again after it, so that the record also has the steady state's."""
 
     def _sync(self) -> None:
         if self._cuda:
@@ -93,12 +90,6 @@ class RoundTimer:
                 self._begin_measured()
             return
         if self._command is None and self._done == self._warmup:
-            if self._cuda:
-                import torch
-
-                torch.cuda.synchronize()
-                self.warmup_peak_bytes = torch.cuda.max_memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
             self._gate.send({"ready": True})
         command = self._gate.receive()
         kind = command["cmd"]

@@ -200,10 +200,9 @@ def worker(name: str, args: argparse.Namespace) -> None:
         **(timer.timings() if args.gate else timer.timings(args.warmup, total)),
         "rank": rank,
         "world_size": world,
-        "peak_mem_gib": max(torch.cuda.max_memory_allocated(device), getattr(timer, "warmup_peak_bytes", 0) or 0) / 2**30
-        if cuda else None,
-        # a persistent worker: the peak after its warm-up (its first steps compile and plan the buckets)
-        **({"steady_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30} if cuda and args.gate else {}),
+        # the whole job's: CUDA graphs allocate their pool when each graph is recorded (in the warm-up) and replay
+        # in it without the allocator, so a peak taken after the warm-up would leave their activations out
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "n_params": model.num_parameters(),
         "dynamo_graphs": counters["stats"]["unique_graphs"],
         "tokens_per_step": cfg["batch"] * cfg["block_size"],
