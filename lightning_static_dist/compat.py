@@ -39,7 +39,7 @@ Defined here
     private read. No upstream change is needed for that.
 The exit teardown: :func:`destroy_process_groups_at_exit` with :func:`mark_run_failed` (``strategy.py``),
 :func:`exit_without_native_teardown` (``processes/launcher.py``, ``fabric/`` through it, ``cli.py``) and
-:func:`exit_after_failure` (``cli.py``)
+:func:`exit_after_failure` (``cli.py``, ``processes/ending.py``'s excepthook, ``processes/watchdog.py``)
     One problem, two mechanisms. With Gloo, a process that finishes while it still has process groups can abort
     (SIGABRT, ``terminate called without an active exception``). A finished rank is then reported as crashed. There
     are two ways this happens. A Gloo worker thread may still hold an async work's tensors when the interpreter
@@ -63,7 +63,8 @@ The exit teardown: :func:`destroy_process_groups_at_exit` with :func:`mark_run_f
 
     The two mechanisms cannot be merged into one. Only the second is strong enough to prevent the abort. A library
     cannot use it, though, in a program whose end it does not own, because it would skip the rest of the user's
-    script.
+    script. Both exits first run the hooks registered with :func:`before_leaving`: a process that started the other
+    local ranks waits for them there and leaves with the worst status (``processes/ending.py``).
 
 Left where they are (so that this list is the whole inventory)
 --------------------------------------------------------------
@@ -145,7 +146,7 @@ import gc
 import logging
 import os
 import sys
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -205,20 +206,38 @@ def destroy_process_groups_at_exit() -> None:
     atexit.register(destroy)
 
 
+_leaving: list[Callable[[int], int]] = []
+
+
+def before_leaving(hook: Callable[[int], int]) -> None:
+    """Run ``hook(status)`` when this process leaves through :func:`exit_without_native_teardown` or
+    :func:`exit_after_failure`; it returns the status to leave with (the launcher's: wait for the ranks it started,
+    and take the worst of their statuses)."""
+    _leaving.append(hook)
+
+
+def _status_on_leaving(code: int) -> int:
+    for hook in _leaving:
+        code = hook(code)
+    return code
+
+
 def exit_without_native_teardown(code: int) -> NoReturn:
-    """End a process whose work is done. Destroy its process groups, run Python's exit handlers (the ``atexit`` hooks
-    of loggers and other libraries), flush, and ``os._exit``. Only the C++ static destructors are skipped: that is
-    where Gloo threads sometimes abort a finished process (SIGABRT)."""
+    """End a process whose work is done. Destroy its process groups, run the :func:`before_leaving` hooks and
+    Python's exit handlers (the ``atexit`` hooks of loggers and other libraries), flush, and ``os._exit``. Only the
+    C++ static destructors are skipped: that is where Gloo threads sometimes abort a finished process (SIGABRT)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    code = _status_on_leaving(code)
     atexit._run_exitfuncs()
     _flush_and_leave(code)
 
 
 def exit_after_failure(code: int = 1) -> NoReturn:
-    """End a process whose run failed in a collective (the failure line already printed): flush and ``os._exit``. No
-    process-group teardown and no exit handlers run, because either could wait for a peer that is gone."""
-    _flush_and_leave(code)
+    """End a process whose run failed (the failure's line or traceback already printed): the :func:`before_leaving`
+    hooks, flush and ``os._exit``. No process-group teardown and no exit handlers run, because either could wait for
+    a peer that is gone."""
+    _flush_and_leave(_status_on_leaving(code))
 
 
 def _flush_and_leave(code: int) -> NoReturn:

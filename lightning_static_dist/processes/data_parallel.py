@@ -53,7 +53,9 @@ from lightning_static_dist.compat import destroy_process_groups_at_exit, mark_ru
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.ddp_arguments import check_process_group_backend, device_backend
-from lightning_static_dist.processes.faults import diagnose, is_collective_failure, record_nccl_flight, waiting_in
+from lightning_static_dist.processes.ending import in_chain, install_excepthook
+from lightning_static_dist.processes.faults import (diagnose, is_collective_failure, post_own_failure,
+                                                    record_nccl_flight, waiting_in)
 from lightning_static_dist.processes.launcher import StaticDistLauncher, StaticDistSpawnLauncher
 from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
 from lightning_static_dist.simulate import BACKEND as SIMULATED_BACKEND
@@ -65,6 +67,7 @@ log = logging.getLogger(__name__)
 
 #: backends whose communicator is created eagerly on the rank's device when the process group is bound to it
 _DEVICE_BOUND_BACKENDS = ("nccl", "xccl", "hccl")
+
 
 
 def binds_device(backend: str, device: torch.device) -> bool:
@@ -232,6 +235,7 @@ class DataParallelProcesses(ParallelStrategy):
         self._host_group: Optional[torch.distributed.ProcessGroup] = None
         self._failed = False
         self._preempted = False  # the ranks' agreed SIGTERM stop (processes/sigterm.py): every rank saved, none failed
+        self._reported: Optional[BaseException] = None  # the exception whose one line this rank printed
         self.failure: Optional[str] = None
         """One line saying which rank stopped participating, and where, after a communication failure; or which
         checkpoint could not be written or read, and why (every rank prints the same one)."""
@@ -361,6 +365,9 @@ class DataParallelProcesses(ParallelStrategy):
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
         if self.world_size > 1 and self._host_group is None:  # once per strategy: every later stage reuses it
             self._host_group = loop_patches.host_group(timedelta(seconds=self._config.timeout_s))
+        if self.world_size > 1 and self.simulation is None:
+            # a script's uncaught exception: no traceback on top of the line on_exception printed for it
+            install_excepthook(lambda error: in_chain(error, self._reported))
 
     @override
     def teardown(self) -> None:
@@ -406,18 +413,22 @@ class DataParallelProcesses(ParallelStrategy):
         # (Lightning's own per-rank SIGTERM stop, one rank alone, is a failure: its peers may wait in a collective)
         mark_run_failed()  # the exit-time teardown must not wait for peers that may be gone
         self._failed = True
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        step = trainer.global_step if trainer is not None else -1
         if isinstance(exception, CheckpointError):  # the ranks agreed on it: each says so, none waits for another
-            self.failure = str(exception)
+            self.failure, self._reported = str(exception), exception
             sys.stderr.write(f"{self.failure}\n")  # one write: the other ranks' lines go to the same stream
             sys.stderr.flush()
         elif self.world_size > 1 and is_collective_failure(exception):
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-            step = trainer.global_step if trainer is not None else -1
-            self.failure = diagnose(exception, self.global_rank, self.world_size, step)
+            self.failure, self._reported = diagnose(exception, self.global_rank, self.world_size, step), exception
             print(self.failure, file=sys.stderr, flush=True)
             if isinstance(self._launcher, _SubprocessScriptLauncher):
                 # Lightning kills the other ranks only on Ctrl-C; a stuck rank would outlive the job
                 self._launcher.kill(signal.SIGKILL)
+        elif self.world_size > 1 and self.simulation is None:
+            # this rank's own error: its traceback is printed once (by lsd-train, or the script's excepthook), and
+            # the others' lines name this rank
+            post_own_failure(exception, self.global_rank, step)
 
     # ------------------------------------------------------------------------------------------ collectives
 
