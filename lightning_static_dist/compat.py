@@ -65,6 +65,12 @@ The exit teardown: :func:`destroy_process_groups_at_exit` with :func:`mark_run_f
     cannot use it, though, in a program whose end it does not own, because it would skip the rest of the user's
     script. Both exits first run the hooks registered with :func:`before_leaving`: a process that started the other
     local ranks waits for them there and leaves with the worst status (``processes/ending.py``).
+:func:`set_collective_timeout` (used by ``processes/data_parallel.py`` and ``participants/runtime.py``)
+    Calls ``torch.distributed.distributed_c10d._set_pg_timeout``, which changes the timeout of a process group's
+    collectives (Gloo and NCCL) after it started: the processes start with a longer timeout than
+    ``strategy.timeout_s`` (a rank's start-up and first step take longer than a collective should), which is set once
+    the first step is over. Where it is missing (an older torch), the collectives keep the start-up timeout. A public
+    setter, or ``init_process_group`` taking a separate rendezvous timeout, would retire it.
 
 Left where they are (so that this list is the whole inventory)
 --------------------------------------------------------------
@@ -146,7 +152,8 @@ import gc
 import logging
 import os
 import sys
-from typing import Any, Callable, NoReturn
+from datetime import timedelta
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -244,6 +251,21 @@ def _flush_and_leave(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def set_collective_timeout(timeout: timedelta, group: Optional[Any] = None) -> bool:
+    """Set the timeout of ``group``'s collectives (the default group: ``None``) after it started; ``False`` where
+    this torch cannot (the group keeps the timeout it started with).
+
+    Example::
+
+        set_collective_timeout(timedelta(seconds=config.timeout_s))   # after the first step
+    """
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None or not dist.is_initialized():
+        return False
+    setter(timeout, group)
+    return True
 
 
 # ------------------------------------------------------------------------------------- Lightning's compile check

@@ -68,6 +68,16 @@ log = logging.getLogger(__name__)
 #: backends whose communicator is created eagerly on the rank's device when the process group is bound to it
 _DEVICE_BOUND_BACKENDS = ("nccl", "xccl", "hccl")
 
+START_UP_S = 600.0
+"""Seconds the collectives may wait until the first optimizer step is over, when ``strategy.timeout_s`` is shorter:
+the ranks of a job start seconds apart (each imports torch and Lightning), and setup and the first step (a rank's
+data preparation, a compilation) keep one rank waiting for another far longer than a collective of a running job
+should. ``participants/runtime.py``'s ``CollectiveTimeout`` sets ``strategy.timeout_s`` then."""
+
+
+def start_up_timeout(config: StrategyConfig) -> timedelta:
+    """The collectives' timeout from the start until the first optimizer step is over (:data:`START_UP_S`)."""
+    return timedelta(seconds=max(config.timeout_s, START_UP_S))
 
 
 def binds_device(backend: str, device: torch.device) -> bool:
@@ -108,8 +118,9 @@ def start_process_group(environment: ClusterEnvironment, backend: str, device: t
     and Fabric's ``FabricProcesses``): under ``strategy.simulate``, as rank 0 of the simulated world; otherwise with
     Lightning's ``_init_dist_connection`` (``DDPStrategy``'s environment variables and messages), bound to ``device``
     where :func:`binds_device` says so, with ``sync.comm_sms``'s NCCL options, and an NCCL flight record under
-    ``run_dir``. The groups are destroyed at exit. Returns the backend that runs (the simulated world's own)."""
-    timeout = timedelta(seconds=config.timeout_s)
+    ``run_dir``. The groups are destroyed at exit. Returns the backend that runs (the simulated world's own). The
+    group starts with :func:`start_up_timeout`: the rendezvous itself waits that long for the last rank."""
+    timeout = start_up_timeout(config)
     if config.simulate.enabled:
         start_simulated_world(config.simulate, config.sync.comm_sms, device, timeout)
         backend = SIMULATED_BACKEND
@@ -364,7 +375,7 @@ class DataParallelProcesses(ParallelStrategy):
             trainer.default_root_dir if trainer is not None else os.getcwd())
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
         if self.world_size > 1 and self._host_group is None:  # once per strategy: every later stage reuses it
-            self._host_group = loop_patches.host_group(timedelta(seconds=self._config.timeout_s))
+            self._host_group = loop_patches.host_group(start_up_timeout(self._config))
         if self.world_size > 1 and self.simulation is None:
             # a script's uncaught exception: no traceback on top of the line on_exception printed for it
             install_excepthook(lambda error: in_chain(error, self._reported))

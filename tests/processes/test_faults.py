@@ -168,6 +168,22 @@ def test_a_stuck_rank_zero_is_named_and_blames_no_one(tmp_path: Any) -> None:
     assert "rank 1 stopped participating" not in err and "Traceback" not in err, err[-3000:]
 
 
+def test_a_collective_timeout_shorter_than_start_up_holds_from_the_first_step(tmp_path: Any) -> None:
+    # strategy.timeout_s=1 passed the check, then the rendezvous itself timed out ("rank 0 (the host of the
+    # rendezvous store) is gone ... Timed out after 2 seconds waiting for clients", issue 37). The processes start
+    # with a start-up timeout of their own; timeout_s holds from the first optimizer step on
+    code, err, _ = lsd_train(tmp_path, "model.fault=print_steps", "strategy.timeout_s=1", "trainer.max_steps=3")
+    assert code == 0, err[-3000:]
+    assert failure_lines(err) == [], err[-3000:]
+    code, err, seconds = lsd_train(tmp_path, "model.fault=hang", "model.fault_rank=1", "model.fault_step=3",
+                                   "strategy.timeout_s=2")
+    assert code == 1, err[-3000:]
+    (line,) = failure_lines(err)
+    assert line.startswith("static_dist: rank 0: rank 1 stopped participating during the gradient collective of"
+                           " bucket 0 at step 3 (Timed out waiting 2000ms"), line
+    assert seconds < 60
+
+
 _TRAINER_SCRIPT = """
 import os, signal, sys
 import torch
