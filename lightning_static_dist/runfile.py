@@ -276,9 +276,50 @@ def _check_trainer_ranges(trainer: Mapping[str, Any]) -> None:
     max_steps = trainer.get("max_steps")
     if isinstance(max_steps, int) and max_steps < -1:
         fail("trainer.max_steps", max_steps, "must be -1 (no limit) or an integer >= 0")
-    devices = trainer.get("devices")
-    if isinstance(devices, int) and not isinstance(devices, bool) and devices < 1 and devices != -1:
-        fail("trainer.devices", devices, "must be -1 (all), an integer >= 1, 'auto' or a list of device indices")
+    _check_devices(trainer)
+
+
+def _check_devices(trainer: Mapping[str, Any]) -> None:
+    """``trainer.devices`` as Lightning's accelerator will take it, checked before any process starts: on CPU a number
+    of processes (>= 1) or ``auto``; on an accelerator also ``-1`` (every device), a list of device indices or a
+    string of them (``"0,1"``)."""
+    if "devices" not in trainer:
+        return
+    devices = trainer["devices"]
+    on_cpu = _accelerator_is_cpu(trainer.get("accelerator", "auto"))
+    allowed = ("an integer >= 1 (CPU processes) or 'auto'; -1 (every device) needs an accelerator with devices to"
+               " count (trainer.accelerator=gpu)" if on_cpu else
+               "-1 (all), an integer >= 1, 'auto', a list of device indices or a string of them ('0,1')")
+    if isinstance(devices, bool):
+        fail("trainer.devices", devices, f"must be {allowed}")
+    if isinstance(devices, str):
+        text = devices.strip()
+        indices = [part.strip() for part in text.split(",") if part.strip()]
+        if text == "auto" or (text.isdigit() and int(text) >= 1) or (not on_cpu and (
+                text == "-1" or (indices and all(part.isdigit() for part in indices)))):
+            return
+        fail("trainer.devices", devices, f"must be {allowed}")
+    if isinstance(devices, int):
+        if devices >= 1 or (devices == -1 and not on_cpu):
+            return
+        fail("trainer.devices", devices, f"must be {allowed}")
+    if isinstance(devices, (list, tuple)) and not on_cpu and devices and all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices):
+        return
+    fail("trainer.devices", devices, f"must be {allowed}")
+
+
+def _accelerator_is_cpu(accelerator: Any) -> bool:
+    """Whether ``trainer.accelerator`` runs on CPU processes: ``cpu``, or ``auto`` (or unset) on a machine with no
+    GPU Lightning would pick."""
+    if accelerator == "cpu":
+        return True
+    if accelerator not in (None, "auto"):
+        return False
+    import torch
+
+    mps = getattr(torch.backends, "mps", None)
+    return not torch.cuda.is_available() and not (mps is not None and mps.is_available())
 
 
 def _callbacks_from_dict(data: Any) -> dict[str, CallbackConfig]:
@@ -336,3 +377,4 @@ def load_run_config(path: Optional[str], overrides: Sequence[str] = ()) -> RunCo
     if data is None:
         data = {}
     return RunConfig.from_dict(data)
+

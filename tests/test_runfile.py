@@ -84,6 +84,12 @@ INVALID_OVERRIDES = [
     pytest.param(["trainer.strategy=ddp"], "trainer.strategy", "'ddp'", id="trainer-strategy-reserved"),
     pytest.param(["trainer.callbacks=[]"], "trainer.callbacks", "[]", id="trainer-callbacks-reserved"),
     pytest.param(["trainer.devices=0"], "trainer.devices", "=0", id="trainer-devices-zero"),
+    # issue 37: both passed the check, then ended in Lightning's 28-line TypeError once the processes started
+    pytest.param(["trainer.devices=-1"], "trainer.devices", "-1 (every device) needs an accelerator",
+                 id="trainer-devices-all-on-cpu"),
+    pytest.param(["trainer.devices=abc"], "trainer.devices", "'abc'", id="trainer-devices-not-a-number"),
+    pytest.param(["trainer.accelerator=gpu", "trainer.devices=abc"], "trainer.devices", "a list of device indices",
+                 id="trainer-devices-not-a-number-on-gpu"),
     pytest.param(["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches", "=0", id="trainer-accumulate-zero"),
     pytest.param(["trainer.max_steps=-5"], "trainer.max_steps", "-5", id="trainer-max-steps-below-minus-one"),
     pytest.param(["trainer.max_steps=1e3"], "trainer.max_steps", "1000.0", id="trainer-float-for-int"),
