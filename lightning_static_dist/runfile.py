@@ -35,6 +35,7 @@ from lightning_static_dist.config import (
     import_object,
     section_from_dict,
 )
+from lightning_static_dist.config.yaml_file import check_nesting, yaml_error_text
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
 from lightning_static_dist.overlap.monitor import OverlapMonitor
@@ -359,11 +360,15 @@ def load_run_config(path: Optional[str], overrides: Sequence[str] = ()) -> RunCo
     if path is not None:
         path = resolve_config_path(path)
     try:
+        if path is not None:
+            check_nesting(path)
         base = OmegaConf.load(path) if path is not None else OmegaConf.create({})
     except FileNotFoundError:
         raise ConfigError(f"config file {path!r}: no such file") from None
+    except ConfigError:
+        raise
     except Exception as err:  # yaml.YAMLError, OmegaConf's own errors: both mean the file is not a valid config
-        raise ConfigError(f"config file {path!r}: not valid YAML ({str(err).splitlines()[0]})") from None
+        raise ConfigError(f"config file {path!r}: not valid YAML: {yaml_error_text(err)}") from None
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. trainer.max_steps=100")
