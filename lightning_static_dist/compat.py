@@ -65,6 +65,13 @@ The exit teardown: :func:`destroy_process_groups_at_exit` with :func:`mark_run_f
     cannot use it, though, in a program whose end it does not own, because it would skip the rest of the user's
     script. Both exits first run the hooks registered with :func:`before_leaving`: a process that started the other
     local ranks waits for them there and leaves with the worst status (``processes/ending.py``).
+:func:`save_step_as_at_interval` (used by ``participants/resume.py``)
+    Calls ``ModelCheckpoint``'s ``_monitor_candidates``, ``_save_topk_checkpoint``, ``_save_last_checkpoint`` and
+    ``_save_checkpoint``, and reads its ``_last_global_step_saved`` and ``_last_checkpoint_saved``: at the end of a
+    fit whose last step no checkpoint holds, the run's ``ModelCheckpoint`` writes that step as it writes one at its
+    interval (its file name, its ``save_top_k`` pruning, its ``last`` file and link), so ``ckpt_path=last`` resumes
+    from it. Lightning's own ``on_train_end`` does that only with ``save_last`` and only when the callback never
+    saved before. A public "save now" on ``ModelCheckpoint`` would retire these.
 :func:`set_collective_timeout` (used by ``processes/data_parallel.py`` and ``participants/runtime.py``)
     Calls ``torch.distributed.distributed_c10d._set_pg_timeout``, which changes the timeout of a process group's
     collectives (Gloo and NCCL) after it started: the processes start with a longer timeout than
@@ -266,6 +273,30 @@ def set_collective_timeout(timeout: timedelta, group: Optional[Any] = None) -> b
         return False
     setter(timeout, group)
     return True
+
+
+# ----------------------------------------------------------------------------------- ModelCheckpoint's saves
+
+
+def save_step_as_at_interval(callback: Any, trainer: Any) -> str:
+    """Have ``callback`` (a ``ModelCheckpoint``) write the trainer's current step as it writes one at its interval:
+    its top-k file (without a ``monitor``, the newest ``save_top_k`` are kept) and its ``last`` file (``save_last``).
+    Where that writes nothing (a monitored metric ranks its files, and it has no ``save_last``), its ``last`` file all
+    the same. A collective: every rank calls it. Returns the path written.
+
+    Example::
+
+        path = save_step_as_at_interval(trainer.checkpoint_callback, trainer)   # ".../epoch=0-step=150.ckpt"
+    """
+    candidates = callback._monitor_candidates(trainer)
+    if callback.monitor is None:
+        callback._save_topk_checkpoint(trainer, candidates)
+    callback._save_last_checkpoint(trainer, candidates)
+    if callback._last_global_step_saved != trainer.global_step:
+        path = callback.format_checkpoint_name(candidates, callback.CHECKPOINT_NAME_LAST)
+        callback.last_model_path = path  # (as its own save of `last` sets it before writing: it is in the state)
+        callback._save_checkpoint(trainer, path)
+    return callback._last_checkpoint_saved
 
 
 # ------------------------------------------------------------------------------------- Lightning's compile check

@@ -394,6 +394,12 @@ class StaticDistStrategy(DataParallelProcesses):
         for participant in self._parts.ordered:
             participant.on_validation_end()
 
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        for participant in self._parts.ordered:
+            participant.on_train_end()
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
