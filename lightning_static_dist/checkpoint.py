@@ -113,6 +113,36 @@ _DAMAGE = (
 )
 
 
+class NotALightningCheckpoint(ValueError):
+    """A file that loads (a torch file) but is not what ``Trainer.save_checkpoint`` writes: a tensor, a bare
+    ``state_dict``, another program's dict. Its message is the whole reason (:func:`reason_of` adds no type)."""
+
+
+#: What Lightning reads of every checkpoint it resumes before anything of ours would say what is wrong: the version
+#: (its migration of an older checkpoint) and the model's weights.
+LIGHTNING_KEYS = ("pytorch-lightning_version", "state_dict")
+
+
+def check_lightning_checkpoint(checkpoint: Any) -> None:
+    """Raise :class:`NotALightningCheckpoint` unless ``checkpoint`` (a loaded file) is a mapping with
+    :data:`LIGHTNING_KEYS`: before Lightning reads it, a plain torch file fails deep inside Lightning
+    (``KeyError: 'pytorch-lightning_version'``, ``'Tensor' object has no attribute 'pop'``).
+
+    Example::
+
+        check_lightning_checkpoint(torch.load("weights.pt"))   # not a Lightning checkpoint: it holds a Tensor ...
+    """
+    if not isinstance(checkpoint, Mapping):
+        raise NotALightningCheckpoint(f"not a Lightning checkpoint: it holds a {type(checkpoint).__name__}, not the"
+                                      " dictionary Trainer.save_checkpoint writes")
+    missing = [key for key in LIGHTNING_KEYS if key not in checkpoint]
+    if missing:
+        keys = [repr(key) for key in list(checkpoint)[:6]] + (["..."] if len(checkpoint) > 6 else [])
+        without = " and ".join(map(repr, missing))
+        raise NotALightningCheckpoint(f"not a Lightning checkpoint: a dictionary without {without} (its keys:"
+                                      f" {', '.join(keys) or 'none'})")
+
+
 def reason_of(err: BaseException, reading: bool = False) -> str:
     """One line for what went wrong: the error's own words (every line joined, no C++ source location), for DCP's
     :class:`CheckpointException` those of the first rank whose part failed; when ``reading``, what the error means
@@ -125,7 +155,8 @@ def reason_of(err: BaseException, reading: bool = False) -> str:
     if "Weights only load failed" in str(err):  # torch's advice takes 10 lines; the refused global is the point
         lines = [line for line in lines[1:] if "global" in line.lower()][:1] or lines[:1]
     text = re.sub(r"\[enforce fail at [^\]]*\]\s*\.?\s*", "", " ".join(lines))[:300]
-    text = text if isinstance(err, OSError) else f"{type(err).__name__}: {text}" if text else type(err).__name__
+    if not isinstance(err, (OSError, NotALightningCheckpoint)):  # (their words say it all)
+        text = f"{type(err).__name__}: {text}" if text else type(err).__name__
     meaning = next((m for key, m in _DAMAGE if key in str(err) or key == type(err).__name__), None) if reading else None
     return f"{meaning}: {text}" if meaning else text
 

@@ -172,6 +172,30 @@ def test_a_damaged_checkpoint_ends_every_rank_with_one_line_naming_it(tmp_path: 
     assert seconds < 30
 
 
+NOT_LIGHTNING = {  # name: (what the torch file holds, the words; issue 37: Lightning's KeyError or AttributeError)
+    "a-tensor": (lambda: torch.ones(3), "not a Lightning checkpoint: it holds a Tensor"),
+    "a-dict": (lambda: {"weights": torch.ones(2)},
+               "not a Lightning checkpoint: a dictionary without 'pytorch-lightning_version' and 'state_dict' (its"
+               " keys: 'weights')"),
+    "a-state-dict-only": (lambda: {"state_dict": {"w": torch.ones(1)}}, "not a Lightning checkpoint: a dictionary"
+                                                                        " without 'pytorch-lightning_version'"),
+}
+
+
+@pytest.mark.parametrize("held", list(NOT_LIGHTNING))
+def test_a_torch_file_that_is_not_a_lightning_checkpoint_ends_every_rank_with_one_line(tmp_path: Path,
+                                                                                      held: str) -> None:
+    # before: KeyError 'pytorch-lightning_version' (a 27-line traceback per rank), "'Tensor' object has no
+    # attribute 'pop'", or KeyError 'state_dict'
+    make, words = NOT_LIGHTNING[held]
+    path = tmp_path / "weights.pt"
+    torch.save(make(), path)
+    code, err, seconds = lsd_train(tmp_path, f"ckpt_path={path}")
+    assert code == 1, err[-4000:]
+    assert_every_rank_says(err, f"cannot resume from {path}: rank 0: {words}")
+    assert seconds < 30
+
+
 # ------------------------------------------------------------------------------------------ untrusted input
 
 
