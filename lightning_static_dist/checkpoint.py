@@ -34,7 +34,7 @@ import shutil
 import sys
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, TypeVar
 
@@ -355,6 +355,35 @@ def partial_file(path: str) -> str:
     same for every save of ``path`` (a later one overwrites what a killed one left)."""
     digest = hashlib.sha1(os.path.basename(path).encode()).hexdigest()[:12]
     return os.path.join(os.path.dirname(os.path.abspath(path)), f".lsd-partial-{digest}.tmp")
+
+
+def is_leftover(name: str, beside: Container[str]) -> bool:
+    """Whether the file or folder ``name``, in a folder holding the names ``beside``, is what an interrupted save
+    left: a partial write (:func:`partial_file`'s, a sharded save's ``<path>.tmp``) or the old copy :func:`_replace`
+    moved aside, beside its replacement. Never a checkpoint: an ``.old`` alone is the one ``ckpt_path=last`` resumes
+    from (the save crashed between its two renames)."""
+    if name.endswith(".tmp"):
+        return name.startswith(".lsd-partial-") or name.endswith(".ckpt.tmp")
+    return name.endswith(".ckpt.old") and name[: -len(".old")] in beside
+
+
+def remove_leftovers(roots: Iterable[str]) -> list[str]:
+    """Remove what interrupted saves left under ``roots`` (each searched whole, as ``ckpt_path=last`` searches it) and
+    return the paths removed. Only before any save of the run (``lsd-train``, before its processes start): a save
+    in progress has its partial file too."""
+    removed: list[str] = []
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            if is_sharded_checkpoint(dirpath):
+                dirnames[:] = []  # (its pieces are no leftovers)
+                continue
+            here = set(dirnames) | set(filenames)
+            gone = sorted(name for name in here if is_leftover(name, here))
+            for name in gone:
+                _remove(os.path.join(dirpath, name))
+            removed += [os.path.join(dirpath, name) for name in gone]
+            dirnames[:] = [name for name in dirnames if name not in gone]
+    return removed
 
 
 def _write_file(obj: Any, path: str) -> None:

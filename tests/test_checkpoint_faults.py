@@ -196,6 +196,29 @@ def test_a_torch_file_that_is_not_a_lightning_checkpoint_ends_every_rank_with_on
     assert seconds < 30
 
 
+def test_the_next_start_removes_what_interrupted_saves_left_and_says_so(tmp_path: Path) -> None:
+    # issue 37: a kill during a save left its partial file, a sharded save's .tmp folder and an old copy beside its
+    # replacement on disk until a later save of the same name. The old copy a crash between the two renames leaves
+    # alone is the checkpoint itself (ckpt_path=last resumes from it): it stays
+    from lightning_static_dist.checkpoint import partial_file
+
+    folder = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    (folder / "epoch=0-step=4.ckpt.tmp").mkdir(parents=True)
+    (folder / "epoch=0-step=4.ckpt.tmp" / "__0_0.distcp").write_bytes(b"half")
+    leftovers = [Path(partial_file(str(folder / "last.ckpt"))), folder / "last.ckpt.old",
+                 folder / "epoch=0-step=4.ckpt.tmp"]
+    for path in (folder / "last.ckpt", *leftovers[:2], tmp_path / "ckpt" / "alone.ckpt.old"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"a checkpoint")
+    code, err, _ = lsd_train(tmp_path, "trainer.max_steps=2")
+    assert code == 0, err[-4000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("lsd-train: removed ")]
+    assert line == ("lsd-train: removed what interrupted saves left (3 paths): "
+                    + ", ".join(str(path) for path in sorted(leftovers, key=lambda p: p.name))), line
+    assert not any(path.exists() for path in leftovers)
+    assert (folder / "last.ckpt").exists() and (tmp_path / "ckpt" / "alone.ckpt.old").exists()
+
+
 # ------------------------------------------------------------------------------------------ untrusted input
 
 
