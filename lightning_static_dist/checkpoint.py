@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_static_dist.config.check import check_fields
+from lightning_static_dist.processes.faults import waiting_in
 
 META_FILE = "lightning_meta.pt"
 DCP_METADATA = ".metadata"  # the name torch.distributed.checkpoint's FileSystemWriter gives its index
@@ -193,7 +194,8 @@ def agree_on(attempt: Callable[[], T], path: Any, rank: int, *, reading: bool = 
             failure = f"rank {rank}: {failure}"
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         outcomes: list[Optional[str]] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(outcomes, failure, group=group)
+        with waiting_in(f"the ranks' agreement on {'reading' if reading else 'writing'} {os.fspath(path)}"):
+            dist.all_gather_object(outcomes, failure, group=group)
         failure = next((outcome for outcome in outcomes if outcome is not None), None)
     if failure is None:
         return result

@@ -424,8 +424,7 @@ class DataParallelProcesses(ParallelStrategy):
         # (Lightning's own per-rank SIGTERM stop, one rank alone, is a failure: its peers may wait in a collective)
         mark_run_failed()  # the exit-time teardown must not wait for peers that may be gone
         self._failed = True
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        step = trainer.global_step if trainer is not None else -1
+        step = self._global_step()
         if isinstance(exception, CheckpointError):  # the ranks agreed on it: each says so, none waits for another
             self.failure, self._reported = str(exception), exception
             sys.stderr.write(f"{self.failure}\n")  # one write: the other ranks' lines go to the same stream
@@ -440,6 +439,14 @@ class DataParallelProcesses(ParallelStrategy):
             # this rank's own error: its traceback is printed once (by lsd-train, or the script's excepthook), and
             # the others' lines name this rank
             post_own_failure(exception, self.global_rank, step)
+
+    def _global_step(self) -> int:
+        """The trainer's step, for a failure's line; -1 where the module has no trainer attached (a spawned rank's
+        module, once the launcher's copy of the trainer is gone: reading it would raise over the failure)."""
+        try:
+            return self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
+        except RuntimeError:
+            return -1
 
     # ------------------------------------------------------------------------------------------ collectives
 
@@ -457,20 +464,22 @@ class DataParallelProcesses(ParallelStrategy):
         return flat.tolist()
 
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, name: Optional[str] = None, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
-        if "nccl" in torch.distributed.get_backend() and self.root_device.type == "cuda":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        with waiting_in(f"Lightning's barrier{f' {name!r}' if name else ''}"):
+            if "nccl" in torch.distributed.get_backend() and self.root_device.type == "cuda":
+                torch.distributed.barrier(device_ids=[self.root_device.index])
+            else:
+                torch.distributed.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
         objects = [obj]
-        torch.distributed.broadcast_object_list(objects, src, group=_group.WORLD)
+        with waiting_in(f"Lightning's broadcast from rank {src}"):
+            torch.distributed.broadcast_object_list(objects, src, group=_group.WORLD)
         return objects[0]
 
     @override
@@ -481,6 +490,7 @@ class DataParallelProcesses(ParallelStrategy):
 
         Non-tensors are returned unchanged, as in every Lightning strategy.
         """
-        if isinstance(tensor, Tensor):
+        if not isinstance(tensor, Tensor):
+            return tensor
+        with waiting_in("Lightning's reduce of a value over the ranks"):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor

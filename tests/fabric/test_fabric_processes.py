@@ -190,7 +190,7 @@ def test_a_stuck_rank_under_fabric_is_named_in_one_line_and_ended(tmp_path: Path
         code = proc.wait(timeout=120)
         err = "".join(lines)
         (slept,) = [float(line.rsplit(" ", 1)[1]) for line in err.splitlines() if line.startswith("rank 1 sleeps at ")]
-        pids = [int(pid) for pid in re.findall(r"^rank \d pid (\d+)$", err, re.MULTILINE)]
+        pids = [int(pid) for pid in re.findall(r"rank \d pid (\d+)", err)]  # (two ranks' lines can share one)
         assert len(pids) == 2, err[-2000:]
         while not all(_process_gone(pid) for pid in pids) and time.time() < slept + timeout_s + 10:
             time.sleep(0.2)
