@@ -34,7 +34,7 @@ import shutil
 import sys
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, TypeVar
 
@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_static_dist.config.check import check_fields
+from lightning_static_dist.processes.faults import waiting_in
 
 META_FILE = "lightning_meta.pt"
 DCP_METADATA = ".metadata"  # the name torch.distributed.checkpoint's FileSystemWriter gives its index
@@ -113,6 +114,36 @@ _DAMAGE = (
 )
 
 
+class NotALightningCheckpoint(ValueError):
+    """A file that loads (a torch file) but is not what ``Trainer.save_checkpoint`` writes: a tensor, a bare
+    ``state_dict``, another program's dict. Its message is the whole reason (:func:`reason_of` adds no type)."""
+
+
+#: What Lightning reads of every checkpoint it resumes before anything of ours would say what is wrong: the version
+#: (its migration of an older checkpoint) and the model's weights.
+LIGHTNING_KEYS = ("pytorch-lightning_version", "state_dict")
+
+
+def check_lightning_checkpoint(checkpoint: Any) -> None:
+    """Raise :class:`NotALightningCheckpoint` unless ``checkpoint`` (a loaded file) is a mapping with
+    :data:`LIGHTNING_KEYS`: before Lightning reads it, a plain torch file fails deep inside Lightning
+    (``KeyError: 'pytorch-lightning_version'``, ``'Tensor' object has no attribute 'pop'``).
+
+    Example::
+
+        check_lightning_checkpoint(torch.load("weights.pt"))   # not a Lightning checkpoint: it holds a Tensor ...
+    """
+    if not isinstance(checkpoint, Mapping):
+        raise NotALightningCheckpoint(f"not a Lightning checkpoint: it holds a {type(checkpoint).__name__}, not the"
+                                      " dictionary Trainer.save_checkpoint writes")
+    missing = [key for key in LIGHTNING_KEYS if key not in checkpoint]
+    if missing:
+        keys = [repr(key) for key in list(checkpoint)[:6]] + (["..."] if len(checkpoint) > 6 else [])
+        without = " and ".join(map(repr, missing))
+        raise NotALightningCheckpoint(f"not a Lightning checkpoint: a dictionary without {without} (its keys:"
+                                      f" {', '.join(keys) or 'none'})")
+
+
 def reason_of(err: BaseException, reading: bool = False) -> str:
     """One line for what went wrong: the error's own words (every line joined, no C++ source location), for DCP's
     :class:`CheckpointException` those of the first rank whose part failed; when ``reading``, what the error means
@@ -125,7 +156,8 @@ def reason_of(err: BaseException, reading: bool = False) -> str:
     if "Weights only load failed" in str(err):  # torch's advice takes 10 lines; the refused global is the point
         lines = [line for line in lines[1:] if "global" in line.lower()][:1] or lines[:1]
     text = re.sub(r"\[enforce fail at [^\]]*\]\s*\.?\s*", "", " ".join(lines))[:300]
-    text = text if isinstance(err, OSError) else f"{type(err).__name__}: {text}" if text else type(err).__name__
+    if not isinstance(err, (OSError, NotALightningCheckpoint)):  # (their words say it all)
+        text = f"{type(err).__name__}: {text}" if text else type(err).__name__
     meaning = next((m for key, m in _DAMAGE if key in str(err) or key == type(err).__name__), None) if reading else None
     return f"{meaning}: {text}" if meaning else text
 
@@ -162,7 +194,8 @@ def agree_on(attempt: Callable[[], T], path: Any, rank: int, *, reading: bool = 
             failure = f"rank {rank}: {failure}"
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         outcomes: list[Optional[str]] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(outcomes, failure, group=group)
+        with waiting_in(f"the ranks' agreement on {'reading' if reading else 'writing'} {os.fspath(path)}"):
+            dist.all_gather_object(outcomes, failure, group=group)
         failure = next((outcome for outcome in outcomes if outcome is not None), None)
     if failure is None:
         return result
@@ -324,6 +357,35 @@ def partial_file(path: str) -> str:
     same for every save of ``path`` (a later one overwrites what a killed one left)."""
     digest = hashlib.sha1(os.path.basename(path).encode()).hexdigest()[:12]
     return os.path.join(os.path.dirname(os.path.abspath(path)), f".lsd-partial-{digest}.tmp")
+
+
+def is_leftover(name: str, beside: Container[str]) -> bool:
+    """Whether the file or folder ``name``, in a folder holding the names ``beside``, is what an interrupted save
+    left: a partial write (:func:`partial_file`'s, a sharded save's ``<path>.tmp``) or the old copy :func:`_replace`
+    moved aside, beside its replacement. Never a checkpoint: an ``.old`` alone is the one ``ckpt_path=last`` resumes
+    from (the save crashed between its two renames)."""
+    if name.endswith(".tmp"):
+        return name.startswith(".lsd-partial-") or name.endswith(".ckpt.tmp")
+    return name.endswith(".ckpt.old") and name[: -len(".old")] in beside
+
+
+def remove_leftovers(roots: Iterable[str]) -> list[str]:
+    """Remove what interrupted saves left under ``roots`` (each searched whole, as ``ckpt_path=last`` searches it) and
+    return the paths removed. Only before any save of the run (``lsd-train``, before its processes start): a save
+    in progress has its partial file too."""
+    removed: list[str] = []
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            if is_sharded_checkpoint(dirpath):
+                dirnames[:] = []  # (its pieces are no leftovers)
+                continue
+            here = set(dirnames) | set(filenames)
+            gone = sorted(name for name in here if is_leftover(name, here))
+            for name in gone:
+                _remove(os.path.join(dirpath, name))
+            removed += [os.path.join(dirpath, name) for name in gone]
+            dirnames[:] = [name for name in dirnames if name not in gone]
+    return removed
 
 
 def _write_file(obj: Any, path: str) -> None:

@@ -52,12 +52,12 @@ def find_last_checkpoint(roots: Sequence[str]) -> Optional[str]:
     newest, which is where Lightning's own ``ckpt_path="last"`` looks): a ``.ckpt`` file or a sharded checkpoint's
     directory, or the ``<name>.ckpt.old`` a save that crashed between its two renames left without a ``<name>.ckpt``;
     the newest by modification time, then by path. ``None`` when there is none."""
-    from lightning_static_dist.checkpoint import is_sharded_checkpoint
+    from lightning_static_dist.checkpoint import is_leftover, is_sharded_checkpoint
 
     def kept(names: list[str], beside: set[str]) -> list[str]:
         # not a write that never finished, nor an old one beside its new one (a file or a folder: the consolidation
         # at the end of fit turns a sharded folder into a file of the same name)
-        return [n for n in names if not n.endswith(".tmp") and not (n.endswith(".ckpt.old") and n[:-4] in beside)]
+        return [n for n in names if not n.endswith(".tmp") and not is_leftover(n, beside)]
 
     found: list[tuple[float, str]] = []
     for root in roots:
@@ -83,9 +83,7 @@ def resume_from(cfg: RunConfig) -> tuple[Optional[str], Optional[str]]:
     wanted = cfg.ckpt_path if cfg.ckpt_path is not None or restart == 0 else "last"
     path, line = wanted, None
     if wanted == "last":
-        roots = [cfg.trainer.get("default_root_dir") or os.getcwd()]
-        dirpath = cfg.callbacks["model_checkpoint"].options.get("dirpath") if "model_checkpoint" in cfg.callbacks else None
-        roots += [dirpath] if dirpath else []
+        roots = checkpoint_roots(cfg)
         path = find_last_checkpoint(roots)
         why = f"restart {restart} of torchrun --max-restarts" if cfg.ckpt_path is None else "ckpt_path=last"
         line = f"lsd-train: {why}: " + (f"resuming from {path}" if path else
@@ -118,6 +116,26 @@ def finished_already(cfg: RunConfig, ckpt_path: Optional[str], command: Sequence
     kept = [arg for arg in command if not arg.startswith(f"{key}=")]
     return (f"lsd-train: nothing to train: {ckpt_path} is at {at}, and {key} is {limit}; to continue the run, raise"
             f" it: lsd-train {' '.join(kept)} {key}={more}")
+
+
+def checkpoint_roots(cfg: RunConfig) -> list[str]:
+    """The folders a run's checkpoints are under: ``trainer.default_root_dir`` and ``model_checkpoint.dirpath``."""
+    roots = [cfg.trainer.get("default_root_dir") or os.getcwd()]
+    dirpath = cfg.callbacks["model_checkpoint"].options.get("dirpath") if "model_checkpoint" in cfg.callbacks else None
+    return roots + ([dirpath] if dirpath else [])
+
+
+def remove_leftovers_at_start(cfg: RunConfig) -> None:
+    """Before any process starts (the launching process; under torchrun, rank 0): remove what interrupted saves left
+    in the run's folders (``checkpoint.remove_leftovers``), in one line."""
+    from lightning_static_dist.checkpoint import remove_leftovers
+
+    if RESUME_ENV in os.environ or int(os.environ.get("RANK", "0") or 0) != 0:
+        return  # a rank Lightning's launcher started (rank 0 cleaned up before it), or not rank 0
+    removed = remove_leftovers(checkpoint_roots(cfg))
+    if removed:
+        print(f"lsd-train: removed what interrupted saves left ({counted(len(removed), 'path')}): {', '.join(removed)}",
+              file=sys.stderr, flush=True)
 
 
 def default_loggers(root_dir: str) -> list[Any]:
@@ -157,6 +175,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
         if args.print_config:
             print(print_run_file(cfg), end="")
             return
+        remove_leftovers_at_start(cfg)
         ckpt_path, resuming = resume_from(cfg)
         # a finished run: one line, before any process, logger or version folder exists
         finished = finished_already(cfg, ckpt_path, [args.config, *args.overrides])

@@ -39,7 +39,7 @@ Defined here
     private read. No upstream change is needed for that.
 The exit teardown: :func:`destroy_process_groups_at_exit` with :func:`mark_run_failed` (``strategy.py``),
 :func:`exit_without_native_teardown` (``processes/launcher.py``, ``fabric/`` through it, ``cli.py``) and
-:func:`exit_after_failure` (``cli.py``)
+:func:`exit_after_failure` (``cli.py``, ``processes/ending.py``'s excepthook, ``processes/watchdog.py``)
     One problem, two mechanisms. With Gloo, a process that finishes while it still has process groups can abort
     (SIGABRT, ``terminate called without an active exception``). A finished rank is then reported as crashed. There
     are two ways this happens. A Gloo worker thread may still hold an async work's tensors when the interpreter
@@ -63,7 +63,21 @@ The exit teardown: :func:`destroy_process_groups_at_exit` with :func:`mark_run_f
 
     The two mechanisms cannot be merged into one. Only the second is strong enough to prevent the abort. A library
     cannot use it, though, in a program whose end it does not own, because it would skip the rest of the user's
-    script.
+    script. Both exits first run the hooks registered with :func:`before_leaving`: a process that started the other
+    local ranks waits for them there and leaves with the worst status (``processes/ending.py``).
+:func:`save_step_as_at_interval` (used by ``participants/resume.py``)
+    Calls ``ModelCheckpoint``'s ``_monitor_candidates``, ``_save_topk_checkpoint``, ``_save_last_checkpoint`` and
+    ``_save_checkpoint``, and reads its ``_last_global_step_saved`` and ``_last_checkpoint_saved``: at the end of a
+    fit whose last step no checkpoint holds, the run's ``ModelCheckpoint`` writes that step as it writes one at its
+    interval (its file name, its ``save_top_k`` pruning, its ``last`` file and link), so ``ckpt_path=last`` resumes
+    from it. Lightning's own ``on_train_end`` does that only with ``save_last`` and only when the callback never
+    saved before. A public "save now" on ``ModelCheckpoint`` would retire these.
+:func:`set_collective_timeout` (used by ``processes/data_parallel.py`` and ``participants/runtime.py``)
+    Calls ``torch.distributed.distributed_c10d._set_pg_timeout``, which changes the timeout of a process group's
+    collectives (Gloo and NCCL) after it started: the processes start with a longer timeout than
+    ``strategy.timeout_s`` (a rank's start-up and first step take longer than a collective should), which is set once
+    the first step is over. Where it is missing (an older torch), the collectives keep the start-up timeout. A public
+    setter, or ``init_process_group`` taking a separate rendezvous timeout, would retire it.
 
 Left where they are (so that this list is the whole inventory)
 --------------------------------------------------------------
@@ -157,7 +171,8 @@ import gc
 import logging
 import os
 import sys
-from typing import Any, NoReturn
+from datetime import timedelta
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -217,26 +232,83 @@ def destroy_process_groups_at_exit() -> None:
     atexit.register(destroy)
 
 
+_leaving: list[Callable[[int], int]] = []
+
+
+def before_leaving(hook: Callable[[int], int]) -> None:
+    """Run ``hook(status)`` when this process leaves through :func:`exit_without_native_teardown` or
+    :func:`exit_after_failure`; it returns the status to leave with (the launcher's: wait for the ranks it started,
+    and take the worst of their statuses)."""
+    _leaving.append(hook)
+
+
+def _status_on_leaving(code: int) -> int:
+    for hook in _leaving:
+        code = hook(code)
+    return code
+
+
 def exit_without_native_teardown(code: int) -> NoReturn:
-    """End a process whose work is done. Destroy its process groups, run Python's exit handlers (the ``atexit`` hooks
-    of loggers and other libraries), flush, and ``os._exit``. Only the C++ static destructors are skipped: that is
-    where Gloo threads sometimes abort a finished process (SIGABRT)."""
+    """End a process whose work is done. Destroy its process groups, run the :func:`before_leaving` hooks and
+    Python's exit handlers (the ``atexit`` hooks of loggers and other libraries), flush, and ``os._exit``. Only the
+    C++ static destructors are skipped: that is where Gloo threads sometimes abort a finished process (SIGABRT)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    code = _status_on_leaving(code)
     atexit._run_exitfuncs()
     _flush_and_leave(code)
 
 
 def exit_after_failure(code: int = 1) -> NoReturn:
-    """End a process whose run failed in a collective (the failure line already printed): flush and ``os._exit``. No
-    process-group teardown and no exit handlers run, because either could wait for a peer that is gone."""
-    _flush_and_leave(code)
+    """End a process whose run failed (the failure's line or traceback already printed): the :func:`before_leaving`
+    hooks, flush and ``os._exit``. No process-group teardown and no exit handlers run, because either could wait for
+    a peer that is gone."""
+    _flush_and_leave(_status_on_leaving(code))
 
 
 def _flush_and_leave(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def set_collective_timeout(timeout: timedelta, group: Optional[Any] = None) -> bool:
+    """Set the timeout of ``group``'s collectives (the default group: ``None``) after it started; ``False`` where
+    this torch cannot (the group keeps the timeout it started with).
+
+    Example::
+
+        set_collective_timeout(timedelta(seconds=config.timeout_s))   # after the first step
+    """
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None or not dist.is_initialized():
+        return False
+    setter(timeout, group)
+    return True
+
+
+# ----------------------------------------------------------------------------------- ModelCheckpoint's saves
+
+
+def save_step_as_at_interval(callback: Any, trainer: Any) -> str:
+    """Have ``callback`` (a ``ModelCheckpoint``) write the trainer's current step as it writes one at its interval:
+    its top-k file (without a ``monitor``, the newest ``save_top_k`` are kept) and its ``last`` file (``save_last``).
+    Where that writes nothing (a monitored metric ranks its files, and it has no ``save_last``), its ``last`` file all
+    the same. A collective: every rank calls it. Returns the path written.
+
+    Example::
+
+        path = save_step_as_at_interval(trainer.checkpoint_callback, trainer)   # ".../epoch=0-step=150.ckpt"
+    """
+    candidates = callback._monitor_candidates(trainer)
+    if callback.monitor is None:
+        callback._save_topk_checkpoint(trainer, candidates)
+    callback._save_last_checkpoint(trainer, candidates)
+    if callback._last_global_step_saved != trainer.global_step:
+        path = callback.format_checkpoint_name(candidates, callback.CHECKPOINT_NAME_LAST)
+        callback.last_model_path = path  # (as its own save of `last` sets it before writing: it is in the state)
+        callback._save_checkpoint(trainer, path)
+    return callback._last_checkpoint_saved
 
 
 # ------------------------------------------------------------------------------------- Lightning's compile check

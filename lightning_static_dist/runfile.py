@@ -35,6 +35,7 @@ from lightning_static_dist.config import (
     import_object,
     section_from_dict,
 )
+from lightning_static_dist.config.yaml_file import check_nesting, yaml_error_text
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
 from lightning_static_dist.overlap.monitor import OverlapMonitor
@@ -276,9 +277,50 @@ def _check_trainer_ranges(trainer: Mapping[str, Any]) -> None:
     max_steps = trainer.get("max_steps")
     if isinstance(max_steps, int) and max_steps < -1:
         fail("trainer.max_steps", max_steps, "must be -1 (no limit) or an integer >= 0")
-    devices = trainer.get("devices")
-    if isinstance(devices, int) and not isinstance(devices, bool) and devices < 1 and devices != -1:
-        fail("trainer.devices", devices, "must be -1 (all), an integer >= 1, 'auto' or a list of device indices")
+    _check_devices(trainer)
+
+
+def _check_devices(trainer: Mapping[str, Any]) -> None:
+    """``trainer.devices`` as Lightning's accelerator will take it, checked before any process starts: on CPU a number
+    of processes (>= 1) or ``auto``; on an accelerator also ``-1`` (every device), a list of device indices or a
+    string of them (``"0,1"``)."""
+    if "devices" not in trainer:
+        return
+    devices = trainer["devices"]
+    on_cpu = _accelerator_is_cpu(trainer.get("accelerator", "auto"))
+    allowed = ("an integer >= 1 (CPU processes) or 'auto'; -1 (every device) needs an accelerator with devices to"
+               " count (trainer.accelerator=gpu)" if on_cpu else
+               "-1 (all), an integer >= 1, 'auto', a list of device indices or a string of them ('0,1')")
+    if isinstance(devices, bool):
+        fail("trainer.devices", devices, f"must be {allowed}")
+    if isinstance(devices, str):
+        text = devices.strip()
+        indices = [part.strip() for part in text.split(",") if part.strip()]
+        if text == "auto" or (text.isdigit() and int(text) >= 1) or (not on_cpu and (
+                text == "-1" or (indices and all(part.isdigit() for part in indices)))):
+            return
+        fail("trainer.devices", devices, f"must be {allowed}")
+    if isinstance(devices, int):
+        if devices >= 1 or (devices == -1 and not on_cpu):
+            return
+        fail("trainer.devices", devices, f"must be {allowed}")
+    if isinstance(devices, (list, tuple)) and not on_cpu and devices and all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices):
+        return
+    fail("trainer.devices", devices, f"must be {allowed}")
+
+
+def _accelerator_is_cpu(accelerator: Any) -> bool:
+    """Whether ``trainer.accelerator`` runs on CPU processes: ``cpu``, or ``auto`` (or unset) on a machine with no
+    GPU Lightning would pick."""
+    if accelerator == "cpu":
+        return True
+    if accelerator not in (None, "auto"):
+        return False
+    import torch
+
+    mps = getattr(torch.backends, "mps", None)
+    return not torch.cuda.is_available() and not (mps is not None and mps.is_available())
 
 
 def _callbacks_from_dict(data: Any) -> dict[str, CallbackConfig]:
@@ -318,11 +360,15 @@ def load_run_config(path: Optional[str], overrides: Sequence[str] = ()) -> RunCo
     if path is not None:
         path = resolve_config_path(path)
     try:
+        if path is not None:
+            check_nesting(path)
         base = OmegaConf.load(path) if path is not None else OmegaConf.create({})
     except FileNotFoundError:
         raise ConfigError(f"config file {path!r}: no such file") from None
+    except ConfigError:
+        raise
     except Exception as err:  # yaml.YAMLError, OmegaConf's own errors: both mean the file is not a valid config
-        raise ConfigError(f"config file {path!r}: not valid YAML ({str(err).splitlines()[0]})") from None
+        raise ConfigError(f"config file {path!r}: not valid YAML: {yaml_error_text(err)}") from None
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. trainer.max_steps=100")
@@ -336,3 +382,4 @@ def load_run_config(path: Optional[str], overrides: Sequence[str] = ()) -> RunCo
     if data is None:
         data = {}
     return RunConfig.from_dict(data)
+

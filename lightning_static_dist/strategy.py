@@ -47,6 +47,7 @@ from lightning_static_dist.checkpoint import (
     CheckpointConfig,
     ShardedOptimizerState,
     agree_on,
+    check_lightning_checkpoint,
     is_sharded_checkpoint,
     load_sharded,
     save_full,
@@ -420,6 +421,12 @@ class StaticDistStrategy(DataParallelProcesses):
         for participant in self._parts.ordered:
             participant.on_validation_end()
 
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        for participant in self._parts.ordered:
+            participant.on_train_end()
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -519,8 +526,11 @@ class StaticDistStrategy(DataParallelProcesses):
 
     def _read_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool]) -> dict[str, Any]:
         if is_sharded_checkpoint(checkpoint_path):  # collective: every rank reads the model's tensors
-            return load_sharded(os.fspath(checkpoint_path), weights_only=weights_only)
+            checkpoint = load_sharded(os.fspath(checkpoint_path), weights_only=weights_only)
+            check_lightning_checkpoint(checkpoint)
+            return checkpoint
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        check_lightning_checkpoint(checkpoint)  # (a plain torch file: one line, not Lightning's KeyError)
         for participant in self._parts.ordered:
             participant.load_state_dict(checkpoint)  # each takes its own entries out (kept until its setup, if before)
         return checkpoint

@@ -50,13 +50,16 @@ class FaultyCharGPT(CharGPT):
     ``kill_peer_while_blocked`` (SIGKILL itself, printing the time, while every other rank sleeps ``hang_s`` outside
     any collective: no error can reach them, as on NCCL behind a device read), ``sigusr1`` (SLURM's requeue signal,
     to itself: rank 0 inside ``training_step``, every other rank inside ``on_after_backward``, at ``fault_step``),
-    ``raise_timeout`` (a ``RuntimeError`` of the user's own whose message says "timeout"), ``raise_oom``
-    (``torch.OutOfMemoryError``); each ``raise_*`` prints the time it raises at;
+    ``raise_timeout`` (a ``RuntimeError`` of the user's own whose message says "timeout"), ``raise_peer_words`` (one
+    whose message carries a backend's words: "Timed out waiting", "Connection reset by peer"), ``raise_oom``
+    (``torch.OutOfMemoryError``); each ``raise_*`` prints the time it raises at; ``fail_at_end`` (a ``RuntimeError``
+    in ``on_train_end``, after the last collective); ``slow_end`` (3 s more in ``teardown``, after the last
+    collective: a rank that ends later than the others, successfully);
     ``print_steps`` (no fault: the step lines only);
     ``save_fails`` (the save at ``fault_step`` fails in the OS as ``save_error`` says: :func:`break_writes`),
     ``save_fails_at_end`` (the same for every write after training, as the consolidation of a sharded checkpoint).
     ``save_every``: ``trainer.save_checkpoint`` to ``<default_root_dir>/ckpt/last.ckpt`` every N steps. With a
-    fault, each rank prints each step it starts."""
+    fault, each rank prints its process id when the fit starts and each step it starts."""
 
     def __init__(self, fault: str = "none", fault_rank: int = 1, fault_step: int = 3, save_every: int = 0,
                  hang_s: float = 3600.0, save_error: str = "enospc", **kwargs: Any) -> None:
@@ -74,7 +77,17 @@ class FaultyCharGPT(CharGPT):
                 break_writes(self.save_error, path)
             self.trainer.save_checkpoint(path)
 
+    def teardown(self, stage: str) -> None:
+        if self.fault == "slow_end" and self.global_rank == self.fault_rank:
+            time.sleep(3.0)
+
+    def on_fit_start(self) -> None:
+        if self.fault != "none":
+            print(f"rank {self.global_rank} pid {os.getpid()}", file=sys.stderr, flush=True)
+
     def on_train_end(self) -> None:
+        if self.fault == "fail_at_end" and self.global_rank == self.fault_rank:
+            raise RuntimeError("the user's own error in on_train_end (injected)")
         if self.fault == "save_fails_at_end" and self.global_rank == self.fault_rank:
             break_writes(self.save_error, os.path.join(self.trainer.default_root_dir, "ckpt", "last.ckpt"))
 
@@ -109,6 +122,8 @@ class FaultyCharGPT(CharGPT):
             print(f"rank {self.global_rank} raises at {time.time():.3f}", file=sys.stderr, flush=True)
             if self.fault == "raise_oom":
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+            if self.fault == "raise_peer_words":
+                raise RuntimeError("Timed out waiting for the data server: Connection reset by peer (injected)")
             raise RuntimeError("timeout while waiting for the data server (injected, the user's own error)")
         if self._faulty_here("hang"):
             time.sleep(self.hang_s)

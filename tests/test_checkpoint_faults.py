@@ -172,6 +172,53 @@ def test_a_damaged_checkpoint_ends_every_rank_with_one_line_naming_it(tmp_path: 
     assert seconds < 30
 
 
+NOT_LIGHTNING = {  # name: (what the torch file holds, the words; issue 37: Lightning's KeyError or AttributeError)
+    "a-tensor": (lambda: torch.ones(3), "not a Lightning checkpoint: it holds a Tensor"),
+    "a-dict": (lambda: {"weights": torch.ones(2)},
+               "not a Lightning checkpoint: a dictionary without 'pytorch-lightning_version' and 'state_dict' (its"
+               " keys: 'weights')"),
+    "a-state-dict-only": (lambda: {"state_dict": {"w": torch.ones(1)}}, "not a Lightning checkpoint: a dictionary"
+                                                                        " without 'pytorch-lightning_version'"),
+}
+
+
+@pytest.mark.parametrize("held", list(NOT_LIGHTNING))
+def test_a_torch_file_that_is_not_a_lightning_checkpoint_ends_every_rank_with_one_line(tmp_path: Path,
+                                                                                      held: str) -> None:
+    # before: KeyError 'pytorch-lightning_version' (a 27-line traceback per rank), "'Tensor' object has no
+    # attribute 'pop'", or KeyError 'state_dict'
+    make, words = NOT_LIGHTNING[held]
+    path = tmp_path / "weights.pt"
+    torch.save(make(), path)
+    code, err, seconds = lsd_train(tmp_path, f"ckpt_path={path}")
+    assert code == 1, err[-4000:]
+    assert_every_rank_says(err, f"cannot resume from {path}: rank 0: {words}")
+    assert seconds < 30
+
+
+def test_the_next_start_removes_what_interrupted_saves_left_and_says_so(tmp_path: Path) -> None:
+    # issue 37: a kill during a save left its partial file, a sharded save's .tmp folder and an old copy beside its
+    # replacement on disk until a later save of the same name. The old copy a crash between the two renames leaves
+    # alone is the checkpoint itself (ckpt_path=last resumes from it): it stays
+    from lightning_static_dist.checkpoint import partial_file
+
+    folder = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    (folder / "epoch=0-step=4.ckpt.tmp").mkdir(parents=True)
+    (folder / "epoch=0-step=4.ckpt.tmp" / "__0_0.distcp").write_bytes(b"half")
+    leftovers = [Path(partial_file(str(folder / "last.ckpt"))), folder / "last.ckpt.old",
+                 folder / "epoch=0-step=4.ckpt.tmp"]
+    for path in (folder / "last.ckpt", *leftovers[:2], tmp_path / "ckpt" / "alone.ckpt.old"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"a checkpoint")
+    code, err, _ = lsd_train(tmp_path, "trainer.max_steps=2")
+    assert code == 0, err[-4000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("lsd-train: removed ")]
+    assert line == ("lsd-train: removed what interrupted saves left (3 paths): "
+                    + ", ".join(str(path) for path in sorted(leftovers, key=lambda p: p.name))), line
+    assert not any(path.exists() for path in leftovers)
+    assert (folder / "last.ckpt").exists() and (tmp_path / "ckpt" / "alone.ckpt.old").exists()
+
+
 # ------------------------------------------------------------------------------------------ untrusted input
 
 

@@ -136,8 +136,15 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
      "processes/sigterm.py: the per-step device broadcast it replaces (if gone, the patch is inert: retire or re-target it)"),
     ("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector._sigterm_notifier_fn",
      "processes/sigterm.py: the handler the connector's subclass overrides"),
+    ("lightning.pytorch.callbacks", "ModelCheckpoint._monitor_candidates",
+     "compat.py: save_step_as_at_interval, the end of fit's save of its last step"),
+    ("lightning.pytorch.callbacks", "ModelCheckpoint._save_topk_checkpoint", "compat.py: save_step_as_at_interval"),
+    ("lightning.pytorch.callbacks", "ModelCheckpoint._save_last_checkpoint", "compat.py: save_step_as_at_interval"),
+    ("lightning.pytorch.callbacks", "ModelCheckpoint._save_checkpoint", "compat.py: save_step_as_at_interval"),
     # torch
     ("torch.distributed.distributed_c10d", "_get_default_store", "processes/faults.py: the rendezvous store for the roll call"),
+    ("torch.distributed.distributed_c10d", "_set_pg_timeout",
+     "compat.py: set_collective_timeout, strategy.timeout_s from the first step on"),
     ("torch.autograd", "Variable._execution_engine.queue_callback", "sync/synchronizer.py: finish at end of backward"),
     ("torch", "_foreach_norm", "participants/gradients.py: the non-finite check in one launch"),
     ("torch", "_foreach_mul_", "sync/sharded.py: clipping in one launch"),
@@ -272,6 +279,15 @@ def test_the_trainer_holds_the_loop_and_connector_that_loop_py_patches() -> None
                       enable_progress_bar=False, enable_model_summary=False)
     assert isinstance(trainer._signal_connector, _SignalConnector), "Trainer._signal_connector moved (processes/sigterm.py)"
     assert isinstance(trainer.fit_loop.epoch_loop, _TrainingEpochLoop), "the epoch loop moved (processes/sigterm.py)"
+
+
+def test_a_modelcheckpoint_keeps_its_last_saved_step_where_compat_reads_it() -> None:
+    # save_step_as_at_interval reads these two attributes after the save (set in ModelCheckpoint.__init__ and
+    # _save_checkpoint); a rename would make the end-of-fit save write last.ckpt every time
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callback = ModelCheckpoint()
+    assert callback._last_global_step_saved == 0 and not callback._last_checkpoint_saved
 
 
 def test_the_log_step_is_lightning_s_count_of_optimizer_steps_taken() -> None:

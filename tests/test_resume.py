@@ -56,6 +56,30 @@ def test_ckpt_path_last_resumes_from_the_newest_checkpoint_of_any_version_folder
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize(("interval", "written"), [
+    ((), {"step=6.ckpt": 6}),
+    (("callbacks.model_checkpoint.every_n_train_steps=4", "callbacks.model_checkpoint.save_last=true"),
+     {"step=6.ckpt": 6, "last.ckpt": 6}),
+], ids=["longer-than-the-run", "every-4-steps-with-save-last"])
+def test_the_end_of_fit_saves_its_last_step_whatever_the_interval(tmp_path: Path, interval: tuple[str, ...],
+                                                                  written: dict[str, int]) -> None:
+    """Issue 37: a run shorter than the checkpoint interval left no checkpoint at all (``ckpt_path=last`` then started
+    from step 0), and a longer one lost the steps after the last interval. The end of fit writes the last step as
+    the ModelCheckpoint writes one at its interval (its ``save_top_k=1`` keeps that one), and a resume goes on from
+    it."""
+    import torch
+
+    out = lsd_train(tmp_path, "trainer.max_steps=6", *interval)
+    assert "static_dist: the fit ended at step 6, which no checkpoint held: saved " in out, out[-3000:]
+    saved = {path.name.split("-")[-1]: torch.load(path, weights_only=True)["global_step"]
+             for path in tmp_path.rglob("*.ckpt")}  # ("epoch=E-step=6.ckpt": the epoch is the data's)
+    assert saved == written, saved
+    out = lsd_train(tmp_path, "trainer.max_steps=9", "ckpt_path=last", *interval)
+    assert "lsd-train: ckpt_path=last: resuming from " in out and "version_0/checkpoints/" in out, out[-3000:]
+    assert [(s["steps"], s["batches"]) for s in summaries(tmp_path)] == [(6, 6), (9, 3)]
+
+
+@pytest.mark.multiprocess
 def test_ckpt_path_last_without_a_checkpoint_says_so_and_starts_from_step_0(tmp_path: Path) -> None:
     out = lsd_train(tmp_path, "trainer.max_steps=4", "ckpt_path=last")
     assert f"lsd-train: ckpt_path=last: no checkpoint under {tmp_path}; starting from step 0" in out

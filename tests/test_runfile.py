@@ -84,6 +84,12 @@ INVALID_OVERRIDES = [
     pytest.param(["trainer.strategy=ddp"], "trainer.strategy", "'ddp'", id="trainer-strategy-reserved"),
     pytest.param(["trainer.callbacks=[]"], "trainer.callbacks", "[]", id="trainer-callbacks-reserved"),
     pytest.param(["trainer.devices=0"], "trainer.devices", "=0", id="trainer-devices-zero"),
+    # issue 37: both passed the check, then ended in Lightning's 28-line TypeError once the processes started
+    pytest.param(["trainer.devices=-1"], "trainer.devices", "-1 (every device) needs an accelerator",
+                 id="trainer-devices-all-on-cpu"),
+    pytest.param(["trainer.devices=abc"], "trainer.devices", "'abc'", id="trainer-devices-not-a-number"),
+    pytest.param(["trainer.accelerator=gpu", "trainer.devices=abc"], "trainer.devices", "a list of device indices",
+                 id="trainer-devices-not-a-number-on-gpu"),
     pytest.param(["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches", "=0", id="trainer-accumulate-zero"),
     pytest.param(["trainer.max_steps=-5"], "trainer.max_steps", "-5", id="trainer-max-steps-below-minus-one"),
     pytest.param(["trainer.max_steps=1e3"], "trainer.max_steps", "1000.0", id="trainer-float-for-int"),
@@ -145,6 +151,34 @@ def test_invalid_file_is_rejected_with_one_line(tmp_path: Path, text: Optional[s
     assert_one_line_naming(excinfo.value, key, shown)
 
 
+def refusal_of(path: Path, text: str) -> ConfigError:
+    """The error loading a run file that holds ``text``, written at ``path``, raises."""
+    path.write_text(text)
+    with pytest.raises(ConfigError) as excinfo:
+        load_run_config(str(path))
+    return excinfo.value
+
+
+def test_a_yaml_error_keeps_its_cause_and_its_lines(tmp_path: Path) -> None:
+    # issue 37: the reader's error was cut to its first line ("while parsing a flow sequence"), which names neither
+    # the cause nor where it is
+    error = refusal_of(tmp_path / "bad.yaml", "trainer:\n  max_steps: [1, 2\n  devices: 2\n")
+    assert_one_line_naming(error, "bad.yaml", "not valid YAML")
+    assert "did not find expected ',' or ']' (line 3, column 10)" in str(error), error
+    assert "(line 2, column 14)" in str(error), error
+
+
+@pytest.mark.parametrize("text, line", [
+    pytest.param("a: " + "[" * 1000 + "]" * 1000 + "\n", 1, id="flow-1000-levels"),  # YAML's "maximum nesting depth"
+    pytest.param("".join("  " * i + f"k{i}:\n" for i in range(150)) + "  " * 150 + "v: 1\n", 33,
+                 id="valid-block-150-levels"),  # valid YAML: OmegaConf's RecursionError read as "not valid YAML"
+])
+def test_yaml_nested_too_deep_is_named_as_such_with_its_line(tmp_path: Path, text: str, line: int) -> None:
+    error = refusal_of(tmp_path / "deep.yaml", text)
+    assert_one_line_naming(error, "deep.yaml", f"nested deeper than 32 levels at line {line}")
+    assert "not valid YAML" not in str(error)
+
+
 # ------------------------------------------------------------------------------------ invalid: regressions
 
 
@@ -156,11 +190,7 @@ def test_list_over_a_mapping_is_a_config_error(override: str) -> None:
 
 
 def test_file_whose_top_level_is_a_list_is_a_config_error(tmp_path: Path) -> None:
-    path = tmp_path / "list.yaml"
-    path.write_text("- seed\n- model\n")
-    with pytest.raises(ConfigError) as excinfo:
-        load_run_config(str(path))
-    assert_one_line_naming(excinfo.value, "list.yaml", "")
+    assert_one_line_naming(refusal_of(tmp_path / "list.yaml", "- seed\n- model\n"), "list.yaml", "")
 
 
 def test_class_path_to_a_non_callable_is_a_config_error() -> None:

@@ -85,6 +85,10 @@ class FabricCheckpoints(FabricProcesses):
         if entries:
             model.each("load_state_dict", entries)
 
+    @override
+    def _steps_taken(self) -> int:
+        return self._models[0].context.steps if self._models else 0
+
     def _model_of(self, module: Optional[Module]) -> Optional[SynchronisedModel]:
         return next((m for m in self._models if m.module is module), None)
 

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from datetime import timedelta
 from typing import Any, Optional
@@ -29,7 +30,8 @@ from lightning_static_dist.compat import mark_run_failed
 from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.ddp_arguments import check_process_group_backend
 from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
-from lightning_static_dist.processes.faults import collective_failed
+from lightning_static_dist.processes.ending import install_excepthook
+from lightning_static_dist.processes.faults import collective_failed, diagnose, is_collective_failure, post_own_failure
 from lightning_static_dist.processes.data_parallel import check_simulation, ranks_in_world, start_process_group
 from lightning_static_dist.processes.launcher import FabricSpawnLauncher, StaticDistLauncher
 from lightning_static_dist.simulate.config import SimulateConfig
@@ -86,9 +88,9 @@ class FabricProcesses(DDPStrategy):
         return {**super().distributed_sampler_kwargs, "num_replicas": self._ranks_in_world()}
 
     def has_failed(self) -> bool:
-        """Whether this rank failed (the peer watchdog's thread reads it); known at teardown, see
-        :meth:`failed_at_teardown`."""
-        return self._failed
+        """Whether this rank failed (the peer watchdog's thread reads it): an exception left one of the package's
+        collectives, or teardown or the excepthook said so (:meth:`failed_at_teardown`, :meth:`_explain`)."""
+        return self._failed or collective_failed()
 
     def mark_failed(self) -> None:
         """This rank failed or is out of step: peers may be gone, so nothing after waits for them (the exit's
@@ -103,6 +105,25 @@ class FabricProcesses(DDPStrategy):
         if sys.exc_info()[0] is not None or collective_failed():
             self.mark_failed()
         return self._failed
+
+    def _steps_taken(self) -> int:
+        """Optimizer steps taken, for a failure's line (the strategy above knows its models; -1: unknown here)."""
+        return -1
+
+    def _explain(self, error: BaseException) -> bool:
+        """A script's uncaught exception (Fabric has no ``on_exception`` hook, so it is read here, as the Trainer
+        strategy's ``on_exception`` reads it): a collective's failure is one line naming the rank that stopped, and
+        the ranks this process started are killed (a stuck one would outlive the job); this rank's own error gets
+        its traceback, and the others' lines name this rank. ``True``: the line is printed."""
+        self.mark_failed()
+        step = self._steps_taken()
+        if not is_collective_failure(error):
+            post_own_failure(error, self.global_rank, step)
+            return False
+        print(diagnose(error, self.global_rank, self.world_size, step), file=sys.stderr, flush=True)
+        if isinstance(self._launcher, StaticDistLauncher):
+            self._launcher.kill(signal.SIGKILL)
+        return True
 
     def reduce_scatter(self) -> bool:
         """``sync.reduce`` resolved against the mesh (``auto``: reduce_scatter if dp_shard > 1)."""
@@ -134,3 +155,5 @@ class FabricProcesses(DDPStrategy):
         assert self.cluster_environment is not None
         self._process_group_backend = start_process_group(self.cluster_environment, self._get_process_group_backend(),
                                                           self.root_device, self._config, os.getcwd())
+        if self.world_size > 1 and self.simulation is None:
+            install_excepthook(self._explain)

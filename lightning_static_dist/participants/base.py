@@ -21,6 +21,7 @@ Phases, as the strategy calls them (a phase returning a value is read as the met
     before_optimizer_step post_backward, last: clipping, the scaler and the optimizer step follow
     after_optimizer_step  optimizer_step, after the step
     on_validation_end     a validation loop ended
+    on_train_end          the training loop ended without an error (every rank at the same last step)
     no_sync               block_backward_sync: a context entered for a micro-batch that accumulates locally
     on_exception          the run failed (after the strategy recorded the failure)
     check_in_step         before a checkpoint is written and before teardown: the ranks' last steps agree
@@ -226,6 +227,9 @@ class StepParticipant:
 
     def on_validation_end(self) -> None:
         """A validation loop ended (inside ``fit`` too, the sanity check included)."""
+
+    def on_train_end(self) -> None:
+        """The training loop ended without an error: every rank took the same last step (a collective may run)."""
 
     def no_sync(self) -> AbstractContextManager[None]:
         """A context for a micro-batch whose gradients accumulate locally (no synchronisation)."""

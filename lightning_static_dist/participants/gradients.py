@@ -30,6 +30,7 @@ from torch.nn import Parameter
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_static_dist.compression.auto import Candidate, CompressionTrial
+from lightning_static_dist.processes.faults import enter_collective, leave_collective
 from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.participants.base import (
     StepContext,
@@ -50,6 +51,8 @@ from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
 from lightning_static_dist.sync.config import SyncConfig
 
 SyncMode = Literal["hooks", "graph", "sharded"]
+
+_GRAPH_COLLECTIVES = "the gradient collectives inside the compiled backward (sync.mode=graph)"
 
 
 def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], sync: SyncConfig,
@@ -233,17 +236,23 @@ class GradientSynchronization(StepParticipant):
         self.buffers.broadcast()
 
     def before_backward(self) -> None:
-        if self.mode != "graph" or self._compile.graphs_checked:
+        if self.mode != "graph":
             return
-        # before the first backward runs the collectives compiled into it: every rank compiled the same graphs
-        try:
-            self._compile.check_graphs_once()
-        except RankMismatchError as err:
-            raise RankMismatchError(
-                "static_dist: strategy.sync.mode=graph needs every rank to compile the same graphs (the gradient"
-                f" collectives are inside them): {err}. A model whose ranks use different parameters needs"
-                " strategy.sync.mode=hooks"
-            ) from None
+        if not self._compile.graphs_checked:
+            # before the first backward runs the collectives compiled into it: every rank compiled the same graphs
+            try:
+                self._compile.check_graphs_once()
+            except RankMismatchError as err:
+                raise RankMismatchError(
+                    "static_dist: strategy.sync.mode=graph needs every rank to compile the same graphs (the gradient"
+                    f" collectives are inside them): {err}. A model whose ranks use different parameters needs"
+                    " strategy.sync.mode=hooks"
+                ) from None
+        # no Python frame of ours waits on these collectives: an error leaving the backward is theirs
+        enter_collective(_GRAPH_COLLECTIVES)
+
+    def after_backward(self) -> None:
+        leave_collective(_GRAPH_COLLECTIVES)
 
     def finish_gradients(self, accumulating: bool) -> None:
         if self.synchronizer is not None:
@@ -294,6 +303,7 @@ class GradientSynchronization(StepParticipant):
             self.synchronizer.check_pending_rounds()
 
     def teardown(self, failed: bool) -> None:
+        leave_collective(_GRAPH_COLLECTIVES)  # (left open by a backward that raised)
         self.buffers.stop()
         self.mode = None
         if self.synchronizer is not None:

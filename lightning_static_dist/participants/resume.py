@@ -1,4 +1,10 @@
-"""Where a resumed run cannot continue bit for bit: one line, at the first step of a fit resumed mid-epoch.
+"""What a later run resumes from: the last step of every fit that trained is in a checkpoint, and where a resumed run
+cannot continue bit for bit, one line says so at the first step of a fit resumed mid-epoch.
+
+A ``ModelCheckpoint`` writes at its interval (every N steps, at a validation's end, at an epoch's end): a fit whose
+last step falls between two of them ends with its last steps in no checkpoint, and ``ckpt_path=last`` would train
+them again (a run shorter than the interval: from step 0). :class:`LastStepSave` has the run's ``ModelCheckpoint``
+write that step when the fit ends, as Lightning's ``save_last`` does for its ``last`` file at the end of training.
 
 Lightning's fit loop saves a training loader's position only when the loader has ``state_dict`` and
 ``load_state_dict`` (``torchdata``'s ``StatefulDataLoader``, or
@@ -14,11 +20,12 @@ Example (the strategy builds it in its ``__init__``)::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_static_dist.compat import train_loaders
+from lightning_static_dist.compat import save_step_as_at_interval, train_loaders
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
 
 
@@ -55,3 +62,41 @@ class MidEpochResume(StepParticipant):
                 f"{trainer.global_step}) with a training loader that keeps no position ({', '.join(plain)} has no "
                 "state_dict/load_state_dict): its epoch starts again from the first batch, so the run does not "
                 "continue bit for bit")
+
+
+class LastStepSave(StepParticipant):
+    """At the end of a fit that took a step, where no checkpoint of this fit holds its last step (a ``ModelCheckpoint``
+    at its interval, or the user's own ``trainer.save_checkpoint``): the run's first ``ModelCheckpoint`` writes it,
+    as at its interval (its file name, its ``save_top_k``, its ``last`` file), and rank 0 says so. Nothing without a
+    ``ModelCheckpoint`` (``enable_checkpointing=False``: the user keeps none), with ``fast_dev_run``, after a failure
+    or an agreed SIGTERM stop (that one saved already), and for a fit that resumed a finished run (it took no
+    step)."""
+
+    def __init__(self, view: StrategyView) -> None:
+        self._view = view
+        self._loop: Any = None
+        self._first_step: Optional[int] = None
+        self._saved_step: Optional[int] = None
+
+    def setup(self, context: StepContext) -> None:
+        self._loop = context.trainer_loop if context.fitting else None  # (Fabric has no such loop)
+        self._first_step = self._saved_step = None
+
+    def on_train_batch_start(self) -> None:
+        if self._first_step is None and self._loop is not None:
+            self._first_step = self._loop.global_step  # after the checkpoint it resumed from was loaded
+
+    def check_in_step(self) -> None:
+        if self._loop is not None:  # every save of the fit comes here first (an unwritten one ends the fit)
+            self._saved_step = self._loop.global_step
+
+    def on_train_end(self) -> None:
+        loop = self._loop
+        if loop is None or self._first_step is None or loop.global_step <= self._first_step or loop.fast_dev_run:
+            return
+        callbacks = [c for c in loop.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+        if not callbacks or self._saved_step == loop.global_step:
+            return
+        path = save_step_as_at_interval(callbacks[0], loop)
+        rank_zero_info(f"static_dist: the fit ended at step {loop.global_step}, which no checkpoint held:"
+                       f" saved {path}")

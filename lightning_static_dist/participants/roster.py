@@ -24,8 +24,8 @@ from lightning_static_dist.participants.compression import CompressionState
 from lightning_static_dist.participants.embeddings import EmbeddingShards
 from lightning_static_dist.participants.gradients import GradientSynchronization, SyncSchedule
 from lightning_static_dist.participants.recording import PhaseRecording
-from lightning_static_dist.participants.resume import MidEpochResume
-from lightning_static_dist.participants.runtime import PeerWatch, SigtermAgreement, SimulationMark
+from lightning_static_dist.participants.resume import LastStepSave, MidEpochResume
+from lightning_static_dist.participants.runtime import CollectiveTimeout, PeerWatch, SigtermAgreement, SimulationMark
 from lightning_static_dist.participants.sharded import ShardedSync
 
 
@@ -41,10 +41,12 @@ class Participants:
         EmbeddingShards   embedding: shard, prefetch, gather before forward, release after backward and step
         SigtermAgreement  Lightning's SIGTERM check over the host group (processes/sigterm.py)
         PeerWatch         the peer watchdog
+        CollectiveTimeout strategy.timeout_s from the first optimizer step on (start-up waits longer)
         CompressionState  compression: the auto trial, and the compressor's state in checkpoints
         SyncSchedule      sync.schedule=auto: the trial of the two schedules, and its choice in checkpoints
         SimulationMark    strategy.simulate: checkpoints say they were written in a simulated world
         MidEpochResume    a fit resumed mid-epoch with a loader that keeps no position: one line saying so
+        LastStepSave      the end of a fit writes its last step where no checkpoint holds it
         PhaseRecording    the overlap monitor's recorder: marks forward, backward and optimizer phases
 
     The order keeps what must come first first: the buffers before the embeddings' gather before the recorder's
@@ -70,8 +72,8 @@ class Participants:
         self.schedule = SyncSchedule(view, self.gradients)
         self.ordered: tuple[StepParticipant, ...] = (
             self.gradients, self.sharded, self.compile, self.embeddings, SigtermAgreement(view),
-            PeerWatch(view, failed=failed), self.compression, self.schedule, SimulationMark(view),
-            MidEpochResume(view), self.recording,
+            PeerWatch(view, failed=failed), CollectiveTimeout(view), self.compression, self.schedule,
+            SimulationMark(view), MidEpochResume(view), LastStepSave(view), self.recording,
         )
 
     # ----------------------------------------------------------------------------- the checkpoint phases' answers

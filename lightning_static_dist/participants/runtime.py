@@ -1,5 +1,6 @@
-"""The participants that watch the processes rather than the step: the peer watchdog, and the ranks' agreement on
-SIGTERM through Lightning's patched loop (:mod:`~lightning_static_dist.processes.sigterm` says why the loop is patched).
+"""The participants that watch the processes rather than the step: the peer watchdog, the collectives' timeout, and
+the ranks' agreement on SIGTERM through Lightning's patched loop (:mod:`~lightning_static_dist.processes.sigterm` says
+why the loop is patched).
 
 Example (the strategy builds these in its ``__init__``)::
 
@@ -9,10 +10,13 @@ Example (the strategy builds these in its ``__init__``)::
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_static_dist.compat import set_collective_timeout
 from lightning_static_dist.processes import sigterm as loop_patches
 from lightning_static_dist.participants.base import (
     StepContext,
@@ -45,6 +49,27 @@ class PeerWatch(StepParticipant):
         if self._watchdog is not None:
             self._watchdog.stop(clean=not failed)
             self._watchdog = None
+
+
+class CollectiveTimeout(StepParticipant):
+    """``strategy.timeout_s`` from the first optimizer step on. The process group starts with a longer timeout
+    (``processes/data_parallel.py``'s ``start_up_timeout``): a rank waits for another while they start, set up and
+    compile far longer than a collective of a running job should; a value that fits a running job (seconds) would
+    end the job before its first step."""
+
+    def __init__(self, view: StrategyView) -> None:
+        self._view = view
+        self._set = False
+
+    def after_optimizer_step(self) -> None:
+        view = self._view
+        if self._set or view.world_size == 1 or view.simulation is not None or not dist.is_initialized():
+            return
+        self._set = True
+        timeout = timedelta(seconds=view.config.timeout_s)
+        set_collective_timeout(timeout)
+        if view.host_group is not None and view.host_group is not dist.group.WORLD:
+            set_collective_timeout(timeout, view.host_group)
 
 
 SIMULATED_KEY = "static_dist_simulated"  # a checkpoint written in a simulated world: {"world_size": N, "link": ...}

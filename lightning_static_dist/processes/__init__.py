@@ -8,6 +8,8 @@ run. Each module owns one concern:
     sigterm         a SIGTERM (or SLURM's SIGUSR1) agreed on by every rank over the host group, and the stop at an
                     accumulation window's end with a checkpoint on every rank
     watchdog        the peer watchdog: a dead peer's line where no error reaches the survivor
+    ending          how the processes end: one line or one traceback per failure, and the launching process's
+                    wait for the ranks it started, with the worst status of all
     faults          a dead or stuck peer as one line naming the rank and the collective in flight
     fingerprint     cross-rank agreement checks (the same parameters, the same compiled graphs)
 

@@ -54,7 +54,9 @@ from lightning_static_dist.config import ConfigError
 from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.ddp_arguments import check_process_group_backend, device_backend
-from lightning_static_dist.processes.faults import diagnose, is_collective_failure, record_nccl_flight, waiting_in
+from lightning_static_dist.processes.ending import in_chain, install_excepthook
+from lightning_static_dist.processes.faults import (diagnose, is_collective_failure, post_own_failure,
+                                                    record_nccl_flight, waiting_in)
 from lightning_static_dist.processes.launcher import StaticDistLauncher, StaticDistSpawnLauncher
 from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
 from lightning_static_dist.simulate import BACKEND as SIMULATED_BACKEND
@@ -66,6 +68,17 @@ log = logging.getLogger(__name__)
 
 #: backends whose communicator is created eagerly on the rank's device when the process group is bound to it
 _DEVICE_BOUND_BACKENDS = ("nccl", "xccl", "hccl")
+
+START_UP_S = 600.0
+"""Seconds the collectives may wait until the first optimizer step is over, when ``strategy.timeout_s`` is shorter:
+the ranks of a job start seconds apart (each imports torch and Lightning), and setup and the first step (a rank's
+data preparation, a compilation) keep one rank waiting for another far longer than a collective of a running job
+should. ``participants/runtime.py``'s ``CollectiveTimeout`` sets ``strategy.timeout_s`` then."""
+
+
+def start_up_timeout(config: StrategyConfig) -> timedelta:
+    """The collectives' timeout from the start until the first optimizer step is over (:data:`START_UP_S`)."""
+    return timedelta(seconds=max(config.timeout_s, START_UP_S))
 
 
 def binds_device(backend: str, device: torch.device) -> bool:
@@ -106,8 +119,9 @@ def start_process_group(environment: ClusterEnvironment, backend: str, device: t
     and Fabric's ``FabricProcesses``): under ``strategy.simulate``, as rank 0 of the simulated world; otherwise with
     Lightning's ``_init_dist_connection`` (``DDPStrategy``'s environment variables and messages), bound to ``device``
     where :func:`binds_device` says so, with ``sync.comm_sms``'s NCCL options, and an NCCL flight record under
-    ``run_dir``. The groups are destroyed at exit. Returns the backend that runs (the simulated world's own)."""
-    timeout = timedelta(seconds=config.timeout_s)
+    ``run_dir``. The groups are destroyed at exit. Returns the backend that runs (the simulated world's own). The
+    group starts with :func:`start_up_timeout`: the rendezvous itself waits that long for the last rank."""
+    timeout = start_up_timeout(config)
     if config.simulate.enabled:
         start_simulated_world(config.simulate, config.sync.comm_sms, device, timeout)
         backend = SIMULATED_BACKEND
@@ -233,6 +247,7 @@ class DataParallelProcesses(ParallelStrategy):
         self._host_group: Optional[torch.distributed.ProcessGroup] = None
         self._failed = False
         self._preempted = False  # the ranks' agreed SIGTERM stop (processes/sigterm.py): every rank saved, none failed
+        self._reported: Optional[BaseException] = None  # the exception whose one line this rank printed
         self.failure: Optional[str] = None
         """One line saying which rank stopped participating, and where, after a communication failure; or which
         checkpoint could not be written or read, and why (every rank prints the same one)."""
@@ -362,7 +377,10 @@ class DataParallelProcesses(ParallelStrategy):
             trainer.default_root_dir if trainer is not None else os.getcwd())
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
         if self.world_size > 1 and self._host_group is None:  # once per strategy: every later stage reuses it
-            self._host_group = loop_patches.host_group(timedelta(seconds=self._config.timeout_s))
+            self._host_group = loop_patches.host_group(start_up_timeout(self._config))
+        if self.world_size > 1 and self.simulation is None:
+            # a script's uncaught exception: no traceback on top of the line on_exception printed for it
+            install_excepthook(lambda error: in_chain(error, self._reported))
 
     @override
     def teardown(self) -> None:
@@ -408,18 +426,29 @@ class DataParallelProcesses(ParallelStrategy):
         # (Lightning's own per-rank SIGTERM stop, one rank alone, is a failure: its peers may wait in a collective)
         mark_run_failed()  # the exit-time teardown must not wait for peers that may be gone
         self._failed = True
+        step = self._global_step()
         if isinstance(exception, CheckpointError):  # the ranks agreed on it: each says so, none waits for another
-            self.failure = str(exception)
+            self.failure, self._reported = str(exception), exception
             sys.stderr.write(f"{self.failure}\n")  # one write: the other ranks' lines go to the same stream
             sys.stderr.flush()
         elif self.world_size > 1 and is_collective_failure(exception):
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-            step = trainer.global_step if trainer is not None else -1
-            self.failure = diagnose(exception, self.global_rank, self.world_size, step)
+            self.failure, self._reported = diagnose(exception, self.global_rank, self.world_size, step), exception
             print(self.failure, file=sys.stderr, flush=True)
             if isinstance(self._launcher, _SubprocessScriptLauncher):
                 # Lightning kills the other ranks only on Ctrl-C; a stuck rank would outlive the job
                 self._launcher.kill(signal.SIGKILL)
+        elif self.world_size > 1 and self.simulation is None:
+            # this rank's own error: its traceback is printed once (by lsd-train, or the script's excepthook), and
+            # the others' lines name this rank
+            post_own_failure(exception, self.global_rank, step)
+
+    def _global_step(self) -> int:
+        """The trainer's step, for a failure's line; -1 where the module has no trainer attached (a spawned rank's
+        module, once the launcher's copy of the trainer is gone: reading it would raise over the failure)."""
+        try:
+            return self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
+        except RuntimeError:
+            return -1
 
     # ------------------------------------------------------------------------------------------ collectives
 
@@ -437,20 +466,22 @@ class DataParallelProcesses(ParallelStrategy):
         return flat.tolist()
 
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, name: Optional[str] = None, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
-        if "nccl" in torch.distributed.get_backend() and self.root_device.type == "cuda":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        with waiting_in(f"Lightning's barrier{f' {name!r}' if name else ''}"):
+            if "nccl" in torch.distributed.get_backend() and self.root_device.type == "cuda":
+                torch.distributed.barrier(device_ids=[self.root_device.index])
+            else:
+                torch.distributed.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
         objects = [obj]
-        torch.distributed.broadcast_object_list(objects, src, group=_group.WORLD)
+        with waiting_in(f"Lightning's broadcast from rank {src}"):
+            torch.distributed.broadcast_object_list(objects, src, group=_group.WORLD)
         return objects[0]
 
     @override
@@ -461,6 +492,7 @@ class DataParallelProcesses(ParallelStrategy):
 
         Non-tensors are returned unchanged, as in every Lightning strategy.
         """
-        if isinstance(tensor, Tensor):
+        if not isinstance(tensor, Tensor):
+            return tensor
+        with waiting_in("Lightning's reduce of a value over the ranks"):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor

@@ -11,18 +11,27 @@ cannot answer; if the store itself is gone, rank 0 — its host — is). ``lsd-t
 Where no exception can come (a rank blocked behind a dead peer where no Python runs), the peer watchdog
 (:mod:`~lightning_static_dist.processes.watchdog`) prints a line of the same form and ends the process.
 
+What happened is told by where the error came from, never by its words: a ``torch.distributed`` error type, an
+error that left a marked collective (:func:`waiting_in`, or a region such as graph mode's compiled backward:
+:func:`enter_collective`), or one raised inside ``torch.distributed``. A rank that diagnoses a peer, and a rank whose
+own code raised (:func:`post_own_failure`), posts a :class:`Verdict` in the rendezvous store; the first one posted
+stays. The others name the same rank with the same cause, and the rank a verdict names (a stuck one that wakes, or
+its watchdog) says that it is the one the others gave up on, instead of blaming the peer that left.
+
 On NCCL, :func:`record_nccl_flight` also has torch's own NCCL watchdog write its flight recorder (the collectives
 each rank issued and completed) under the run directory when a collective times out; the line names that file.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
@@ -40,11 +49,8 @@ STORE_HOST_GONE = "rank 0 (the host of the rendezvous store) is gone"
 #: Where torch's collectives, their Python side, live: an error raised there came from communication.
 _TORCH_DISTRIBUTED = os.path.dirname(dist.__file__) + os.sep
 
-#: What the backends' own errors carry, where the error leaves a native ``Work.wait()`` or a traced collective
-#: (graph mode, ``_functional_collectives``) whose Python frame is the caller's: the source files and words of Gloo's
-#: and NCCL's C++ messages, never a user's own "timeout".
-_BACKEND_MARKERS = ("gloo/transport/", "processgroupgloo", "processgroupnccl", "nccl error", "ncclremoteerror",
-                    "connection closed by peer", "connection reset by peer", "timed out waiting")
+#: Where the ranks post what they saw of a failure (:class:`Verdict`): the first one posted stays.
+VERDICT_KEY = "static_dist/death"
 
 
 @contextmanager
@@ -62,6 +68,19 @@ def waiting_in(what: str) -> Iterator[None]:
         _current.pop()
 
 
+def enter_collective(what: str) -> None:
+    """Mark a region whose collectives no Python frame of this package waits on (graph mode's collectives run inside
+    the compiled backward): until :func:`leave_collective`, an error is taken for the collective's. A region left
+    open by an exception stays open for the failure path to read; the one that entered it closes it."""
+    _current.append(what)
+
+
+def leave_collective(what: str) -> None:
+    """Close a region :func:`enter_collective` opened (nothing when it is not open)."""
+    if what in _current:
+        _current.remove(what)
+
+
 def in_flight(unmarked: str = "a collective") -> str:
     """The collective that failed (or is being waited on); ``unmarked`` when none is. Also read from the peer
     watchdog's thread: each list is read once (a slice), as the main thread may pop it between a test and an index."""
@@ -71,20 +90,17 @@ def in_flight(unmarked: str = "a collective") -> str:
 
 def is_collective_failure(err: BaseException) -> bool:
     """Whether ``err`` is a communication failure (a peer gone, a collective timed out), told by where it came from,
-    not by its message: a ``torch.distributed`` error type (``DistBackendError``, ``DistNetworkError``,
-    ``DistStoreError`` ...), or a ``RuntimeError`` raised while waiting in a marked collective (:func:`waiting_in`) or
-    inside ``torch.distributed`` itself (a collective of Lightning's, or of the user's code; Gloo raises plain
-    ``RuntimeError``), or one carrying the backends' own source markers (a native ``Work.wait()`` or a traced
-    collective raises from the caller's frame). A ``RuntimeError("... timeout ...")`` of the user's own, or an
-    out-of-memory error, is not one: its rank prints its traceback."""
+    never by its words: a ``torch.distributed`` error type (``DistBackendError``, ``DistNetworkError``,
+    ``DistStoreError`` ...), or a ``RuntimeError`` (Gloo raises plain ones) that left a marked collective
+    (:func:`waiting_in`), raised while a collective region was open (:func:`enter_collective`: graph mode's backward),
+    or raised inside ``torch.distributed`` itself (a collective of Lightning's or of the user's code). A user's own
+    ``RuntimeError("Timed out ... Connection reset by peer")``, or an out-of-memory error, is not one: its rank
+    prints its traceback."""
     if isinstance(err, getattr(dist, "DistError", ())):
         return True
     if not isinstance(err, RuntimeError) or isinstance(err, torch.OutOfMemoryError):
         return False
-    if any(failed is err for _, failed in _failed_in[:1]) or _raised_in_torch_distributed(err):
-        return True
-    text = str(err).lower()
-    return any(marker in text for marker in _BACKEND_MARKERS)
+    return any(failed is err for _, failed in _failed_in[:1]) or bool(_current) or _raised_in_torch_distributed(err)
 
 
 def collective_failed() -> bool:
@@ -187,11 +203,85 @@ def stopped_participating(ranks: list[int]) -> str:
     return f"{_named(ranks)} stopped participating"
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What a rank saw of a failure, posted in the rendezvous store for every rank (:func:`post_verdict`).
+
+    Example::
+
+        Verdict(who="rank 1 stopped participating", ranks=(1,), by=0, during="the gradient collective of bucket 0",
+                step=3, reason="Timed out waiting 8000ms for recv operation to complete")
+    """
+
+    who: str
+    """Who stopped, as a line says it (``rank 1 stopped participating``)."""
+    ranks: tuple[int, ...]
+    """The ranks it names."""
+    by: int
+    """The rank that saw it (the named rank itself when its own code raised)."""
+    during: str
+    """The collective ``by`` waited in ("" when its own code raised)."""
+    step: int
+    reason: str
+    """Why: the backend's words, or what the named rank's own code raised."""
+
+    def reason_for(self, rank: int) -> str:
+        """The reason as ``rank`` reports it: who saw it, where that is another rank."""
+        return self.reason if self.by == rank or self.by in self.ranks else f"{self.reason}, seen by rank {self.by}"
+
+    def named_line(self, rank: int, where: str = "") -> str:
+        """The line of a rank this verdict names (``rank`` in :attr:`ranks`): it is the one the others gave up on.
+        ``where``: where its main thread was, if known."""
+        at = f"; this rank was at {where}" if where else ""
+        return (f"static_dist: {_named([rank])}: this rank stopped participating during {self.during or 'a step'} at"
+                f" step {self.step} (rank {self.by} gave up waiting for it: {self.reason}{at})")
+
+
+def post_verdict(verdict: Verdict) -> None:
+    """Post ``verdict`` for every rank, unless one was posted first (that one stays). Nothing when the store is gone
+    (its host, rank 0, is; then no verdict reaches anyone)."""
+    try:
+        if dist.get_rank() != 0 and not store_reachable():
+            return  # (a store client whose server is gone prints C++ stack traces)
+        rendezvous_store().compare_set(VERDICT_KEY, "", json.dumps(asdict(verdict)))
+    except Exception:  # the job is failing anyway: the line this rank prints is what counts
+        return
+
+
+def posted_verdict(store: Optional[dist.Store] = None) -> Optional[Verdict]:
+    """The verdict posted first (``None``: none, or no store). ``store``: a client of the caller's own."""
+    try:
+        if store is None:
+            if dist.get_rank() != 0 and not store_reachable():
+                return None
+            store = rendezvous_store()
+        if not store.check([VERDICT_KEY]):
+            return None
+        fields = json.loads(store.get(VERDICT_KEY))
+        return Verdict(**{**fields, "ranks": tuple(fields["ranks"])})
+    except Exception:
+        return None
+
+
+def post_own_failure(err: BaseException, rank: int, step: int) -> None:
+    """This rank's own code raised ``err`` (not a collective): the others' lines name this rank and say so."""
+    kind = type(err)
+    raised = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    post_verdict(Verdict(who=stopped_participating([rank]), ranks=(rank,), by=rank, during="", step=step,
+                         reason=f"it raised {raised}; its traceback is above"))
+
+
 def diagnose(err: BaseException, rank: int, world: int, step: int) -> str:
-    """One line: which ranks stopped participating, during which collective, and the backend's own reason."""
+    """One line: which ranks stopped participating, during which collective, and why (the cause a verdict posted for
+    them gives, else the backend's words); posted as this rank's verdict. Where a verdict already names this rank
+    (the others gave up waiting for it), the line says so instead of blaming the peer that left."""
     missing = missing_ranks(rank, world)
-    if missing is None:
-        who = STORE_HOST_GONE
+    posted = posted_verdict()
+    if posted is not None and rank in posted.ranks and posted.by != rank:
+        _failed_in.clear()
+        return posted.named_line(rank)
+    if missing is None:  # (rank 0 hosts the store: its own client failing does not make it gone)
+        who = STORE_HOST_GONE if rank != 0 else "the rendezvous store did not answer"
     elif missing:
         who = stopped_participating(missing)
     else:
@@ -202,6 +292,10 @@ def diagnose(err: BaseException, rank: int, world: int, step: int) -> str:
     dump = flight_recorder_file(rank) if "nccl" in text and ("timeout" in text or "timed out" in text) else None
     if dump is not None:
         reason += f"; flight recorder: {dump}"
+    if missing:
+        post_verdict(Verdict(who=who, ranks=tuple(missing), by=rank, during=in_flight(), step=step, reason=reason))
+    if posted is not None and missing and sorted(posted.ranks) == missing:
+        reason = posted.reason_for(rank)  # (what the missing rank's own code raised, or what another rank saw)
     line = failure_line(rank, who, step, reason)
     _failed_in.clear()  # the next failure in this process is about its own collective
     return line

@@ -5,7 +5,9 @@ Lightning's launcher watches its child ranks and, when one dies, SIGKILLs every 
 before the survivors' collective has even failed, so the user learns *which* rank died but not *where*. Here the
 watcher waits ``grace_s`` after seeing a dead child: long enough for the strategy's own failure path (a roll call
 through the rendezvous store, then one line naming the missing rank and the collective in flight, then exit 1).
-Only a process that is still around after the grace period is killed, with Lightning's message.
+Only a process that is still around after the grace period is killed, with Lightning's message. When the launching
+process itself leaves, it stops watching and waits for its ranks instead (``processes/ending.py``'s
+:class:`~lightning_static_dist.processes.ending.LocalRanks`): none outlives it, and their worst status is its own.
 
 The strategy names both front ends register stand for their start methods (:data:`STRATEGY_NAMES`); Fabric's spawn
 launcher gets the same clean exit as the Trainer's (:class:`FabricSpawnLauncher`).
@@ -27,6 +29,7 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
 from lightning_static_dist.compat import exit_without_native_teardown
+from lightning_static_dist.processes.ending import LocalRanks
 
 
 class _PatientObserver(_ChildProcessObserver):
@@ -34,9 +37,16 @@ class _PatientObserver(_ChildProcessObserver):
         super().__init__(main_pid=main_pid, child_processes=child_processes, sleep_period=1)
         self._grace_s = grace_s
         self._failed_at: Optional[float] = None
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Watch no more: the launching process is leaving, and waits for its ranks itself."""
+        self._stopped = True
 
     @override
     def _run(self) -> bool:
+        if self._stopped:
+            return True
         for proc in self._child_processes:
             proc.poll()
         codes = [proc.returncode for proc in self._child_processes]
@@ -62,7 +72,10 @@ class StaticDistLauncher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
-            _PatientObserver(os.getpid(), self.procs, self.grace_s).start()
+            observer = _PatientObserver(os.getpid(), self.procs, self.grace_s)
+            observer.start()
+            first_rank = self.cluster_environment.node_rank() * self.num_processes + 1
+            LocalRanks(self.procs, first_rank, stop_watching=observer.stop).register()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 

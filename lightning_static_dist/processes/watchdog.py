@@ -19,7 +19,10 @@ with status 1. The heartbeats go through a store client of the watchdog's own, w
 thread's client can be held for minutes by a rendezvous waiting for a late rank.
 
 A rank whose watchdog stopped cleanly (the end of a fit) says so in its last heartbeat: its exit is no death. A peer
-that is alive but stuck is left to the process group's timeout.
+that is alive but stuck is left to the process group's timeout: the rank that times out posts its verdict
+(:class:`~lightning_static_dist.processes.faults.Verdict`), and the stuck rank's watchdog, reading that it is the one
+named, says so (with where its main thread was) and ends it, instead of blaming the peer that left. So does a
+verdict that a rank's own code raised: its blocked peers end with a line that names it.
 
 The watchdog lives no longer than the process group it watches: a Fabric script or a notebook never tears the strategy
 down, and once the group is destroyed (``torch.distributed.destroy_process_group()``) the thread stops by itself, at
@@ -37,21 +40,20 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch.distributed as dist
 
-from lightning_static_dist.processes.faults import (STORE_HOST_GONE, failure_line, in_flight, rendezvous_store, stopped_participating,
-                                         store_reachable)
+from lightning_static_dist.compat import exit_after_failure
+from lightning_static_dist.processes.faults import (STORE_HOST_GONE, VERDICT_KEY, Verdict, failure_line, in_flight,
+                                                    posted_verdict, rendezvous_store, stopped_participating,
+                                                    store_reachable)
 
 log = logging.getLogger(__name__)
 
 THREAD_NAME = "static_dist-peer-watchdog"
-
-_DEATH_KEY = "static_dist/death"
-"""The first death a rank saw, ``[who, reason]``: every rank reads it, also those that do not watch the dead one."""
-
 
 def _alive_key(rank: int) -> str:
     return f"static_dist/alive/{rank}"
@@ -187,7 +189,7 @@ class PeerWatchdog:
                 break  # the group was destroyed (or replaced): nothing left to watch, and no peer's exit is a death
             death = self._quietly(lambda: self._beat(heard))
             if death is not None:
-                self._report(stop, *death)
+                self._report(stop, death)
                 return
             stop.wait(self.interval_s)
         if self._clean:
@@ -212,19 +214,20 @@ class PeerWatchdog:
         self._store.set(_alive_key(self.rank), json.dumps(beat))
         return True
 
-    def _beat(self, heard: dict[int, _Heard]) -> Optional[tuple[str, str]]:
-        """One heartbeat: ``(who, reason)`` of a death seen here or posted by another rank, else ``None``."""
+    def _beat(self, heard: dict[int, _Heard]) -> Optional[Verdict]:
+        """One heartbeat: the verdict on a death seen here or posted by another rank, else ``None``."""
         if not self._write("running"):
             self._misses += 1
             rank_zero = heard.get(0)
             if self._misses < self.store_misses or (rank_zero is not None and rank_zero.state == "stopped"):
                 return None  # a moment's refusal, or rank 0 ended its fit cleanly
-            return STORE_HOST_GONE, "its store no longer accepts connections"
+            return Verdict(who=STORE_HOST_GONE, ranks=(0,), by=self.rank, during=in_flight(), step=self._step(),
+                           reason="its store no longer accepts connections")
         self._misses = 0
         store = self._store
-        if store.check([_DEATH_KEY]):
-            who, reason = json.loads(store.get(_DEATH_KEY))
-            return who, reason
+        posted = posted_verdict(store)
+        if posted is not None:
+            return posted
         keys = [_alive_key(peer) for peer in self._peers]
         if not store.check(keys):
             return None  # a neighbour has not started its watchdog yet
@@ -237,10 +240,10 @@ class PeerWatchdog:
                 continue
             reason = self._death(beat, now - last.since)
             if reason is not None:
-                who = stopped_participating([peer])
-                # the first death posted stays: every rank reports that one
-                store.compare_set(_DEATH_KEY, "", json.dumps([who, f"{reason}, seen by rank {self.rank}"]))
-                return who, reason
+                seen = Verdict(who=stopped_participating([peer]), ranks=(peer,), by=self.rank,
+                               during=in_flight(), step=self._step(), reason=reason)
+                post_verdict_to(store, seen)  # the first verdict posted stays: every rank reports that one
+                return seen
         return None
 
     def _death(self, beat: dict[str, Any], quiet_s: float) -> Optional[str]:
@@ -255,23 +258,47 @@ class PeerWatchdog:
             return f"no heartbeat from {beat['host']} for {quiet_s:.0f} s, the last {doing}"
         return None
 
-    def _report(self, stop: threading.Event, who: str, reason: str) -> None:
+    def _report(self, stop: threading.Event, verdict: Verdict) -> None:
         """The line and exit 1 — once the main thread has stood still for :attr:`settle_s` without reporting a
         failure itself. A main thread that still runs Python (a long validation, a checkpoint upload) gets to its
         next collective, which fails, and its own failure path speaks; one that stands still is blocked where no
-        error reaches it."""
+        error reaches it. A rank the verdict names is the one the others gave up on: it ends after one heartbeat's
+        pause (the rank that gave up may be killing it), wherever its main thread is."""
         main = threading.main_thread().ident
+        if self.rank in verdict.ranks:
+            if stop.wait(self.interval_s) or self._failed():
+                return
+            self._leave(verdict.named_line(self.rank, _place_of(main)))
         where = _frame_of(main)
         while not stop.wait(self.settle_s):
             if self._failed():
                 return
             now = _frame_of(main)
             if now == where:
-                line = failure_line(self.rank, who, self._step(),
-                                    f"{reason}; this rank was blocked where no error reached it")
-                print(line, file=sys.stderr, flush=True)
-                os._exit(1)  # the main thread is where no exception reaches it: no interpreter teardown to wait for
+                self._leave(failure_line(self.rank, verdict.who, self._step(),
+                                         f"{verdict.reason_for(self.rank)}; this rank was blocked where no error"
+                                         " reached it"))
             where = now
+
+    @staticmethod
+    def _leave(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+        # the main thread is where no exception reaches it: no interpreter teardown to wait for (a launching process
+        # still waits for the ranks it started: compat.exit_after_failure)
+        exit_after_failure(1)
+
+
+def post_verdict_to(store: dist.Store, verdict: Verdict) -> None:
+    """:func:`~lightning_static_dist.processes.faults.post_verdict` through the watchdog's own store client."""
+    store.compare_set(VERDICT_KEY, "", json.dumps(asdict(verdict)))
+
+
+def _place_of(thread_id: Optional[int]) -> str:
+    """Where a thread's innermost Python frame is, as a person reads it: ``training_step at faulty.py:150``."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    if frame is None:
+        return ""
+    return f"{frame.f_code.co_name} at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 class _HeartbeatThread(threading.Thread):

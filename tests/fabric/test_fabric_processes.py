@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -191,3 +193,60 @@ def test_the_watchdog_does_not_outlive_a_fabric_job_that_never_tears_down(tmp_pa
     else:
         assert said == ["rank 0: group destroyed, alive=False", "rank 0: still here",
                         "rank 1: group destroyed, alive=False", "rank 1: still here"], done.stdout
+
+
+_STUCK_PEER_SCRIPT = """
+import os, sys, time
+import torch
+import lightning as L
+from lightning_static_dist import StaticDistFabricStrategy
+
+fabric = L.Fabric(accelerator="cpu", devices=2, strategy=StaticDistFabricStrategy(timeout_s=TIMEOUT_S))
+fabric.launch()
+print(f"rank {fabric.global_rank} pid {os.getpid()}", file=sys.stderr, flush=True)
+model = torch.nn.Linear(4, 2)
+model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for step in range(6):
+    if step == 3 and fabric.global_rank == 1:
+        print(f"rank 1 sleeps at {time.time():.3f}", file=sys.stderr, flush=True)
+        time.sleep(400)  # alive, not participating: rank 0 waits in the gradient collective until timeout_s
+    fabric.backward(model(torch.randn(8, 4)).sum())
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+def test_a_stuck_rank_under_fabric_is_named_in_one_line_and_ended(tmp_path: Path) -> None:
+    # issue 37: with rank 1 stuck and timeout_s=15, rank 0 printed a raw Gloo traceback and exited, and rank 1 lived
+    # on as an orphan (killed by hand 129 s later). Now rank 0 says which rank stopped, in one line, and ends the
+    # ranks it started: every process is gone within timeout_s + 10 s of the stall
+    from lightning_static_dist.processes.watchdog import _process_gone
+
+    timeout_s = 10
+    script = tmp_path / "stuck_peer.py"
+    script.write_text(textwrap.dedent(_STUCK_PEER_SCRIPT.replace("TIMEOUT_S", str(timeout_s))))
+    env = {**fresh_job_env(), "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # (an orphan keeps the pipe)
+    reader.start()
+    try:
+        code = proc.wait(timeout=120)
+        err = "".join(lines)
+        (slept,) = [float(line.rsplit(" ", 1)[1]) for line in err.splitlines() if line.startswith("rank 1 sleeps at ")]
+        pids = [int(pid) for pid in re.findall(r"rank \d pid (\d+)", err)]  # (two ranks' lines can share one)
+        assert len(pids) == 2, err[-2000:]
+        while not all(_process_gone(pid) for pid in pids) and time.time() < slept + timeout_s + 10:
+            time.sleep(0.2)
+        assert all(_process_gone(pid) for pid in pids), f"alive {timeout_s + 10} s after the stall: {pids}"
+        reader.join(timeout=10)
+        err = "".join(lines)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 1, err[-3000:]
+    (line,) = failure_lines(err)
+    assert line.startswith("static_dist: rank 0: rank 1 stopped participating during the gradient collective of"
+                           f" bucket 0 at step 3 (Timed out waiting {timeout_s * 1000}ms"), line
+    assert "Traceback" not in err, err[-3000:]
