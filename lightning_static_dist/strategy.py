@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
-from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
+from typing import Any, Literal, Optional, TypeVar, Union
 
 import torch
 from torch import Tensor
@@ -65,7 +65,6 @@ from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.processes.launcher import register_names
 from lightning_static_dist.mesh import MeshConfig
 from lightning_static_dist.offer import StaticDistOffer
-from lightning_static_dist.overlap.monitor import OverlapMonitor
 from lightning_static_dist.participants import Participants
 from lightning_static_dist.participants.offer import ParticipantsOffer
 from lightning_static_dist.processes.data_parallel import DataParallelProcesses
@@ -123,6 +122,10 @@ class TrainerContext:
             self._trainer.callbacks.append(callback)
 
     @property
+    def micro_batches(self) -> int:
+        return self._trainer.accumulate_grad_batches
+
+    @property
     def trainer_loop(self) -> pl.Trainer:
         return self._trainer
 
@@ -175,12 +178,6 @@ class StaticDistStrategy(DataParallelProcesses):
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy="static_dist")
         trainer = L.Trainer(devices=2, strategy=lightning_static_dist.StaticDistStrategy(sync={"bucket_mb": 10}))
     """
-
-    default_monitor: ClassVar[Optional[dict[str, Any]]] = None
-    """The :class:`~lightning_static_dist.overlap.monitor.OverlapMonitor` options the strategy adds a monitor with to
-    a fit whose Trainer has none, so that the ``static_dist/*`` figures reach its loggers; ``None``: none is added
-    (the default until the monitor's cost at world size 2 on a GPU is measured against the 1 % it may take). One
-    value switches the monitor on for every Trainer: ``StaticDistStrategy.default_monitor = {"every_n_steps": 10}``."""
 
     strategy_name = "static_dist"
 
@@ -297,16 +294,6 @@ class StaticDistStrategy(DataParallelProcesses):
         :func:`~lightning_static_dist.compat.allow_compiled_models_in_trainer`) hands over the user's ``torch.compile``
         context and takes the compiled model apart; the strategy compiles it its own way, with the user's backend."""
         self._parts.compile.adopt(dynamo_ctx)
-
-    @override
-    def connect(self, model: pl.LightningModule) -> None:
-        super().connect(model)
-        trainer = model.trainer  # (attached by then: fit, validate ... attach their data first)
-        if self.default_monitor is None or trainer.state.fn != TrainerFn.FITTING:
-            return
-        if not any(isinstance(c, OverlapMonitor) for c in trainer.callbacks):
-            # before the callbacks' own setup hooks, where the monitor attaches its recorder
-            trainer.callbacks.append(OverlapMonitor(**self.default_monitor))
 
     @override
     def setup_distributed(self) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 from lightning_static_dist.checkpoint import CheckpointConfig
 from lightning_static_dist.compile.config import CompileConfig
+from lightning_static_dist.compile.cudagraphs import hazards
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.config.check import ConfigError, check_value, fail, section_from_dict
 from lightning_static_dist.ddp_arguments import START_METHODS, DDPArguments, translate
@@ -102,6 +103,11 @@ class StrategyConfig:
             fail(f"{self.KEY}.sync.reduce_dtype", self.sync.reduce_dtype,
                   f"a compressor chooses what goes on the wire (compression.name is {self.compression.name!r});"
                   " allowed with compression: 'fp32'")
+        if self.compile.cudagraphs is True:  # what the config alone shows; the Trainer's part is checked at setup
+            gathers = self.sync.reduce == "reduce_scatter" or self.mesh.dp_shard != 1 or self.embedding.shard is not False
+            found = hazards(self.compile, self.sync.mode, gathers, micro_batches=1, automatic_optimization=True)
+            if found:
+                fail(f"{self.KEY}.compile.cudagraphs", True, f"{found[0]}; allowed with it: auto (off here), false")
 
     def _check_sharded(self) -> None:
         """What ``reduce_scatter`` cannot be combined with yet, named before any process starts."""

@@ -8,9 +8,13 @@ host's pace: any stall of the host (a data-loader worker, a logger, another proc
 of the GPU. Replayed as CUDA graphs (inductor's CUDA graph trees), each piece is one launch; the collectives are
 still issued between the pieces, from the same hooks, so overlap is unchanged, and the host is far ahead again.
 
-``auto`` turns them on where nothing in the step is known to defeat them: CUDA, inductor, gradients synchronised by
-hooks (``sync.mode: graph`` traces the collectives into the graphs), and no parameter that the strategy gathers
-into a new buffer between steps (sharded embeddings, ``reduce_scatter``). A graph inductor still refuses (a CPU
+``auto`` turns them on where nothing in the step is known to defeat them (:func:`hazards`): CUDA, inductor, gradients
+synchronised by hooks (``sync.mode: graph`` traces the collectives into the graphs), no parameter that the strategy
+gathers into a new buffer between steps (sharded embeddings, ``reduce_scatter``), the whole step one region (not the
+blocks one by one), static shapes, Lightning's automatic optimization, and one backward per optimizer step (an
+accumulated gradient would stay in the graphs' memory, which the next replay overwrites; under Fabric the loop decides
+that step by step, so ``auto`` is off there). ``true`` asks for them and refuses, in one line, a run with one of
+these hazards. A graph inductor still refuses (a CPU
 tensor in it, an input it mutates ...) runs its kernels one by one; :class:`SkipCapture` puts inductor's reason in
 the compile report, and a warning says so once, so that this slower path is never silent.
 
@@ -30,6 +34,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_static_dist.compile.config import INDUCTOR_BACKENDS, MODE_CUDAGRAPHS, CompileConfig
+from lightning_static_dist.config.check import fail
 from lightning_static_dist.compile.report import listen_to_artifacts
 
 log = logging.getLogger(__name__)
@@ -46,26 +51,57 @@ class CudagraphChoice:
         return f"CUDA graphs: {'on' if self.on else 'off'} ({self.why})"
 
 
-def choose_cudagraphs(config: CompileConfig, device: torch.device, sync_mode: str,
-                      gathers_parameters: bool) -> CudagraphChoice:
-    """Resolve ``compile.cudagraphs`` for a run on ``device``; ``gathers_parameters``: the strategy gathers some
-    parameters into new buffers between steps (sharded embeddings, ``reduce_scatter``)."""
+def choose_cudagraphs(config: CompileConfig, device: torch.device, sync_mode: str, gathers_parameters: bool,
+                      micro_batches: Optional[int] = 1, automatic_optimization: bool = True) -> CudagraphChoice:
+    """Resolve ``compile.cudagraphs`` for a run on ``device``.
+
+    ``gathers_parameters``: the strategy gathers some parameters into new buffers between steps (sharded embeddings,
+    ``reduce_scatter``); ``micro_batches``: backward passes per optimizer step (``None``: the loop decides, as Fabric's
+    does); ``automatic_optimization``: Lightning steps the optimizer outside the compiled step. ``true`` with one of
+    the hazards :func:`hazards` names is a one-line ``ConfigError``; ``auto`` is then off, and says why."""
     if config.backend not in INDUCTOR_BACKENDS:
         return CudagraphChoice(False, f"backend {config.backend!r}: CUDA graphs come from inductor")
     decided = MODE_CUDAGRAPHS.get(config.mode)
     if decided is not None:
         return CudagraphChoice(decided, f"compile.mode={config.mode}")
+    found = hazards(config, sync_mode, gathers_parameters, micro_batches, automatic_optimization)
     if config.cudagraphs is not True and config.cudagraphs is not False:  # auto
         if device.type != "cuda":
             return CudagraphChoice(False, f"auto: the device is {device.type}")
-        if sync_mode == "graph":
-            return CudagraphChoice(False, "auto: sync.mode=graph traces the collectives into the graphs")
-        if gathers_parameters:
-            return CudagraphChoice(False, "auto: sharded embeddings or reduce_scatter gather parameters between steps")
+        if found:
+            return CudagraphChoice(False, f"auto: {found[0]}")
+        if micro_batches is None:  # (not a hazard for `true`: the script says it accumulates nowhere)
+            return CudagraphChoice(False, "auto: the loop may accumulate gradients in no_backward_sync, and an"
+                                          " accumulated gradient would stay in the graphs' memory")
         return CudagraphChoice(True, "auto: CUDA, inductor, gradients synchronised by hooks")
+    if config.cudagraphs and found:
+        fail(f"{config.KEY}.cudagraphs", True, f"{found[0]}; allowed with it: auto (off here), false")
     if config.cudagraphs and device.type != "cuda":  # (inductor would drop them without a word: no CUDA kernels)
         return CudagraphChoice(False, f"compile.cudagraphs=true, but the device is {device.type}")
     return CudagraphChoice(config.cudagraphs, f"compile.cudagraphs={str(config.cudagraphs).lower()}")
+
+
+def hazards(config: CompileConfig, sync_mode: str, gathers_parameters: bool, micro_batches: Optional[int],
+            automatic_optimization: bool) -> list[str]:
+    """What in this run would break CUDA graphs: each is a tensor that must outlive a replay, or a graph recorded
+    for something that changes (why, in a clause each)."""
+    found = []
+    if sync_mode == "graph":
+        found.append("sync.mode=graph traces the collectives into the graphs")
+    if gathers_parameters:
+        found.append("sharded embeddings or reduce_scatter gather parameters between steps")
+    if config.regional is True:
+        found.append("compile.regional=true makes each block a graph of its own, and a forward without gradients"
+                     " (validation) would overwrite one block's output with the next's")
+    if config.dynamic:
+        found.append("compile.dynamic=true records a graph for each input shape")
+    if not automatic_optimization:
+        found.append("manual optimization steps the optimizer inside the compiled step, so its state would live in"
+                     " the graphs' memory")
+    if micro_batches is not None and micro_batches > 1:
+        found.append(f"trainer.accumulate_grad_batches={micro_batches}: a micro-batch's gradients would stay in the"
+                     " graphs' memory, which the next micro-batch's replay overwrites")
+    return found
 
 
 def inductor_options(config: CompileConfig) -> dict[str, Any]:
@@ -87,10 +123,11 @@ class SkipCapture(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if self.skips is None:
             return
-        message = record.getMessage().strip()
-        if not message.startswith(("skipping cudagraphs", "disabling cudagraphs")):
+        # every warning of inductor's cudagraphs loggers is a graph left out ("skipping cudagraphs due to ...", the
+        # re-record limit's "skipping cudagraph due to ...", and reasons with no such prefix)
+        reason = record.getMessage().strip().splitlines()[0][:300] if record.getMessage().strip() else ""
+        if not reason:
             return
-        reason = message.splitlines()[0][:300]
         if reason in self.skips:
             return
         if not self.skips:

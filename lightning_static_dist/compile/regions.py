@@ -129,6 +129,9 @@ class _RegionForward:
             return self.compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:
             reason = failure_reason(err)
+            kept = kept_graph_output(err)
+            if kept is not None:  # not a compile failure: the step is fine, the user's code kept a stale tensor
+                raise kept from err
             if self.config.fullgraph and isinstance(err, torch._dynamo.exc.Unsupported):
                 stack = getattr(err, "real_stack", None)
                 where = f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "<unknown location>"
@@ -155,6 +158,29 @@ class _BoundaryRegionForward(_RegionForward):
     @torch._dynamo.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return super().__call__(*args, **kwargs)
+
+
+_OVERWRITTEN = "CUDAGraphs that has been overwritten by a subsequent run"
+"""What inductor's CUDA graph trees say when a tensor one replay returned is read after the next replay reused its
+memory (``torch/_inductor/cudagraph_trees.py``): the only mark it leaves, so it is matched on its words."""
+
+
+def kept_graph_output(err: BaseException) -> Optional[RuntimeError]:
+    """The one-line error for a failure that is a tensor kept from an earlier CUDA-graphed step (a loss appended to a
+    list, an output held across steps), read after the graphs reused its memory; ``None`` for any other failure.
+    Dynamo, re-tracing a step that reads such a tensor, wraps the error as if compiling had failed: running the
+    region eagerly for the rest of the run would hide the cause."""
+    seen: Optional[BaseException] = err
+    for _ in range(8):  # (a chain of causes, walked a few links deep)
+        if seen is None:
+            break
+        if _OVERWRITTEN in str(seen):
+            return RuntimeError(
+                "static_dist: a tensor kept from an earlier step was read after the step's CUDA graphs reused its"
+                " memory (a step's outputs live until the next step: .clone() what you keep, e.g. a loss appended"
+                " to a list); or set strategy.compile.cudagraphs=false")
+        seen = seen.__cause__ or seen.__context__ or getattr(seen, "inner_exception", None)
+    return None
 
 
 def compile_regions(module: nn.Module, config: CompileConfig, report: Optional[CompileReport] = None,

@@ -64,6 +64,10 @@ class FabricContext:
         """Fabric has no callbacks of the Trainer's kind: nothing."""
 
     @property
+    def micro_batches(self) -> None:
+        return None  # the script accumulates when it enters no_backward_sync, step by step
+
+    @property
     def trainer_loop(self) -> None:
         return None
 

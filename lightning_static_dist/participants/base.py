@@ -83,6 +83,12 @@ class StepContext(Protocol):
         ...
 
     @property
+    def micro_batches(self) -> Optional[int]:
+        """Backward passes per optimizer step where the front end fixes them (a Trainer's
+        ``accumulate_grad_batches``); ``None`` where the loop decides step by step (Fabric's ``no_backward_sync``)."""
+        ...
+
+    @property
     def trainer_loop(self) -> Any:
         """The ``Trainer``, for the participants bound to Lightning's loop:
         :class:`~lightning_static_dist.participants.runtime.SigtermAgreement` patches it, and

@@ -94,8 +94,11 @@ class StaticCompile(StepParticipant):
 
     def _choose_cudagraphs(self, config: CompileConfig) -> CudagraphChoice:
         view = self._view
+        context = view.context
         return choose_cudagraphs(config, view.root_device, sync_mode=view.config.sync.mode,
-                                 gathers_parameters=view.reduce_scatter() or view.config.embedding.shard is not False)
+                                 gathers_parameters=view.reduce_scatter() or view.config.embedding.shard is not False,
+                                 micro_batches=context.micro_batches if context is not None else 1,
+                                 automatic_optimization=getattr(view.lightning_module, "automatic_optimization", True))
 
     def repeated_blocks(self) -> list[torch.nn.Module]:
         """The blocks ``regional: true`` would compile one by one (none when the model has no repeated blocks)."""

@@ -128,3 +128,26 @@ def test_a_steady_cuda_graphed_step_makes_the_host_wait_for_nothing() -> None:
     report = _run(_SYNCS)
     assert report["cudagraphs"].startswith("CUDA graphs: on"), report
     assert report["warned"] == [] and report["runtime"] == [], report
+
+
+_ACCUMULATING = """
+import json
+import torch, lightning as L
+from lightning_static_dist import StaticDistStrategy
+from tests.compile.test_compile import SMALL_BUCKETS, nested_gpt
+
+model = nested_gpt()
+strategy = StaticDistStrategy(compile={"enabled": True}, sync=SMALL_BUCKETS, simulate={"world_size": 2})
+trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision="32-true", max_steps=4,
+                    accumulate_grad_batches=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+trainer.fit(model)
+print(json.dumps({"cudagraphs": strategy.compile_report.cudagraphs, "steps": trainer.global_step}))
+"""
+
+
+def test_accumulating_gradients_leaves_cuda_graphs_off_and_says_why() -> None:
+    # an accumulated gradient would live in the graphs' pool, which the next micro-batch's replay overwrites
+    report = _run(_ACCUMULATING)
+    assert report["steps"] == 4, report
+    assert report["cudagraphs"].startswith("CUDA graphs: off (auto: trainer.accumulate_grad_batches=2"), report

@@ -74,23 +74,16 @@ def series(rows: list[dict[str, str]], key: str) -> list[float]:
     return [float(r[key]) for r in rows if r.get(key) not in (None, "")]
 
 
-@pytest.mark.parametrize("default_monitor", [None, {"every_n_steps": 2}], ids=["plain", "monitor-by-default"])
-def test_one_setting_makes_every_trainer_log_the_metrics(tmp_path: Any, default_monitor: Any) -> None:
-    # plain strategy="static_dist" logs no static_dist/* figure (the README's first snippet adds an OverlapMonitor);
-    # StaticDistStrategy.default_monitor is the one value that would add the monitor to every fit without one
+def test_plain_static_dist_logs_no_metric_of_its_own(tmp_path: Any) -> None:
+    # plain strategy="static_dist" logs no static_dist/* figure: the monitor is a callback the user adds (the README's
+    # first snippet does); it stays opt-in because it costs 1-7 % of a CUDA-graphed step (benchmarks/README.md)
     strategy = StaticDistStrategy(start_method="spawn")
-    strategy.default_monitor = default_monitor  # (an instance's: a spawned rank gets the strategy pickled)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=4, log_every_n_steps=1,
                         logger=CSVLogger(str(tmp_path)), enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(Stack())
     logged = sorted({k for row in metrics_rows(tmp_path) for k, v in row.items() if k.startswith("static_dist/") and v})
-    if default_monitor is None:
-        assert logged == [] and not any(isinstance(c, OverlapMonitor) for c in trainer.callbacks)
-    else:
-        assert {f"static_dist/{name}" for name in ("overlap_ratio", "hidden_comm_fraction", "comm_ms", "compute_ms",
-                                                   "exposed_comm_ms", "bytes_sent")} <= set(logged), logged
-        assert len(series(metrics_rows(tmp_path), "static_dist/compute_ms")) == 2  # steps 0 and 2
+    assert logged == [] and not any(isinstance(c, OverlapMonitor) for c in trainer.callbacks)
 
 
 def test_every_metric_is_logged_with_finite_values_and_a_timeline_is_drawn(tmp_path: Any) -> None:

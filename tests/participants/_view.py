@@ -33,9 +33,10 @@ class Context:
     one in (``trainer_loop``; Fabric's context has none)."""
 
     def __init__(self, fitting: bool = True, training: bool = True, global_step: int = 0,
-                 trainer_loop: Any = None) -> None:
+                 trainer_loop: Any = None, micro_batches: Optional[int] = 1) -> None:
         self._fitting, self._training, self.step = fitting, training, global_step
         self._trainer_loop = trainer_loop
+        self._micro_batches = micro_batches
         self.callbacks: list[Any] = []
 
     @property
@@ -57,6 +58,10 @@ class Context:
     @property
     def trainer_loop(self) -> Any:
         return self._trainer_loop
+
+    @property
+    def micro_batches(self) -> Optional[int]:
+        return self._micro_batches
 
 
 class View:
