@@ -619,10 +619,14 @@ def training_progress(path: str) -> Optional[tuple[int, int]]:
 
         training_progress("runs/x/checkpoints/epoch=0-step=300.ckpt")   # (300, 0)
     """
-    target = os.path.join(path, META_FILE) if is_sharded_checkpoint(path) else path
+    sharded = is_sharded_checkpoint(path)
     try:
-        meta = torch.load(target, map_location="cpu", mmap=True, weights_only=True)
+        meta = torch.load(os.path.join(path, META_FILE) if sharded else path, map_location="cpu", mmap=True,
+                          weights_only=True)
+        meta = meta["lightning"] if sharded else meta  # (a sharded checkpoint keeps Lightning's dict under its key)
+        # "processed", as Lightning's own fit loop counts finished epochs: the epoch-end checkpoint is written before
+        # "completed" moves on
         epochs = meta.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
-        return int(meta["global_step"]), int(epochs.get("completed", 0))
+        return int(meta["global_step"]), int(epochs.get("processed", 0))
     except Exception:  # (damaged, planted, or not a Lightning checkpoint)
         return None

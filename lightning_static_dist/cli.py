@@ -11,6 +11,7 @@ import argparse
 import csv
 import json
 import os
+import shlex
 import sys
 import traceback
 from collections.abc import Sequence
@@ -115,7 +116,7 @@ def finished_already(cfg: RunConfig, ckpt_path: Optional[str], command: Sequence
         return None
     kept = [arg for arg in command if not arg.startswith(f"{key}=")]
     return (f"lsd-train: nothing to train: {ckpt_path} is at {at}, and {key} is {limit}; to continue the run, raise"
-            f" it: lsd-train {' '.join(kept)} {key}={more}")
+            f" it: lsd-train {shlex.join(kept)} {key}={more}")
 
 
 def checkpoint_roots(cfg: RunConfig) -> list[str]:

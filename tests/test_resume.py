@@ -116,15 +116,30 @@ def test_resuming_a_finished_run_says_so_in_one_line_and_how_to_continue(tmp_pat
 def test_a_run_finished_by_its_epochs_says_so_too(tmp_path: Path) -> None:
     import torch
 
+    from lightning_static_dist.checkpoint import META_FILE
     from lightning_static_dist.cli import finished_already
     from lightning_static_dist.runfile import load_run_config
 
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    # a real checkpoint of a fit that ran its 2 epochs (Lightning writes it before its epoch counter moves on)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
+    L.Trainer(max_epochs=2, limit_train_batches=2, limit_val_batches=0, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, callbacks=[checkpoints], default_root_dir=tmp_path).fit(BoringModel())
     ckpt = tmp_path / "e.ckpt"
-    torch.save({"global_step": 40, "loops": {"fit_loop": {"epoch_progress": {"current": {"completed": 2}}}}}, ckpt)
+    os.replace(checkpoints.last_model_path, ckpt)
     by_epochs = load_run_config("charlm_cpu", ["trainer.max_steps=-1", "trainer.max_epochs=2"])
     assert finished_already(by_epochs, str(ckpt), ["charlm_cpu", "trainer.max_epochs=2"]) == (
         f"lsd-train: nothing to train: {ckpt} is at 2 epochs done, and trainer.max_epochs is 2; to continue the run,"
         " raise it: lsd-train charlm_cpu trainer.max_epochs=3")
+    # a sharded checkpoint's folder keeps Lightning's dict under "lightning" in its meta file (participants/sharded.py)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    rest = {k: v for k, v in torch.load(ckpt, weights_only=False).items() if k != "state_dict"}
+    torch.save({"lightning": rest, "param_groups": []}, sharded / META_FILE)
+    assert finished_already(by_epochs, str(sharded), ["charlm_cpu"]) is not None
     longer = load_run_config("charlm_cpu", ["trainer.max_steps=-1", "trainer.max_epochs=3"])
     assert finished_already(longer, str(ckpt), ["charlm_cpu"]) is None
     (tmp_path / "torn.ckpt").write_bytes(b"PK\x03\x04 not whole")  # unreadable here: the resume itself says why

@@ -97,7 +97,15 @@ class LogCalls:
         entries = list(self.entries)
         self.entries.clear()
         for module, method, args, kwargs in entries:
-            getattr(type(module), method)(module, *_owned(args), **_owned(kwargs))
+            try:
+                getattr(type(module), method)(module, *_owned(args), **_owned(kwargs))
+            except Exception as err:
+                # raised here, after the compiled call: the traceback does not reach the user's self.log line
+                if hasattr(err, "add_note"):  # (Python 3.11+)
+                    named = f"({args[0]!r}, ...)" if args and isinstance(args[0], str) else "(...)"
+                    err.add_note(f"static_dist: raised by self.{method}{named}, recorded inside the compiled"
+                                 " training_step and made after it; strategy.compile.enabled=false shows its line")
+                raise
         self.replayed = len(entries)
 
 

@@ -23,7 +23,6 @@ import dataclasses
 import os
 import sys
 import typing
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.util import find_spec
@@ -31,8 +30,10 @@ from typing import Any, NoReturn
 
 from lightning_static_dist.config.check import ConfigError
 
-#: the objects jsonargparse built through :func:`build_or_exit`: their later ``ConfigError``s are parse errors too
-_BUILT_BY_CLI: weakref.WeakSet[Any] = weakref.WeakSet()
+#: the mark an object jsonargparse built through :func:`build_or_exit` carries: its later ``ConfigError``s are parse
+#: errors too. An attribute of the object, not a registry of objects: a spawned rank gets the strategy pickled, a new
+#: object, and must still know where it came from
+_BUILT_BY_CLI = "_static_dist_built_by_cli"
 
 
 def report_config_errors_under_jsonargparse(*classes: type) -> None:
@@ -74,8 +75,8 @@ def build_or_exit(class_type: type, *args: Any, **kwargs: Any) -> Any:
         built = class_type(*args, **kwargs)
     except ConfigError as err:
         exit_as_parse_error(err)
-    if type(built).__hash__ is not None:  # (a dataclass section is unhashable, and nothing checks it later)
-        _BUILT_BY_CLI.add(built)
+    if not dataclasses.is_dataclass(built):  # (a section is checked when built, and never again)
+        setattr(built, _BUILT_BY_CLI, True)
     return built
 
 
@@ -104,6 +105,6 @@ def parse_errors_of(owner: Any) -> Iterator[None]:
     try:
         yield
     except ConfigError as err:
-        if owner not in _BUILT_BY_CLI:
+        if not getattr(owner, _BUILT_BY_CLI, False):
             raise
         exit_as_parse_error(err)

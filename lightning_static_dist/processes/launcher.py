@@ -91,6 +91,19 @@ class StaticDistSpawnLauncher(_MultiProcessingLauncher):
     """
 
     @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
+        from torch.multiprocessing import ProcessExitedException
+
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except ProcessExitedException as err:
+            if err.exit_code != 2:
+                raise
+            # a rank ended the command as a parse error does (config/lightning_cli.py: rank 0 printed the line): the
+            # same status here, with no traceback of the parent's wait under it
+            raise SystemExit(2) from None
+
+    @override
     def _wrapping_function(self, process_idx: int, trainer: Optional[pl.Trainer], function: Callable, args: Any,
                            kwargs: Any, return_queue: Any, global_states: Any = None) -> None:
         super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)

@@ -308,9 +308,16 @@ class _HeartbeatThread(threading.Thread):
     def __init__(self, watchdog: PeerWatchdog, stop: threading.Event) -> None:
         super().__init__(target=watchdog._run, args=(stop,), name=THREAD_NAME, daemon=True)
         self._watchdog = watchdog
+        self._stop_event = stop
 
     def stop(self) -> None:
-        self._watchdog._stop_at_exit()
+        if self._watchdog._thread is self:
+            self._watchdog._stop_at_exit()
+            return
+        # a thread the watchdog no longer holds (stopped already, its join timed out; or a newer one runs): end this
+        # one alone, by its own event, leaving the watchdog's current thread as it is
+        self._stop_event.set()
+        self.join(timeout=5.0)
 
 
 def _frame_of(thread_id: Optional[int]) -> Optional[tuple[int, int]]:

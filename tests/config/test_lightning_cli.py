@@ -22,8 +22,9 @@ _SCRIPT = """
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-cli = LightningCLI(BoringModel)
-print("BUILT", type(cli.trainer.strategy).__name__)
+if __name__ == "__main__":  # (start_method=spawn re-imports this file in each rank)
+    cli = LightningCLI(BoringModel)
+    print("BUILT", type(cli.trainer.strategy).__name__)
 """
 
 _STRATEGY = ["--trainer.strategy=lightning_static_dist.StaticDistStrategy", "--trainer.strategy.timeout_s=600"]
@@ -93,7 +94,10 @@ def test_a_refused_value_under_lightning_cli_is_one_line_and_status_2(tmp_path: 
     (["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.save_on_exception=true"],
      "ModelCheckpoint(save_on_exception=True): under static_dist a save is a collective"),
     (["--trainer.strategy.sync.mode=graph"], "strategy.sync.mode='graph': the collectives live in the compiled graph"),
-], ids=["a-callback-of-lightning", "needs-the-model"])
+    # the spawn launcher pickles the strategy into each rank: the rank's copy must still know where it came from
+    (["--trainer.strategy.sync.mode=graph", "--trainer.strategy.start_method=spawn"],
+     "strategy.sync.mode='graph': the collectives live in the compiled graph"),
+], ids=["a-callback-of-lightning", "needs-the-model", "needs-the-model-spawned"])
 def test_a_value_refused_once_the_ranks_run_is_one_line_and_status_2(tmp_path: Any, args: list[str],
                                                                       named: str) -> None:
     # checked where the Trainer's callbacks and the model are known, after Lightning's launcher started both ranks
