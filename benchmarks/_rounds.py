@@ -86,7 +86,7 @@ class RoundTimer:
     def start(self) -> None:
         if self._done < self._warmup or self._left:
             command = self._command
-            if command is not None and command["cmd"] != "finish" and self._left == command["steps"] - self._pre:
+            if command is not None and command["cmd"] == "profile" and self._left == command["steps"] - self._pre:
                 self._begin_measured()
             return
         if self._command is None and self._done == self._warmup:
@@ -105,7 +105,7 @@ class RoundTimer:
             raise SystemExit(f"unknown command {kind!r}")
         self._command, self._left = command, command["steps"]
         if kind != "finish" and self._pre == 0:
-            self._begin_measured()
+            self._begin_measured()  # (with untimed steps first: a round's first mark is taken at their end, below)
 
     def _begin_measured(self) -> None:
         assert self._command is not None
@@ -132,6 +132,10 @@ class RoundTimer:
             return
         self._left -= 1
         measured = self._command["steps"] - self._pre  # steps of the command that are timed or profiled
+        if self._command["cmd"] == "round" and self._pre and self._left == measured:
+            # the untimed steps are over: the first window starts here, after a step's end, as every later one does
+            self._begin_measured()
+            return
         if self._command["cmd"] == "round" and self._left < measured:
             self._timed += 1
             if self._timed % self._window == 0:
@@ -247,8 +251,8 @@ class BusyHost:
 
     def describe(self) -> dict[str, Any]:
         return {"cores": self.cores, "busy_loops": len(self.cores),
-                "method": "the training process's threads confined to these cores, one `while True: pass` process"
-                          " pinned to each of them, for the timed round only (compilation and warm-up unloaded)"}
+                "method": "the training process's threads confined to these cores, one spinning process pinned to"
+                          " each of them, for the timed round only (compilation and warm-up unloaded)"}
 
     def __call__(self, worker: Worker) -> "BusyHost":
         self._pinned = worker
@@ -261,8 +265,10 @@ class BusyHost:
                 os.sched_setaffinity(tid, self.cores)
             except OSError:
                 pass  # a thread that ended meanwhile
-        code = f"import os; os.sched_setaffinity(0, {self.cores!r})\nwhile True: pass"
-        self._loops = [subprocess.Popen([sys.executable, "-c", code]) for _ in self.cores]
+        # one loop pinned to each core (and gone with the driver: a loop whose parent died ends itself)
+        code = ("import os, sys; os.sched_setaffinity(0, [int(sys.argv[1])]); parent = os.getppid()\n"
+                "while os.getppid() == parent:\n    for _ in range(1_000_000): pass")
+        self._loops = [subprocess.Popen([sys.executable, "-c", code, str(core)]) for core in self.cores]
         time.sleep(0.2)  # the loops are spinning before the round starts
         return self
 
@@ -295,15 +301,26 @@ def drive(commands: dict[str, list[str]], env: dict[str, str], rounds: int, busy
     started = time.perf_counter()
     workers = {key: Worker(key, cmd, env, os.path.join(log_dir, f"{key.replace('@', '-')}.log"))
                for key, cmd in commands.items()}
+    try:
+        return _run(workers, started, rounds, busy, profile, timeout_s, on_update)
+    finally:  # (whatever ended the run: no worker outlives the driver)
+        for worker in workers.values():
+            if worker.proc.poll() is None:
+                os.killpg(worker.proc.pid, 9)
+                worker.proc.wait()
+
+
+def _run(workers: dict[str, Worker], started: float, rounds: int, busy: Optional[BusyHost], profile: bool,
+         timeout_s: float, on_update: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     failed: dict[str, str] = {}
     for key, worker in workers.items():  # they compiled side by side; the first to finish waits for the others
         try:
             worker.receive(timeout_s)
             print(f"ready: {key} ({time.perf_counter() - started:.0f} s after the start)", flush=True)
-        except RuntimeError as err:
+        except (RuntimeError, OSError) as err:
             failed[key] = str(err)
             worker.close(1.0)
-            print(f"FAILED: {err}", flush=True)
+            print(f"FAILED: {key}: {err}", flush=True)
     conditions = ["quiet"] + (["busy"] if busy is not None else [])
     pairs = [(key, cond) for cond in conditions for key in workers]
     results: dict[str, Any] = {"runs": {}, "traces": {}, "failed": failed}
@@ -322,10 +339,10 @@ def drive(commands: dict[str, list[str]], env: dict[str, str], rounds: int, busy
                 else:
                     worker.send({"cmd": "round"})
                     reply = worker.receive(timeout_s)
-            except RuntimeError as err:
+            except (RuntimeError, OSError) as err:  # (a worker that died: a broken pipe on the way there)
                 failed[key] = str(err)
                 worker.close(1.0)
-                print(f"FAILED: {err}", flush=True)
+                print(f"FAILED: {key}: {err}", flush=True)
                 continue
             results["runs"].setdefault(run_key, []).append({**reply, "round": r})
             windows = sorted(reply["window_s"])
@@ -342,7 +359,7 @@ def drive(commands: dict[str, list[str]], env: dict[str, str], rounds: int, busy
                 results["traces"][key] = worker.receive(timeout_s)["trace"]
                 on_update(results)
             worker.send({"cmd": "finish"})
-        except RuntimeError as err:
+        except (RuntimeError, OSError) as err:
             failed[key] = str(err)
         code = worker.close(timeout_s if key not in failed else 1.0)
         if code != 0 and key not in failed:

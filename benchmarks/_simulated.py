@@ -90,7 +90,8 @@ def sim_rows(runs: dict[str, list[dict]], links: list[Link], workers: dict[str, 
     A round's figure is the median of its windows at that link; ``step_ms_median`` is the median over every window
     of every round. ``vs_ceiling_per_round`` pairs each round with the ceiling's same round under the same host load
     (the two ran seconds apart), ``vs_ceiling`` compares the medians, ``spread`` is (slowest round - fastest) /
-    median. ``host_ms_median``: how long the host took to issue a step (``_rounds.py``). ``workers``: each job's own
+    median; ``vs_ceiling_paired`` and ``paired_spread`` are the median and the spread of the paired ratios (the GPU's
+    own drift over a run cancels in them). ``host_ms_median``: how long the host took to issue a step (``_rounds.py``). ``workers``: each job's own
     record (peak memory, compile figures, the monitored tail)."""
     names = [link.name for link in links]
 
@@ -124,7 +125,9 @@ def sim_rows(runs: dict[str, list[dict]], links: list[Link], workers: dict[str, 
                 "tokens_per_s_per_gpu": round(job.get("tokens_per_step", 0) / median_s) if job else None,
                 "vs_ceiling": round(ceiling_s / median_s, 4) if ceiling_s else None,
                 "vs_ceiling_per_round": paired,
+                "vs_ceiling_paired": round(_median(paired), 4) if paired else None,
                 "vs_ceiling_min": min(paired) if paired else None,
+                "paired_spread": round((max(paired) - min(paired)) / _median(paired), 4) if paired else None,
                 "rounds": len(per_round),
                 "timed_steps": len(every) * job.get("window", 1) if job else None,
                 "peak_mem_gib": job.get("peak_mem_gib"),
@@ -161,10 +164,13 @@ def sim_summary(rows: list[dict], links: list[Link], calibrated: Optional[str]) 
         out[f"sim_free_vs_ceiling{suffix}"] = row["vs_ceiling"] if row else None
         out[f"sim_free_vs_ceiling_min{suffix}"] = row["vs_ceiling_min"] if row else None
         out[f"sim_free_spread{suffix}"] = row["spread"] if row else None
+        out[f"sim_free_vs_ceiling_paired{suffix}"] = row["vs_ceiling_paired"] if row else None
+        out[f"sim_free_paired_spread{suffix}"] = row["paired_spread"] if row else None
         nv = by.get(("static_dist", world, calibrated, "quiet")) if calibrated else None
         out[f"sim_nvlink_vs_ceiling{suffix}"] = nv["vs_ceiling"] if nv else None
     busy = by.get(("static_dist", 2, free, "busy")) if free else None
     out["sim_free_busy_host_vs_ceiling"] = busy["vs_ceiling"] if busy else None
+    out["sim_free_busy_host_vs_ceiling_paired"] = busy["vs_ceiling_paired"] if busy else None
     out["sim_free_busy_host_vs_ceiling_min"] = busy["vs_ceiling_min"] if busy else None
     busy_ceiling = by.get(("ceiling", 1, None, "busy"))
     out["busy_host_ceiling_vs_quiet"] = (round(ceiling["step_ms_median"] / busy_ceiling["step_ms_median"], 4)

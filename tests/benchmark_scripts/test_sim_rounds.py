@@ -9,7 +9,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
-from _rounds import rotated, steps_needed  # noqa: E402
+from _rounds import RoundTimer, rotated, steps_needed  # noqa: E402
 from _simulated import parse_link, sim_rows, sim_summary, split_key  # noqa: E402
 
 LINKS = [parse_link("free"), parse_link("nvlink=70,5,8")]
@@ -41,6 +41,8 @@ def test_each_round_is_paired_with_the_ceilings_same_round_under_the_same_load()
     assert free["step_ms_per_round"] == [30.0, 31.0]
     assert free["vs_ceiling_per_round"] == [1.0, round(0.032 / 0.031, 4)]
     assert free["vs_ceiling_min"] == 1.0
+    assert free["vs_ceiling_paired"] == round((1.0 + round(0.032 / 0.031, 4)) / 2, 4)
+    assert free["paired_spread"] == round((round(0.032 / 0.031, 4) - 1.0) / free["vs_ceiling_paired"], 4)
     assert free["vs_ceiling"] == round(0.031 / 0.0305, 4)  # the medians: ceiling 31 ms, static_dist 30.5 ms
     assert free["spread"] == round(1.0 / 30.5, 4)
     assert free["host_ms_median"] == 5.5
@@ -57,7 +59,8 @@ def test_the_summary_names_the_issues_figures() -> None:
     summary = sim_summary(rows, LINKS, "nvlink")
     assert summary["sim_free_vs_ceiling_min"] == 1.0
     assert summary["sim_free_spread"] == round(1.0 / 30.5, 4)
-    assert summary["sim_free_busy_host_vs_ceiling"] == round(0.046 / 0.030, 4)
+    assert summary["sim_free_busy_host_vs_ceiling"] == round(0.046 / 0.030, 4)  # (the medians' ratio)
+    assert summary["sim_free_busy_host_vs_ceiling_paired"] == round((1.5 + round(0.047 / 0.030, 4)) / 2, 4)
     assert summary["busy_host_ceiling_vs_quiet"] == round(31.0 / 46.0, 4)
     assert summary["peak_gib_vs_ceiling"] == round(8.4 / 8.0, 4)
     assert summary["sim_nvlink_vs_ceiling"] == round(0.031 / 0.0405, 4)
@@ -73,3 +76,34 @@ def test_a_worker_runs_exactly_the_steps_the_drivers_commands_ask_for() -> None:
     # 12 warm-up steps, 10 rounds (5 quiet, 5 busy) of 3 + 3 x 10, a profile of 3 + 3, a tail of 6
     assert steps_needed(12, 10, 3, 10, 3, 3, 6) == 12 + 10 * 33 + 6 + 6
     assert steps_needed(12, 10, 3, 10, 3, 0, 6) == 12 + 10 * 33 + 6
+
+
+class _Gate:
+    """The driver's side of a worker's pipes, in this process: the commands queued, the replies kept."""
+
+    def __init__(self, commands: list[str]) -> None:
+        self.commands, self.sent = [{"cmd": c} for c in commands], []
+
+    def receive(self) -> dict:
+        return self.commands.pop(0)
+
+    def send(self, message: dict) -> None:
+        self.sent.append(message)
+
+
+def test_a_worker_times_each_window_of_a_round_and_switches_links_at_each() -> None:
+    import torch
+
+    gate, links = _Gate(["round", "round", "finish"]), []
+    timer = RoundTimer(False, gate, warmup=2, pre=1, window=2, windows=2, profile_steps=0, tail=1, trace_prefix="-",
+                       on_window=lambda window, last: links.append((window, last)))
+    for _ in range(steps_needed(2, 2, 1, 2, 2, 0, 1)):
+        timer.start()
+        timer.end(torch.zeros(()))
+    assert gate.commands == [] and gate.sent[0] == {"ready": True}
+    rounds = gate.sent[1:]
+    assert len(rounds) == 2 and all(len(r["window_s"]) == len(r["host_s"]) == 2 for r in rounds), rounds
+    assert all(0 < h <= w for r in rounds for h, w in zip(r["host_s"], r["window_s"])), rounds
+    # each round: window 0 at its first mark, window 1 after the first window; the tail at the last link
+    assert links == [(0, False), (1, False), (0, False), (1, False), (0, True)]
+    assert timer.timings()["rounds_run"] == 2
