@@ -306,7 +306,11 @@ class ProcessGroupTimeout(Callback):
     def __init__(self, directory: str) -> None:
         self.directory = directory
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        # after the first optimizer step: start-up runs under a timeout of its own (issue 37), timeout_s from then on
+        if trainer.global_step != 1:
+            return
         group = torch.distributed.distributed_c10d._get_default_group()
         seconds = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
         with open(os.path.join(self.directory, f"timeout{trainer.global_rank}.json"), "w") as f:
