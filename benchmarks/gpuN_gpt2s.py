@@ -154,10 +154,10 @@ def total_steps(args: argparse.Namespace) -> int:
     """The training steps a worker runs: warmup, timed, tail; a persistent worker's come from the driver's plan."""
     if not args.gate:
         return args.warmup + args.steps + args.tail
-    from _rounds import steps_needed
+    from _rounds import WARM_ROUNDS, steps_needed
 
-    return steps_needed(args.warmup, args.rounds * args.conditions, args.pre, args.window, args.round_windows,
-                        args.profile_steps, args.tail)
+    return steps_needed(args.warmup, (args.rounds + WARM_ROUNDS) * args.conditions, args.pre, args.window,
+                        args.round_windows, args.profile_steps, args.tail)
 
 
 # ------------------------------------------------------------------------------------------------------ worker
