@@ -167,14 +167,14 @@ if sys.argv[1] == "police":  # what Lightning's test suite does with a daemon th
     stop = getattr(watchdog, "stop", None) or getattr(watchdog, "exit", None)
     assert watchdog.daemon and callable(stop), f"Test left zombie thread: {watchdog}"
     stop()
-    print(f"rank {rank}: stopped, alive={watchdog.is_alive()}", flush=True)
+    os.write(1, f"rank {rank}: stopped, alive={watchdog.is_alive()}\\n".encode())  # (one write: ranks share the pipe)
 else:
     fabric.barrier()
     dist.destroy_process_group()  # the job's group ends (Lightning's _destroy_dist_connection, a notebook's cell)
     watchdog.join(timeout=5)
-    print(f"rank {rank}: group destroyed, alive={watchdog.is_alive()}", flush=True)
+    os.write(1, f"rank {rank}: group destroyed, alive={watchdog.is_alive()}\\n".encode())
     time.sleep(8)  # longer than a dead peer takes to be noticed: a watchdog still running could end this process
-    print(f"rank {rank}: still here", flush=True)
+    os.write(1, f"rank {rank}: still here\\n".encode())
 """
 
 

@@ -145,7 +145,8 @@ def test_a_checkpoint_callback_can_monitor_the_overlap_metrics(tmp_path: Any) ->
     )
     trainer.fit(Stack())
     saved = sorted(os.listdir(str(tmp_path / "ckpt")))
-    assert saved and all("step=" in name for name in saved), saved
+    # (last.ckpt: the end of fit saves its last step when the top-k kept none of it, issue 37)
+    assert saved and all("step=" in name for name in saved if name != "last.ckpt"), saved
     assert os.path.basename(checkpoint.best_model_path) in saved  # (spawn hands the best path back, not its score)
 
 

@@ -180,8 +180,10 @@ def test_a_collective_timeout_shorter_than_start_up_holds_from_the_first_step(tm
                                    "strategy.timeout_s=2")
     assert code == 1, err[-3000:]
     (line,) = failure_lines(err)
+    # (Gloo words its timeout by where it caught it: "Timed out waiting 2000ms", "Application timeout caused pair
+    # closure"); what matters is that it came from timeout_s, within seconds, not from the start-up timeout
     assert line.startswith("static_dist: rank 0: rank 1 stopped participating during the gradient collective of"
-                           " bucket 0 at step 3 (Timed out waiting 2000ms"), line
+                           " bucket 0 at step 3 ("), line
     assert seconds < 60
 
 
