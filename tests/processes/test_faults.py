@@ -161,11 +161,13 @@ def test_a_stuck_rank_zero_is_named_and_blames_no_one(tmp_path: Any) -> None:
     assert left == [], (left, err[-3000:])
     lines = sorted(failure_lines(err))
     assert len(lines) == 2, err[-3000:]
+    # (Gloo's words for its timeout vary with where it caught it: "Timed out waiting 5000ms", "Application timeout
+    # caused pair closure")
     assert lines[0].startswith("static_dist: rank 0: this rank stopped participating during the gradient collective of"
-                               " bucket 0 at step 3 (rank 1 gave up waiting for it: Timed out waiting 5000ms"), lines[0]
+                               " bucket 0 at step 3 (rank 1 gave up waiting for it: "), lines[0]
     assert "this rank was at training_step at faulty.py:" in lines[0], lines[0]
     assert lines[1].startswith("static_dist: rank 1: rank 0 stopped participating during the gradient collective of"
-                               " bucket 0 at step 3 (Timed out waiting 5000ms"), lines[1]
+                               " bucket 0 at step 3 ("), lines[1]
     assert "rank 1 stopped participating" not in err and "Traceback" not in err, err[-3000:]
 
 
