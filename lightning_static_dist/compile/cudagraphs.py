@@ -14,9 +14,9 @@ gathers into a new buffer between steps (sharded embeddings, ``reduce_scatter``)
 blocks one by one), static shapes, Lightning's automatic optimization, and one backward per optimizer step (an
 accumulated gradient would stay in the graphs' memory, which the next replay overwrites; under Fabric the loop decides
 that step by step, so ``auto`` is off there). ``true`` asks for them and refuses, in one line, a run with one of
-these hazards. A graph inductor still refuses (a CPU
-tensor in it, an input it mutates ...) runs its kernels one by one; :class:`SkipCapture` puts inductor's reason in
-the compile report, and a warning says so once, so that this slower path is never silent.
+these hazards. A graph inductor still refuses (a CPU tensor in it, an input it mutates ...) runs its kernels one by
+one; :class:`SkipCapture` puts inductor's reason in the compile report, and a warning says so once, so that this
+slower path is never silent.
 
 Example::
 
@@ -125,10 +125,9 @@ class SkipCapture(logging.Handler):
             return
         # every warning of inductor's cudagraphs loggers is a graph left out ("skipping cudagraphs due to ...", the
         # re-record limit's "skipping cudagraph due to ...", and reasons with no such prefix)
-        reason = record.getMessage().strip().splitlines()[0][:300] if record.getMessage().strip() else ""
-        if not reason:
-            return
-        if reason in self.skips:
+        lines = record.getMessage().strip().splitlines()
+        reason = lines[0][:300] if lines else ""
+        if not reason or reason in self.skips:
             return
         if not self.skips:
             log.warning(f"static_dist: a compiled graph runs without CUDA graphs, its kernels launched one by one"

@@ -76,21 +76,23 @@ class StaticCompile(StepParticipant):
         parameters' all-gather in a forward pre-hook; a graph cut at the buckets could not follow that synchroniser's
         static plan), or to the whole step uncut for a model without repeated blocks; ``cudagraphs`` resolved to a
         bool (:meth:`cudagraphs` says why)."""
+        return self._resolved()[0]
+
+    def cudagraphs(self) -> CudagraphChoice:
+        """``compile.cudagraphs`` for this run, and why: ``auto`` resolved from the device and the features that
+        move parameters between steps (:func:`~lightning_static_dist.compile.cudagraphs.choose_cudagraphs`)."""
+        return self._resolved()[1]
+
+    def _resolved(self) -> tuple[CompileConfig, CudagraphChoice]:
+        """:meth:`config` and :meth:`cudagraphs` from one resolution (the choice is made on the resolved config)."""
         config = self._view.config.compile
         if self.requested_backend is not None:
             # the user passed torch.compile(model); Lightning's compile check unwrapped it
             config = dataclasses.replace(config, enabled=True, backend=self.requested_backend)
         if config.regional == "auto" and self._view.reduce_scatter():
             config = dataclasses.replace(config, regional=bool(self.repeated_blocks()))
-        return dataclasses.replace(config, cudagraphs=self._choose_cudagraphs(config).on)
-
-    def cudagraphs(self) -> CudagraphChoice:
-        """``compile.cudagraphs`` for this run, and why: ``auto`` resolved from the device and the features that
-        move parameters between steps (:func:`~lightning_static_dist.compile.cudagraphs.choose_cudagraphs`)."""
-        config = self._view.config.compile
-        if self.requested_backend is not None:
-            config = dataclasses.replace(config, backend=self.requested_backend)
-        return self._choose_cudagraphs(config)
+        choice = self._choose_cudagraphs(config)
+        return dataclasses.replace(config, cudagraphs=choice.on), choice
 
     def _choose_cudagraphs(self, config: CompileConfig) -> CudagraphChoice:
         view = self._view
@@ -113,7 +115,7 @@ class StaticCompile(StepParticipant):
         view = self._view
         module = view.lightning_module
         assert module is not None
-        config = self.config()
+        config, cudagraphs = self._resolved()
         if self.requested_backend is not None:
             rank_zero_info(f"static_dist: compiling the torch.compile()-d model in the strategy (backend {config.backend!r})")
         sync = view.config.sync
@@ -128,7 +130,7 @@ class StaticCompile(StepParticipant):
             split = compile_split(config, sync, view.world_size)
             patches = graph_mode_patches(sync.capacity) if graph_mode else None
             self.report = compile_regions(module, config, split=split, inductor_patches=patches)
-            self.report.cudagraphs = self.cudagraphs().describe()
+            self.report.cudagraphs = cudagraphs.describe()
             capture_skips(self.report.cudagraph_skips)
             if config.optimizer and context.fitting:
                 for optimizer in view.optimizers:
