@@ -108,6 +108,7 @@ CONTENDERS: dict[str, Optional[dict[str, Any]]] = {
     # sync.comm_sms: the SMs a collective may take from backward (NCCL's max_ctas; the emulated link's SMs)
     "static_dist_sms4": {"sync": {"comm_sms": 4}},
     "static_dist_sms8": {"sync": {"comm_sms": 8}},
+    "static_dist_sms2": {"sync": {"comm_sms": 2}},
     "static_dist_after_sms4": {"sync": {"schedule": "after_backward", "comm_sms": 4}},
     "static_dist_b25": {"sync": {"bucket_mb": 25.0}},
     "static_dist_b50": {"sync": {"bucket_mb": 50.0}},
@@ -474,7 +475,7 @@ def main() -> None:
                         help="comma list of world sizes: every contender a one-GPU job in a simulated world of each size "
                              f"(the ceiling alone); default contenders {SIMULATED}")
     parser.add_argument("--link", action="append",
-                        help="with --simulate, repeatable: free, GBPS,LATENCY_US,SMS or NAME=GBPS,LATENCY_US,SMS; each "
+                        help="with --simulate, repeatable: free or [NAME=]GBPS,LATENCY_US,SMS[,IDLE_GBPS[,SM_GBPS]]; each "
                              "job's timed windows take the links in turn (--steps: a multiple of --window x links)")
     parser.add_argument("--calibrated", help="with --simulate: the --link name the 2-GPU record is compared at")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))

@@ -189,7 +189,8 @@ def _nccl_duration_ms(work: Any) -> Optional[float]:
 def _future_of(work: Any) -> Any:
     """The work's completion future, or ``None`` where the backend has none (Gloo's ``reduce_scatter_tensor``)."""
     try:
-        return work.get_future()
+        # (a simulated collective's future taken this way does not count its reader as a waiter: see simulate/group.py)
+        return getattr(work, "timing_future", work.get_future)()
     except RuntimeError:
         return None
 

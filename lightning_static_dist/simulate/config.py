@@ -8,6 +8,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -17,23 +18,36 @@ from lightning_static_dist.config.check import check_fields, fail, section_from_
 @dataclass
 class LinkConfig:
     """``strategy.simulate.link``: an emulated link (CUDA only). Each collective holds ``sms`` SMs on a stream of its
-    own for as long as an N-rank ring takes at ``gbps`` and ``latency_us``: an all-reduce 2(N-1)/N * bytes / B +
-    2(N-1) * latency, an all-gather or reduce-scatter (N-1)/N * bytes / B + (N-1) * latency, a broadcast bytes / B +
-    latency. The compute stream waits for it where it would wait for NCCL's work.
+    own for as long as an N-rank ring takes: an all-reduce moves 2(N-1)/N * bytes and waits 2(N-1) latencies, an
+    all-gather or reduce-scatter half of both, a broadcast bytes and one latency. The compute stream waits for it
+    where it would wait for NCCL's work.
+
+    Two regimes (``idle_gbps``): a collective moves its bytes at ``gbps`` while compute runs beside it and at
+    ``idle_gbps`` while the GPU is otherwise idle, i.e. while the compute stream is blocked on a collective — both
+    measured on the same collective: NCCL on an idle GPU runs at full speed, beside GEMMs it does not. The regime is
+    read while the collective runs, so one that starts beside backward finishes faster once backward ends.
+    Per-SM bandwidth (``sm_gbps``): holding ``s`` SMs instead of ``sms`` scales both regimes by
+    ``min(idle, s * sm_gbps) / min(idle, sms * sm_gbps)``, so fewer SMs make a slower link (NCCL's CTAs each move a
+    bounded share). The model, its calibration and its error on the real points: ``docs/simulated-link.md``.
 
     Example::
 
-        LinkConfig(gbps=308, latency_us=5, sms=16)
+        LinkConfig(gbps=70, idle_gbps=308, latency_us=5, sms=16, sm_gbps=65)
     """
 
     KEY = "strategy.simulate.link"
 
     gbps: float = 308.0
-    """Bandwidth in gigabytes per second, as an all-reduce's bus bandwidth counts it (a 400 Gb/s network: 50)."""
+    """Bandwidth in gigabytes per second, as an all-reduce's bus bandwidth counts it (a 400 Gb/s network: 50), while
+    compute runs beside the collective (every time, with ``idle_gbps`` unset)."""
     latency_us: float = 0.0
     """Per ring step, in microseconds."""
     sms: int = 16
     """SMs a collective holds while it runs (NCCL's CTAs); ``strategy.sync.comm_sms``, when set, replaces it."""
+    idle_gbps: Optional[float] = None
+    """Bandwidth while the compute stream waits for a collective (the GPU otherwise idle); ``None``: ``gbps``."""
+    sm_gbps: Optional[float] = None
+    """Bandwidth one held SM can move (NCCL's per-CTA share); ``None``: the SMs held do not limit the bandwidth."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -43,9 +57,34 @@ class LinkConfig:
             fail(f"{self.KEY}.latency_us", self.latency_us, "must be microseconds in [0, 1000000]")
         if not 1 <= self.sms <= 1024:
             fail(f"{self.KEY}.sms", self.sms, "must be an integer number of SMs in [1, 1024]")
+        for name in ("idle_gbps", "sm_gbps"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 1e5:
+                fail(f"{self.KEY}.{name}", value, "must be a bandwidth in GB/s in (0, 100000], or null")
+
+    def rates(self, sms: int) -> tuple[float, float]:
+        """(busy, idle) bandwidth in GB/s of a collective holding ``sms`` SMs.
+
+        Example::
+
+            >>> LinkConfig(gbps=70, idle_gbps=308, sms=16, sm_gbps=65).rates(2)
+            (29.545454545454543, 130.0)
+        """
+        idle = self.gbps if self.idle_gbps is None else self.idle_gbps
+        if self.sm_gbps is None:
+            return self.gbps, idle
+        scale = min(idle, sms * self.sm_gbps) / min(idle, self.sms * self.sm_gbps)
+        return self.gbps * scale, idle * scale
+
+    @property
+    def two_regimes(self) -> bool:
+        """Whether the collective's pace depends on what the compute stream does."""
+        return self.idle_gbps is not None and self.idle_gbps != self.gbps
 
     def describe(self) -> str:
-        return f"{self.gbps:g} GB/s, {self.latency_us:g} us, {self.sms} SMs"
+        idle = f" ({self.idle_gbps:g} GB/s idle)" if self.idle_gbps is not None else ""
+        per_sm = f", {self.sm_gbps:g} GB/s per SM" if self.sm_gbps is not None else ""
+        return f"{self.gbps:g} GB/s{idle}, {self.latency_us:g} us, {self.sms} SMs{per_sm}"
 
 
 @dataclass
@@ -86,4 +125,4 @@ class SimulateConfig:
 
 
 def _plain(link: LinkConfig) -> dict[str, Any]:
-    return {"gbps": link.gbps, "latency_us": link.latency_us, "sms": link.sms}
+    return dataclasses.asdict(link)

@@ -23,6 +23,9 @@ completes at once. An emulated link (:mod:`~lightning_static_dist.simulate.link`
 group's own CUDA stream, ordered after the caller's work as NCCL's is, holds the link's SMs for the ring time, then
 does its arithmetic; ``wait()`` makes the caller's stream wait for it, and its future completes on that stream
 (DDP's reducer waits on ``get_future()``), so neither our synchroniser nor DDP's reducer can hide it by accident.
+A link with two regimes also needs to know when the compute stream is blocked on a collective: ``wait()`` raises
+the link's idle counter around the stream's wait; a collective whose future is taken during a backward (DDP's
+reducer, which waits on it once that backward ends) raises it when the backward ends, until the link drains.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_static_dist.simulate.config import LinkConfig
-from lightning_static_dist.simulate.link import hold_sms, ring_seconds
+from lightning_static_dist.simulate.link import IdleFlag, hold_sms, ring_traffic
 
 BACKEND = "static_dist_simulated"
 """The backend's name in ``torch.distributed`` (``dist.get_backend()`` reports it in a simulated run)."""
@@ -45,10 +48,22 @@ _SAME = ("AVG", "MAX", "MIN", "BAND", "BOR", "BXOR")
 
 
 class _World:
-    """What every simulated group of this process shares: the link, and how many SMs a collective holds."""
+    """What every simulated group of this process shares: the link, how many SMs a collective holds, and the
+    counters of the link's two regimes (one per device)."""
 
-    link: Optional[LinkConfig] = None
-    sms: Optional[int] = None
+    def __init__(self) -> None:
+        self.link: Optional[LinkConfig] = None
+        self.sms: Optional[int] = None
+        self.idle: dict[int, IdleFlag] = {}
+
+    def idle_flag(self, device: torch.device) -> Optional[IdleFlag]:
+        """The device's idle counter, where the link has two regimes (else ``None``: one pace, nothing to mark)."""
+        if self.link is None or not self.link.two_regimes:
+            return None
+        flag = self.idle.get(device.index)
+        if flag is None:
+            flag = self.idle[device.index] = IdleFlag(device)
+        return flag
 
 
 WORLD = _World()
@@ -86,12 +101,15 @@ class SimulatedWork(dist._Work):
     (an emulated link). ``get_duration()`` gives the emulated time in ms, as NCCL's timing does."""
 
     def __init__(self, result: list[Tensor], done: Optional[torch.cuda.Event] = None,
-                 started: Optional[torch.cuda.Event] = None, stream: Optional[torch.cuda.Stream] = None) -> None:
+                 started: Optional[torch.cuda.Event] = None, stream: Optional[torch.cuda.Stream] = None,
+                 idle: Optional[IdleFlag] = None, on_future: Optional[Any] = None) -> None:
         super().__init__()
         self._result = result
         self._done = done
         self._started = started
         self._stream = stream
+        self._idle = idle
+        self._on_future = on_future
         self._future: Optional[Future] = None
         if stream is not None:  # made now, on the link's stream (the caller's _run): it completes where the kernel does
             self._future = Future(devices=[stream.device])
@@ -99,7 +117,11 @@ class SimulatedWork(dist._Work):
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         if self._done is not None and self._stream is not None:
+            if self._idle is not None:
+                self._idle.raise_()  # (the compute stream is blocked from here: the link's idle pace)
             torch.cuda.current_stream(self._stream.device).wait_event(self._done)
+            if self._idle is not None:
+                self._idle.lower()
         return True
 
     def is_completed(self) -> bool:
@@ -112,6 +134,14 @@ class SimulatedWork(dist._Work):
         return self._result
 
     def get_future(self) -> Future:
+        """The future a consumer waits on (DDP's reducer): taken during a backward, the link counts the compute stream
+        as blocked from that backward's end until the link drains (:class:`~.link.IdleFlag`)."""
+        if self._on_future is not None:
+            self._on_future()
+        return self.timing_future()
+
+    def timing_future(self) -> Future:
+        """The same future, for a reader that only notes when it completes (the overlap recorder): no waiter."""
         if self._future is None:  # (free links: done at once)
             self._future = Future()
             self._future.set_result(self._result)
@@ -139,6 +169,8 @@ class SimulatedGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._streams: dict[int, torch.cuda.Stream] = {}
+        self._marked_backward = -1
+        """The backward (autograd graph task) whose end already raises the idle counter for futures' waiters."""
         self._name = ""
         self._desc = ""
 
@@ -181,17 +213,38 @@ class SimulatedGroup(dist.ProcessGroup):
             stream = self._streams[device.index] = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        sms = self.sms or 1
+        moved, latency_s = ring_traffic(kind, nbytes, self._size, link.latency_us)
+        idle = WORLD.idle_flag(device)
         with torch.cuda.stream(stream):
             started.record(stream)
-            hold_sms(stream, self.sms or 1, ring_seconds(kind, nbytes, self._size, link.gbps, link.latency_us))
+            hold_sms(stream, sms, latency_s, moved, link.rates(sms), idle)
             with torch.no_grad():
                 compute()
             done.record(stream)
-            work = SimulatedWork(result, done, started, stream)
+            on_future = (lambda: self._idle_after_backward(idle, device)) if idle is not None else None
+            work = SimulatedWork(result, done, started, stream, idle, on_future)
         for t in tensors:
             if t.is_cuda:
                 t.record_stream(stream)  # the caching allocator must not hand the memory out before the link is done
         return work
+
+    def _idle_after_backward(self, idle: IdleFlag, device: torch.device) -> None:
+        """A future taken during a backward: its waiter (DDP's reducer) blocks the compute stream once the backward
+        ends. Raise the idle counter there and lower it on the link's stream after everything issued by then."""
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task == self._marked_backward:
+            return
+        self._marked_backward = task
+        stream = self._streams[device.index]
+
+        def at_backward_end() -> None:
+            self._marked_backward = -1
+            idle.raise_()  # (queued first, so it runs before DDP's own end-of-backward waits are queued)
+            with torch.cuda.stream(stream):
+                idle.lower()
+
+        torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)
 
     def allreduce(self, tensors: list[Tensor], opts: Any = None) -> SimulatedWork:
         op = _op_of(opts)

@@ -7,6 +7,11 @@ have (so that no other kernel's block that needs shared memory, a GEMM's, fits b
 spinning on the GPU's global timer until ``duration_s`` has passed since it started. A block that finds no free
 SM starts late and ends late, as a contended collective does.
 
+Two regimes (``LinkConfig.idle_gbps``): the kernel spends the ring's latency first, then moves its bytes at one of
+two rates, reading before each step of its loop a counter in device memory — how many collectives the compute
+stream is blocked on right now (:class:`IdleFlag`). While it is zero, compute runs beside the collective: the
+busy rate; while it is not, the GPU is otherwise idle: the idle rate.
+
 The kernel is compiled once per process with CuPy's ``RawKernel`` (CuPy must be installed: link emulation is a
 measuring tool, not a dependency of training); :func:`ring_seconds` is the time the kernel is told to take.
 """
@@ -14,27 +19,53 @@ measuring tool, not a dependency of training); :func:`ring_seconds` is the time 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from lightning_static_dist.config.check import ConfigError
 
 _SOURCE = r"""
-extern "C" __global__ void hold_sms(unsigned long long duration_ns) {
+extern "C" __global__ void hold_sms(unsigned long long latency_ns, double nbytes, double busy_bytes_per_ns,
+                                    double idle_bytes_per_ns, unsigned long long idle_flag) {
     extern __shared__ unsigned char reserved[];
     if (threadIdx.x != 0) return;           // one thread spins; the block's shared memory stays held
-    unsigned long long start, now;
+    const volatile int* waiting = (const volatile int*)idle_flag;   // (volatile: another stream writes it)
+    unsigned long long start, now, last;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
     reserved[0] = 1;
     do {
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < duration_ns);
+    } while (now - start < latency_ns);
+    double moved = 0.0;
+    last = now;
+    while (moved < nbytes) {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        bool idle = waiting != 0 && *waiting > 0;
+        moved += (double)(now - last) * (idle ? idle_bytes_per_ns : busy_bytes_per_ns);
+        last = now;
+    }
 }
 """
 
 #: the collectives a link emulates, with the factor of (N-1)/N * bytes / B and of latency steps per (N-1)
 RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+
+
+def ring_traffic(kind: str, nbytes: int, world: int, latency_us: float) -> tuple[float, float]:
+    """(bytes an N-rank ring moves per rank, as bus bandwidth counts them; its latency in seconds).
+
+    Example::
+
+        >>> ring_traffic("all_reduce", 1000, 2, 5.0)
+        (1000.0, 1e-05)
+    """
+    if world < 2:
+        return 0.0, 0.0
+    if kind == "broadcast":
+        return float(nbytes), latency_us * 1e-6
+    steps = RING_STEPS.get(kind, 1)
+    return steps * (world - 1) / world * nbytes, steps * (world - 1) * latency_us * 1e-6
 
 
 def ring_seconds(kind: str, nbytes: int, world: int, gbps: float, latency_us: float) -> float:
@@ -46,12 +77,8 @@ def ring_seconds(kind: str, nbytes: int, world: int, gbps: float, latency_us: fl
         >>> round(ring_seconds("all_reduce", 496_000_000, 2, 308.0, 0.0) * 1e3, 2)
         1.61
     """
-    if world < 2:
-        return 0.0
-    if kind == "broadcast":
-        return nbytes / (gbps * 1e9) + latency_us * 1e-6
-    steps = RING_STEPS.get(kind, 1)
-    return steps * ((world - 1) / world * nbytes / (gbps * 1e9) + (world - 1) * latency_us * 1e-6)
+    moved, latency_s = ring_traffic(kind, nbytes, world, latency_us)
+    return moved / (gbps * 1e9) + latency_s
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,8 +103,33 @@ def check_available(device: torch.device) -> None:
     _kernel(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def hold_sms(stream: torch.cuda.Stream, sms: int, duration_s: float) -> None:
-    """Queue on ``stream`` a kernel of ``sms`` one-per-SM blocks that each spin for ``duration_s``."""
+class IdleFlag:
+    """The device counter the link's kernel reads: how many collectives the compute stream is blocked on now.
+
+    The compute stream raises it just before it waits for a collective and lowers it once the wait is over
+    (:meth:`waiting`); a consumer that waits through the work's future (DDP's reducer) cannot be seen waiting, so the
+    simulated group raises it on the compute stream when that backward ends and lowers it on the link's stream after
+    the backward's last collective (:meth:`until_link_drains`).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.counter = torch.zeros((), dtype=torch.int32, device=device)
+
+    @property
+    def address(self) -> int:
+        return self.counter.data_ptr()
+
+    def raise_(self) -> None:
+        self.counter.add_(1)  # (on the current stream: takes effect when that stream gets here)
+
+    def lower(self) -> None:
+        self.counter.sub_(1)
+
+
+def hold_sms(stream: torch.cuda.Stream, sms: int, duration_s: float, nbytes: float = 0.0,
+             rates_gbps: tuple[float, float] = (1.0, 1.0), idle: Optional[IdleFlag] = None) -> None:
+    """Queue on ``stream`` a kernel of ``sms`` one-per-SM blocks that each spin for ``duration_s``, then for as long
+    as ``nbytes`` take at ``rates_gbps`` (busy, idle), the rate chosen step by step by ``idle`` (busy without one)."""
     import cupy
     import numpy
 
@@ -85,5 +137,8 @@ def hold_sms(stream: torch.cuda.Stream, sms: int, duration_s: float) -> None:
     kernel, shared = _kernel(index)
     # (never more blocks than SMs: a second wave would double the time the link was told to take)
     blocks = max(1, min(sms, torch.cuda.get_device_properties(index).multi_processor_count))
+    busy, idle_rate = rates_gbps
+    args = (numpy.uint64(max(0, int(duration_s * 1e9))), numpy.float64(nbytes), numpy.float64(busy),
+            numpy.float64(idle_rate), numpy.uint64(idle.address if idle is not None else 0))
     with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
-        kernel((blocks,), (32,), (numpy.uint64(max(0, int(duration_s * 1e9))),), shared_mem=shared)
+        kernel((blocks,), (32,), args, shared_mem=shared)
