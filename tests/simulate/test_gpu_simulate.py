@@ -101,23 +101,22 @@ def test_a_simulated_fit_over_an_emulated_link_runs_and_says_so(tmp_path) -> Non
 
 
 def test_a_two_regime_link_moves_bytes_at_the_idle_pace_while_the_compute_stream_waits_and_slower_beside_compute() -> None:
-    """64 MiB, 2 ranks: 67 MB to move. Busy 20 GB/s, idle 400 GB/s. Waited for at once, the collective takes the idle
-    time (0.17 ms, and the launch); issued before 20 ms of GEMMs, most of it runs at the busy pace (3.4 ms); under
-    DDP's kind of waiter (the future taken during a backward), the backward's end switches it to the idle pace: a
-    collective issued during a backward of ~20 ms ends well before its busy time."""
+    """64 MiB, 2 ranks: 67 MB to move. Busy 2 GB/s, idle 400 GB/s. Waited for at once, the collective takes the idle
+    time (0.17 ms, and the launch); issued before ~60 ms of GEMMs it runs at the busy pace (33.5 ms); under DDP's kind
+    of waiter (the future taken during a backward), the backward's end (a few ms) switches it to the idle pace."""
     out = _run("""
         import json, torch, torch.distributed as dist
         from datetime import timedelta
         from lightning_static_dist.simulate import LinkConfig, init_simulated_world, set_link
         init_simulated_world(2, timedelta(seconds=60))
-        set_link(LinkConfig(gbps=20.0, idle_gbps=400.0, latency_us=0.0, sms=8))
+        set_link(LinkConfig(gbps=2.0, idle_gbps=400.0, latency_us=0.0, sms=8))
         x = torch.ones(16 << 20, device="cuda")
         a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         def at_once():
             work = dist.all_reduce(x, op=dist.ReduceOp.AVG, async_op=True); work.wait(); return work
         def beside():
             work = dist.all_reduce(x, op=dist.ReduceOp.AVG, async_op=True)
-            for _ in range(20): torch.mm(a, a)
+            for _ in range(40): torch.mm(a, a)
             work.wait(); return work
         w = torch.randn(4096, 4096, device="cuda", requires_grad=True)
         def future_in_backward():
@@ -142,8 +141,8 @@ def test_a_two_regime_link_moves_bytes_at_the_idle_pace_while_the_compute_stream
         print(json.dumps(res))
     """)
     moved = 2 * 0.5 * (64 << 20)
-    idle_ms, busy_ms = moved / 400e9 * 1e3, moved / 20e9 * 1e3
+    idle_ms, busy_ms = moved / 400e9 * 1e3, moved / 2e9 * 1e3
     assert idle_ms <= out["at_once"] <= idle_ms + 0.15, out
     assert out["beside"] >= 0.8 * busy_ms, out
-    assert out["future"] < 0.8 * busy_ms, out  # (the backward here is far shorter than the busy time)
+    assert out["future"] < 0.5 * busy_ms, out  # (the backward here is far shorter than the busy time)
     assert out["counter"] == 0, out  # every raise was lowered
