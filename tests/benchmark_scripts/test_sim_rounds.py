@@ -107,3 +107,31 @@ def test_a_worker_times_each_window_of_a_round_and_switches_links_at_each() -> N
     # each round: window 0 at its first mark, window 1 after the first window; the tail at the last link
     assert links == [(0, False), (1, False), (0, False), (1, False), (0, True)]
     assert timer.timings()["rounds_run"] == 2
+
+
+def test_a_two_regime_link_spec_names_its_idle_pace_and_its_per_sm_bandwidth() -> None:
+    link = parse_link("nv2=70,5,16,308,65")
+    assert link.describe() == {"name": "nv2", "gbps": 70.0, "latency_us": 5.0, "sms": 16, "idle_gbps": 308.0,
+                               "sm_gbps": 65.0}
+    assert link.config().rates(2) == pytest.approx((70 * 130 / 308, 130.0))
+    assert parse_link("70,5,8,-,40").spec == {"gbps": 70.0, "latency_us": 5.0, "sms": 8, "sm_gbps": 40.0}
+    with pytest.raises(ValueError, match="IDLE_GBPS"):
+        parse_link("70,5")
+
+
+def test_the_calibration_scales_each_links_step_to_the_records_ceiling_and_prefers_the_records_own_config() -> None:
+    """Recorded (12-01, 2 GPUs): ceiling 33.34 ms, static_dist 36.88, plain DDP 36.80. Here the ceiling runs 30 ms, so
+    a simulated step of 33.0 ms stands for 33.0 * 33.34 / 30 = 36.674 ms: error |36.674 - 36.88| / 36.88 = 0.0056.
+    static_dist_nocg (what that day's defaults ran) is preferred over static_dist."""
+    links = [parse_link("free"), parse_link("cal=70,5,16,308,65")]
+    runs = {"ceiling@1": [_round(0, [0.030, 0.030], [0.02, 0.02])],
+            "static_dist_nocg@sim2": [_round(0, [0.031, 0.033], [0.01, 0.01])],
+            "static_dist@sim2": [_round(0, [0.030, 0.031], [0.01, 0.01])],
+            "plain_ddp_compile@sim2": [_round(0, [0.031, 0.034], [0.03, 0.03])]}
+    summary = sim_summary(sim_rows(runs, links, {}), links, "cal")
+    fit = summary["calibration_by_link"]["cal"]
+    assert fit["static_dist"]["contender"] == "static_dist_nocg"
+    assert fit["static_dist"]["predicted_ms"] == pytest.approx(36.67, abs=0.01)
+    assert summary["sim_calibration_error"] == pytest.approx(0.0056, abs=1e-4)
+    assert fit["plain_ddp_compile"]["predicted_ms"] == pytest.approx(34 * 33.34 / 30, abs=0.01)
+    assert "free" not in summary["calibration_by_link"]

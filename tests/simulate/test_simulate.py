@@ -701,3 +701,21 @@ def test_several_devices_in_a_simulated_world_are_refused_before_processes_start
 def test_schedule_and_sms_options_are_refused_in_one_line_naming_the_key(options: dict, key: str) -> None:
     message = _refused(key.replace(".", r"\."), lambda: StaticDistStrategy(**options))
     assert message.startswith(key), message
+
+
+def test_a_two_regime_links_rates_follow_the_sms_it_holds() -> None:
+    """Idle 308 GB/s with 16 SMs at 65 GB/s each: 16 and 8 SMs move 308 (the link is the limit), 4 SMs 260, 2 SMs
+    130; the busy pace (70) scales alike. Without ``sm_gbps`` the SMs do not matter; without ``idle_gbps`` one pace."""
+    link = LinkConfig(gbps=70, idle_gbps=308, latency_us=5, sms=16, sm_gbps=65)
+    assert link.rates(16) == link.rates(8) == (70, 308)
+    assert link.rates(4) == pytest.approx((70 * 260 / 308, 260))
+    assert link.rates(2) == pytest.approx((70 * 130 / 308, 130))
+    assert LinkConfig(gbps=70, idle_gbps=308).rates(1) == (70, 308) and LinkConfig(gbps=70, idle_gbps=308).two_regimes
+    assert LinkConfig(gbps=70).rates(2) == (70, 70) and not LinkConfig(gbps=70).two_regimes
+    assert "308 GB/s idle" in link.describe() and "65 GB/s per SM" in link.describe()
+
+
+@pytest.mark.parametrize("field", ["idle_gbps", "sm_gbps"])
+def test_a_two_regime_links_bad_bandwidths_are_one_line_errors(field: str) -> None:
+    _refused(rf"strategy\.simulate\.link\.{field}=0", lambda: StaticDistStrategy(
+        simulate={"world_size": 2, "link": {"gbps": 50, field: 0}}))
