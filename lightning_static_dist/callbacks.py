@@ -229,6 +229,11 @@ class RunSummary(Callback):
             "bytes_per_round": sync.bytes_per_round if sync else None,
             "bucket_plan": sync.bucket_plan if sync else None,
         }
+        schedule = offer.schedule_choice() if offer is not None else None
+        if schedule is not None:  # sync.schedule: auto: what it chose, and what choosing cost
+            self.summary["sync_schedule"] = schedule.choice
+            self.summary["sync_schedule_trial_steps"] = schedule.trial_steps or None
+            self.summary["sync_schedule_trial_s"] = schedule.trial_s
         simulation = offer.simulation if offer is not None else None
         if simulation is not None:  # one process stood for the world: say so where every figure is read
             link = simulation.link

@@ -50,6 +50,19 @@ class SyncFigures:
     """The bucket plan, described (``3 buckets [0.00MiB/3p, ...]``); ``None`` in graph mode."""
 
 
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """``sync.schedule: auto``'s choice (a candidate's name, ``overlap/bf16/sms=4``) and what its trial cost."""
+
+    choice: str
+    step_s: dict[str, float]
+    """The slowest rank's seconds per step of each candidate timed (the checkpoint's, in a resumed run)."""
+    trial_steps: int
+    """Optimizer steps the trial took (0: unknown, a checkpoint from before this was recorded)."""
+    trial_s: Optional[float]
+    """Seconds the trial took (``None``: unknown)."""
+
+
 class CompileFacts(Protocol):
     """What static compilation did on this rank, as a callback reads it (a ``CompileReport`` is one)."""
 
@@ -119,6 +132,10 @@ class StaticDistOffer(Protocol):
     @property
     def compression_trial(self) -> Optional[TrialFacts]:
         """``strategy.compression.name: auto``: the trial of the candidates and, once made, its choice."""
+        ...
+
+    def schedule_choice(self) -> Optional[ScheduleChoice]:
+        """``strategy.sync.schedule: auto``'s choice once made (``None``: no trial, or not decided yet)."""
         ...
 
     @property

@@ -169,9 +169,9 @@ def global_step(view: StrategyView) -> int:
 
 
 def advance_trial(trial: Any, synchronizer: Any, view: StrategyView, apply: Any, label: str) -> None:
-    """One batch start of an ``auto`` trial (``compression.name`` or ``sync.schedule``) of ``synchronizer``: the
-    candidate for the coming step applied with ``apply(candidate)``, and the choice printed (``label``) the step it is
-    made."""
+    """One batch start of an ``auto`` trial (``compression.name``; ``sync.schedule``'s states its cost and runs its
+    own) of ``synchronizer``: the candidate for the coming step applied with ``apply(candidate)``, and the choice
+    printed (``label``) the step it is made."""
     if trial is None or trial.decided or synchronizer is None:
         return
     candidate = trial.before_step(global_step(view))

@@ -18,6 +18,7 @@ Example (the roster builds it; ``strategy.synchronizer`` reads ``gradients.synch
 
 from __future__ import annotations
 
+import time
 from contextlib import AbstractContextManager, nullcontext
 from collections.abc import Iterable
 from typing import Any, Literal, Optional
@@ -27,19 +28,19 @@ import torch.distributed
 from torch import Tensor
 from torch.nn import Parameter
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_static_dist.compression.auto import Candidate, CompressionTrial
-from lightning_static_dist.processes.faults import enter_collective, leave_collective
+from lightning_static_dist.processes.faults import enter_collective, leave_collective, waiting_in
 from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.participants.base import (
     StepContext,
     StepParticipant,
     StrategyView,
-    advance_trial,
     global_step,
     syncs_gradients,
 )
+from lightning_static_dist.participants.comm_sms import CommSmsSwitch
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.embeddings import EmbeddingShards
 from lightning_static_dist.participants.recording import PhaseRecording
@@ -49,6 +50,7 @@ from lightning_static_dist.sync.broadcast import broadcast_buffers
 from lightning_static_dist.sync.graph import GraphGradientSync
 from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
 from lightning_static_dist.sync.config import SyncConfig
+from lightning_static_dist.sync.schedule import ScheduleCandidate, Transport, candidate_named, schedule_candidates
 
 SyncMode = Literal["hooks", "graph", "sharded"]
 
@@ -316,38 +318,106 @@ class GradientSynchronization(StepParticipant):
 SCHEDULE_KEY = "static_dist_sync_schedule"  # sync.schedule: auto: the trial's choice and times
 
 
-class SyncSchedule(StepParticipant):
-    """``strategy.sync.schedule: auto``: times ``overlap`` (each bucket issued as it fills) and ``after_backward``
-    (all issued once backward ends) on this job's first optimizer steps, the slowest rank's time of each, and keeps
-    the faster on every rank; the choice is printed and kept in the checkpoint (a resumed run does not time again).
-    The trial's steps are real training steps: only when the collectives leave changes. ``gradients`` owns the
-    synchroniser whose schedule is switched."""
+def schedule_transport(view: StrategyView) -> Transport:
+    """What carries this run's gradient collectives, as ``sync.schedule: auto``'s candidates care: a simulated world,
+    NCCL over a data-parallel group of the whole world (a group per SM budget can be made on every rank), or
+    anything whose SMs are not switched (``"gloo"``)."""
+    if view.simulation is not None:
+        return "simulated"
+    group = view.dp_group
+    backend = torch.distributed.get_backend(group)
+    whole_world = torch.distributed.get_world_size(group) == torch.distributed.get_world_size()
+    return "nccl" if "nccl" in backend and view.root_device.type == "cuda" and whole_world else "gloo"
 
-    CANDIDATES = ("overlap", "after_backward")
+
+class SyncSchedule(StepParticipant):
+    """``strategy.sync.schedule: auto``: times the candidates of :mod:`~lightning_static_dist.sync.schedule` — the
+    schedule, and with ``sync.mode: hooks`` the SMs a collective may use and (``reduce_dtype: auto``) the reduce dtype
+    — on this job's first optimizer steps, the slowest rank's time of each, and keeps the fastest on every rank. The
+    choice is printed with what the trial cost, kept in the checkpoint (a resumed run applies it without timing again)
+    and offered to the run summary. The trial's steps are real training steps: only how the collectives go changes.
+    What it switches process-wide (NCCL groups per SM budget, a simulated link's SMs) is undone at teardown, after a
+    failure too. ``gradients`` owns the synchroniser it switches.
+
+    Example (the roster builds it)::
+
+        schedule = SyncSchedule(strategy, gradients)
+        schedule.after_setup(context)       # the candidates, the trial (and the checkpoint's choice, if resumed)
+        schedule.on_train_batch_start()     # each batch: the candidate for this step
+    """
 
     def __init__(self, view: StrategyView, gradients: GradientSynchronization) -> None:
         self._view = view
         self._gradients = gradients
         self.trial: Optional[CompressionTrial] = None
         """The trial (``schedule: auto`` while fitting), and once made its choice."""
+        self.candidates: list[ScheduleCandidate] = []
+        """What this fit's trial times, in order (the first is the baseline)."""
+        self.trial_steps = 0
+        """Optimizer steps the trial took (once decided)."""
+        self.trial_s: Optional[float] = None
+        """Seconds the trial took, from its first batch to the batch it decided at (once decided)."""
+        self._started: Optional[float] = None
+        self._sms: Optional[CommSmsSwitch] = None
         self._resume: Optional[dict[str, Any]] = None
 
     def after_setup(self, context: StepContext) -> None:
         view = self._view
-        if view.config.sync.schedule != "auto" or self._gradients.mode not in ("hooks", "sharded"):
+        mode = self._gradients.mode
+        if view.config.sync.schedule != "auto" or mode not in ("hooks", "sharded"):
             return
-        candidates = [Candidate(name, lambda: None) for name in self.CANDIDATES]  # (a schedule is its name)
-        self.trial = CompressionTrial(candidates, start_step=0, trial_steps=view.config.sync.schedule_trial_steps,
+        transport = schedule_transport(view)
+        self.candidates = schedule_candidates(view.config.sync, transport, sharded=mode == "sharded")
+        budgets = sorted({c.comm_sms for c in self.candidates if c.comm_sms is not None}, reverse=True)
+        if budgets:  # (a collective on NCCL: every rank has the same candidates)
+            self._sms = CommSmsSwitch.open(transport, view.dp_group, budgets)
+        trial_candidates = [Candidate(c.name, lambda c=c: c) for c in self.candidates]
+        self.trial = CompressionTrial(trial_candidates, start_step=0, trial_steps=view.config.sync.schedule_trial_steps,
                                       device=view.root_device, group=view.dp_group, min_gain=0.0)
+        self.trial_steps, self.trial_s, self._started = 0, None, None
         if self._resume is not None:
             self._load(self._resume)
 
     def on_train_batch_start(self) -> None:
-        advance_trial(self.trial, self._gradients.synchronizer, self._view,
-                      lambda candidate: self._use(candidate.name), "sync.schedule auto")
+        trial = self.trial
+        if trial is None or trial.decided or self._gradients.synchronizer is None:
+            return
+        if self._started is None:
+            self._started = self._now()
+        candidate = trial.before_step(global_step(self._view))
+        if candidate != "keep":
+            self._use(candidate.make())
+        if trial.decided:
+            self.trial_steps = len(self.candidates) * trial.trial_steps
+            self.trial_s = self._slowest_rank(self._now() - self._started)
+            rank_zero_info(f"static_dist: sync.schedule auto: {trial.describe()}; the trial took {self.trial_steps}"
+                           f" steps ({len(self.candidates)} candidates x {trial.trial_steps}), {self.trial_s:.1f} s")
 
-    def _use(self, schedule: str) -> None:
-        """Issue the buckets as ``schedule`` says from the next round on."""
+    def _now(self) -> float:
+        if self._view.root_device.type == "cuda":
+            torch.cuda.synchronize(self._view.root_device)  # the trial's cost is device time too
+        return time.perf_counter()
+
+    def _slowest_rank(self, seconds: float) -> float:
+        """The slowest rank's ``seconds`` (every rank decides at the same step: one small all-reduce there)."""
+        view = self._view
+        value = torch.tensor([seconds], dtype=torch.float64,
+                             device=view.root_device if view.root_device.type == "cuda" else "cpu")
+        with waiting_in("the all-reduce of the schedule trial's cost"):
+            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=view.dp_group)
+        return float(value.item())
+
+    def _use(self, candidate: ScheduleCandidate) -> None:
+        """Reduce as ``candidate`` says from the next round on (between rounds): its SMs, its dtype, its schedule."""
+        synchronizer = self._gradients.synchronizer
+        if isinstance(synchronizer, GradientSynchronizer):  # (hooks; the sharded candidates differ in schedule only)
+            if self._sms is not None:
+                synchronizer.group = self._sms.group_for(candidate.comm_sms)
+            synchronizer.use_reduce_dtype(torch.bfloat16 if candidate.reduce_dtype == "bf16" else None)
+        self._use_schedule(candidate.schedule)
+
+    def _use_schedule(self, schedule: str) -> None:
+        """Issue the buckets as ``schedule`` says from the next round on: the one place a schedule is applied."""
         synchronizer = self._gradients.synchronizer
         assert synchronizer is not None
         synchronizer.launch_during_backward = schedule == "overlap"  # type: ignore[attr-defined]
@@ -357,7 +427,12 @@ class SyncSchedule(StepParticipant):
             self.trial.after_step()
 
     def state_dict(self) -> dict[str, Any]:
-        return {SCHEDULE_KEY: self.trial.state_dict()} if self.trial is not None else {}
+        if self.trial is None:
+            return {}
+        state = self.trial.state_dict()
+        if self.trial.decided and self.trial_s is not None:
+            state.update(trial_steps=self.trial_steps, trial_s=self.trial_s)
+        return {SCHEDULE_KEY: state}
 
     def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.pop(SCHEDULE_KEY, None)
@@ -371,9 +446,21 @@ class SyncSchedule(StepParticipant):
     def _load(self, saved: dict[str, Any]) -> None:
         self._resume = None
         assert self.trial is not None
-        self.trial.load_state_dict(saved)
-        if self.trial.decided and self._gradients.synchronizer is not None:
-            self._use(self.trial.choice)
+        if saved.get("choice") is None:
+            return  # saved mid-trial: timed again from the start
+        chosen = candidate_named(saved["choice"], self.candidates, self._view.config.sync)
+        if chosen is None:
+            rank_zero_warn(f"static_dist: sync.schedule auto: the checkpoint chose {saved['choice']!r}, not among this"
+                           f" run's candidates ({', '.join(c.name for c in self.candidates)}); timing them again")
+            return
+        self.trial.load_state_dict({**saved, "choice": chosen.name})
+        self.trial_steps, self.trial_s = int(saved.get("trial_steps", 0)), saved.get("trial_s")
+        if self._gradients.synchronizer is not None:
+            self._use(chosen)
 
     def teardown(self, failed: bool) -> None:
+        if self._sms is not None:  # (after a failure too: the groups and SMs of this fit are not the next one's)
+            synchronizer = self._gradients.synchronizer
+            self._sms.close(synchronizer if isinstance(synchronizer, GradientSynchronizer) else None)
+            self._sms = None
         self.trial = None

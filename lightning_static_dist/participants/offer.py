@@ -19,7 +19,7 @@ import torch
 from lightning_static_dist.compile import CompileReport
 from lightning_static_dist.compression import CompressingReducer
 from lightning_static_dist.compression.auto import CompressionTrial
-from lightning_static_dist.offer import StaticDistOffer, SyncFigures
+from lightning_static_dist.offer import ScheduleChoice, StaticDistOffer, SyncFigures
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.participants.base import StrategyView
 from lightning_static_dist.participants.roster import Participants
@@ -79,6 +79,14 @@ class ParticipantsOffer(StaticDistOffer):
     @property
     def compression_trial(self) -> Optional[CompressionTrial]:
         return self._parts.compression.trial
+
+    def schedule_choice(self) -> Optional[ScheduleChoice]:
+        schedule = self._parts.schedule
+        trial = schedule.trial
+        if trial is None or trial.choice is None:
+            return None
+        return ScheduleChoice(choice=trial.choice, step_s=dict(trial.step_s), trial_steps=schedule.trial_steps,
+                              trial_s=schedule.trial_s)
 
     @property
     def compressing_reducer(self) -> Optional[CompressingReducer]:

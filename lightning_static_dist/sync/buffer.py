@@ -4,6 +4,11 @@ The synchroniser reduces this buffer with one collective per bucket (:mod:`~ligh
 Each parameter's slot is a view into it, made once per plan, so filling a bucket is one multi-tensor copy and —
 when the gradients are in the bucket's own dtype — the averages land in place: ``param.grad`` *is* the slot.
 The usage flags travel with the gradients so that a parameter no rank used keeps ``grad = None``.
+
+With a reduce dtype (``sync.reduce_dtype: bf16``) the flat buffer still holds the gradients in their own dtype (the
+gradients are its views, as without one), and a second, persistent flat buffer in the reduce dtype is what travels:
+sealing casts the whole bucket into it with one kernel, the collective reduces it, and unpacking casts the averages
+back with one more. Per bucket, not per parameter: a per-tensor cast costs a kernel and a host launch per parameter.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ class BucketBuffer:
 
     The views are made once per plan. A round marks slots ready (:meth:`fill`, host-only), copies the bucket's
     gradients in with one multi-tensor copy once all are ready (:meth:`pack`), and — unless ``alias_grads`` made the
-    gradients views of their slots — copies the averages back with one more (:meth:`unpack`).
+    gradients views of their slots — copies the averages back with one more (:meth:`unpack`). With ``reduce_dtype``
+    (different from the gradients'), :meth:`seal` returns :attr:`wire`, the bucket cast in one kernel, and
+    :meth:`unpack` casts the averages back into the flat buffer in one more.
 
     Example::
 
@@ -36,18 +43,28 @@ class BucketBuffer:
     """
 
     def __init__(self, bucket: GradBucket, params: Sequence[Parameter], padded_numel: Optional[int] = None,
-                 dtype: Optional[torch.dtype] = None) -> None:
+                 reduce_dtype: Optional[torch.dtype] = None) -> None:
         self.bucket = bucket
         self.grad_numel = bucket.numel if padded_numel is None else padded_numel
         """Where the gradients end and the flags start: the bucket's size, or that padded (zeros) for sharding."""
-        self.flat = torch.zeros(self.grad_numel + len(bucket.param_indices), dtype=dtype or bucket.dtype,
-                                device=bucket.device)
+        self.flat = torch.zeros(self.grad_numel + len(bucket.param_indices), dtype=bucket.dtype, device=bucket.device)
         self.views = self._slot_views(self.flat, params)
+        self.wire: Optional[Tensor] = None
+        """The flat buffer in the reduce dtype, what the collective reduces (``None``: :attr:`flat` itself)."""
+        self.use_reduce_dtype(reduce_dtype)
         self.alias_grads = False
         """Make each used parameter's ``.grad`` its slot's view when packing (the collective then averages in place)."""
         self.sealed_pass = 0
         self.used: list[bool] = []
         self.reset()
+
+    def use_reduce_dtype(self, reduce_dtype: Optional[torch.dtype]) -> None:
+        """Reduce in ``reduce_dtype`` from the next round on (``None`` or the gradients' own: in :attr:`flat`).
+        Between rounds: the gradients stay views of :attr:`flat`; only the persistent cast buffer is made or freed."""
+        if reduce_dtype is None or reduce_dtype == self.flat.dtype:
+            self.wire = None
+        elif self.wire is None or self.wire.dtype != reduce_dtype:
+            self.wire = torch.empty_like(self.flat, dtype=reduce_dtype)
 
     def _slot_views(self, flat: Tensor, params: Sequence[Parameter]) -> list[Tensor]:
         b = self.bucket
@@ -90,20 +107,28 @@ class BucketBuffer:
         self.packed = True
 
     def seal(self, round_number: int) -> Tensor:
-        """Write the usage flags (device ops only); return the flat buffer to reduce."""
+        """Write the usage flags (device ops only); return the flat buffer to reduce (with a reduce dtype: the whole
+        bucket, gradients and flags, cast into :attr:`wire` by one kernel)."""
         self.sealed_pass = round_number
         flags = self.flat[self.grad_numel :]
         flags.fill_(1.0)
         for slot, used in enumerate(self.used):
             if not used:  # a parameter with no gradient on this rank (rare): one small op each, no host-to-device copy
                 flags[slot].zero_()
-        return self.flat
+        if self.wire is None:
+            return self.flat
+        self.wire.copy_(self.flat)
+        return self.wire
 
     def unpack(self, averaged: Tensor, params: Sequence[Parameter]) -> None:
         """Give every parameter some rank used its averaged gradient: already in place (``alias_grads``), or copied.
 
         The averaged usage flags are read on the host only when a parameter of this bucket got no gradient on this
-        rank: otherwise this rank used them all, so every parameter was used somewhere."""
+        rank: otherwise this rank used them all, so every parameter was used somewhere. Averages in :attr:`wire` are
+        cast back into the flat buffer first (one kernel), and are then in place as well."""
+        if self.wire is not None and averaged is self.wire:
+            self.flat.copy_(averaged)
+            averaged = self.flat
         in_place = self.alias_grads and averaged is self.flat
         views = self.views if averaged is self.flat else self._slot_views(averaged, params)
         if all(self.used):

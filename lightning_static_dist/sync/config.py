@@ -44,10 +44,12 @@ class SyncConfig:
     ``reduce_scatter``: each bucket is reduce-scattered over the mesh's ``dp_shard`` group and all-reduced over
     ``dp_replicate``; each rank steps only its shard (optimizer state / ``dp_shard``) and the updated shards are
     all-gathered back, overlapped with the next forward. ``auto``: ``reduce_scatter`` when ``dp_shard > 1``."""
-    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    reduce_dtype: Literal["fp32", "bf16", "auto"] = "fp32"
     """The dtype gradients are averaged in, like FSDP2's ``MixedPrecisionPolicy(reduce_dtype=...)``: ``fp32`` (their
-    own dtype, exact) or ``bf16`` (half the bytes: one cast into a persistent bf16 bucket, one all-reduce, one copy
-    back; the sum is rounded to bf16). Not a compressor: no error feedback, no phases."""
+    own dtype, exact) or ``bf16`` (half the bytes: the gradients stay in their own bucket; one cast of the bucket into
+    a persistent bf16 buffer, one all-reduce, one cast back; the sum is rounded to bf16). ``auto``: with
+    ``schedule: auto`` only, its trial times every candidate in fp32 and in bf16 and keeps the fastest (so bf16 is
+    never chosen for a user who did not ask for it). Not a compressor: no error feedback, no phases."""
     bucket_mb: float = 100.0
     """Capacity of each bucket after the first, in MiB."""
     first_bucket_mb: float = 1.0
@@ -69,16 +71,22 @@ class SyncConfig:
     """When the buckets' collectives are issued. ``overlap``: each as soon as its last gradient is ready, during
     backward (compiled, the step is cut where the buckets end, so that gradients become ready piece by piece).
     ``after_backward``: all of them back to back once backward ends (compiled, the step is one graph, uncut: no cut
-    cost, and no collective holds SMs while backward computes). ``auto``: time both on this job's first steps
-    (``schedule_trial_steps`` each, the first untimed; the slowest rank's time) and keep the faster on every rank;
-    printed, and kept in the checkpoint. Under ``auto`` both schedules run the step as ``overlap`` compiles it (with
-    ``compile.regional: auto``, the cut graph)."""
+    cost, and no collective holds SMs while backward computes). ``auto``: time a stated set of candidates on this
+    job's first steps (``schedule_trial_steps`` each, the first untimed; the slowest rank's time) and keep the fastest
+    on every rank: ``overlap`` with ``comm_sms`` default, 8, 4 and 2 (SMs on NCCL and in a simulated world only) and
+    ``after_backward``, each in fp32 and — with ``reduce_dtype: auto`` — bf16 (``overlap/bf16/sms=4``,
+    ``after_backward/fp32`` ...; :mod:`~lightning_static_dist.sync.schedule`). The choice is printed with the trial's
+    cost (steps, seconds), kept in the checkpoint (a resumed run applies it without timing again) and in the run
+    summary. Under ``auto`` every candidate runs the step as ``overlap`` compiles it (with ``compile.regional: auto``,
+    the cut graph)."""
     schedule_trial_steps: int = 6
-    """``schedule: auto``: optimizer steps each schedule is tried for (the first of them untimed)."""
+    """``schedule: auto``: optimizer steps each candidate is tried for (the first of them untimed). The trial takes
+    candidates x this: on NCCL with ``reduce_dtype: auto``, 10 x 6 = 60 steps; on Gloo with it, 4 x 6 = 24."""
     comm_sms: Optional[int] = None
     """SMs a gradient collective may use: NCCL's ``max_ctas`` (``ProcessGroupNCCL.Options().config``), so that fewer
     SMs are taken from backward's GEMMs; in a simulated world, the SMs an emulated link holds. ``None``: the
-    library's own choice. Ignored by Gloo."""
+    library's own choice. Ignored by Gloo. Under ``schedule: auto`` the default the trial's 8, 4 and 2 are timed
+    against."""
 
     @property
     def capacity(self) -> BucketCapacity:
@@ -92,6 +100,9 @@ class SyncConfig:
                  "must be an integer >= 2 (each schedule's first step is not timed)")
         if self.comm_sms is not None and not 1 <= self.comm_sms <= 1024:
             fail(f"{self.KEY}.comm_sms", self.comm_sms, "must be an integer number of SMs in [1, 1024], or null")
+        if self.reduce_dtype == "auto" and self.schedule != "auto":
+            fail(f"{self.KEY}.reduce_dtype", self.reduce_dtype, "the trial of strategy.sync.schedule=auto chooses it"
+                 f" (schedule is {self.schedule!r}); allowed: 'fp32', 'bf16', or 'auto' with schedule 'auto'")
         if self.schedule != "overlap" and self.mode == "graph":
             fail(f"{self.KEY}.schedule", self.schedule, "with strategy.sync.mode=graph inductor schedules the"
                  " collectives inside the compiled graph; allowed with graph: 'overlap'")

@@ -25,8 +25,9 @@ One *round* is one backward pass followed by :meth:`GradientSynchronizer.finish`
 
 Where the averages land. Without a ``reduce_dtype``, each ``param.grad`` *becomes a view of its slot* as soon as
 its bucket is packed (the gradient autograd made is freed there), and the collective averages in place: there is
-no copy back, and the model holds one copy of its gradients, not two. With ``reduce_dtype`` (bf16 buckets for fp32
-gradients) the averages are copied back, cast, in one multi-tensor copy per bucket. Keep that in mind when holding
+no copy back, and the model holds one copy of its gradients, not two. With ``reduce_dtype`` (bf16 for fp32
+gradients) the same holds, and each bucket also has a persistent flat buffer in that dtype: sealing casts the bucket
+into it (one kernel), the collective reduces it, and one more cast brings the averages back into the bucket. Keep that in mind when holding
 on to ``param.grad`` across steps: like DDP's ``gradient_as_bucket_view``, it is reused by the next round.
 
 No host synchronisation. A collective is averaged with ``ReduceOp.AVG`` on NCCL (pre-divided on Gloo, which has no
@@ -191,6 +192,31 @@ class GradientSynchronizer:
         if any(p is not None for p in self._pending):
             raise RuntimeError("static_dist: the bucket reducer cannot change while a round is in flight")
         self._reducer = check_reducer(reducer)
+
+    def use_reduce_dtype(self, reduce_dtype: Optional[torch.dtype]) -> None:
+        """Average in ``reduce_dtype`` (``None``: the gradients' own) from the next round on; between rounds. The
+        buckets keep their gradients: only each bucket's cast buffer is made or freed."""
+        self._between_rounds("the reduce dtype")
+        self._reduce_dtype = reduce_dtype
+        for buffer in self._buffers:
+            buffer.use_reduce_dtype(reduce_dtype)
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        """The process group the rounds reduce over (``None``: the default group)."""
+        return self._group
+
+    @group.setter
+    def group(self, group: Optional[dist.ProcessGroup]) -> None:
+        """Reduce over ``group`` — the same ranks, e.g. a communicator with other NCCL options — from the next round
+        on; between rounds (the step checks already issued are read on the group they went out on)."""
+        self._between_rounds("the process group")
+        self._group = group
+
+    def _between_rounds(self, what: str) -> None:
+        if any(p is not None for p in self._pending) or self._layout is not None:
+            raise RuntimeError(f"static_dist: {what} of the synchroniser changes between rounds only, and not under a"
+                               " fixed plan")
 
     def attach(self) -> None:
         """Register the gradient-ready hooks on every parameter that requires grad."""
@@ -471,9 +497,8 @@ class GradientSynchronizer:
     def _make_buffer(self, bucket: GradBucket) -> BucketBuffer:
         if self._layout is not None:
             return self._layout.make_buffer(bucket)
-        buffer = BucketBuffer(bucket, self._params, dtype=self._reduce_dtype)
-        # in place (no copy back) when the bucket holds the gradients in their own dtype
-        buffer.alias_grads = buffer.flat.dtype == bucket.dtype
+        buffer = BucketBuffer(bucket, self._params, reduce_dtype=self._reduce_dtype)
+        buffer.alias_grads = True  # the flat buffer holds the gradients in their own dtype: averaged in place
         return buffer
 
 

@@ -55,7 +55,7 @@ def _run(tmp_path: Any, args: list[str], env: Optional[dict[str, str]] = None) -
     ([*_STRATEGY, "--trainer.strategy.compression.name=zip"], None,
      "strategy.compression.name='zip': unknown compressor; allowed: none, fp16, bf16"),
     ([*_STRATEGY, "--trainer.strategy.sync.reduce_dtype=fp64"], None,
-     "strategy.sync.reduce_dtype='fp64': expected 'fp32' | 'bf16'"),
+     "strategy.sync.reduce_dtype='fp64': expected 'fp32' | 'bf16' | 'auto'"),
     ([*_STRATEGY, "--trainer.strategy.compression.name=no_such_pkg.Compressor"], None,
      "strategy.compression.name='no_such_pkg.Compressor': cannot import module 'no_such_pkg'"),
     ([*_STRATEGY, "--trainer.strategy.compile.backend=aot_eager", "--trainer.strategy.compile.mode=max-autotune"],

@@ -19,7 +19,7 @@ import queue as queue_module
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -45,6 +45,7 @@ from lightning_static_dist.sync.config import SyncConfig
 from tests.test_strategy import assert_same_weights, ddp, fit, static_dist
 
 multiprocess = pytest.mark.multiprocess
+OVERLAP, AFTER = "overlap/fp32/sms=default", "after_backward/fp32"  # sync.schedule auto's candidates on Gloo (fp32)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -524,9 +525,9 @@ def test_auto_trains_to_ddps_weights_while_it_tries_both_schedules(
     assert_same_weights(auto_run["weights"], ddp_weights)
     for facts in auto_run["ranks"]:
         choice = facts["choice"]
-        assert choice in ("overlap", "after_backward")
+        assert choice in (OVERLAP, AFTER)
         # steps 0-1 overlap, 2-3 after_backward (the first of each untimed), then the choice for the rest
-        overlapping = [True, True, False, False] + [choice == "overlap"] * (STEPS - 4)
+        overlapping = [True, True, False, False] + [choice == OVERLAP] * (STEPS - 4)
         assert facts["launch_during_backward"] == overlapping
         # (step 0 plans the buckets: nothing can be issued during its backward)
         assert _issued_during_backward(facts)[1:] == overlapping[1:], facts["issued_in_backward"]
@@ -555,9 +556,9 @@ def test_after_backward_compiled_is_one_uncut_graph_and_trains_to_ddps_weights(
 @multiprocess
 def test_autos_choice_is_every_ranks_and_a_resumed_fit_keeps_it(auto_run: dict[str, Any], tmp_path: Any) -> None:
     first, second = auto_run["ranks"]
-    assert first["choice"] == second["choice"] and first["choice"] in ("overlap", "after_backward")
+    assert first["choice"] == second["choice"] and first["choice"] in (OVERLAP, AFTER)
     assert first["step_s"] == second["step_s"]  # the slowest rank's times: one decision
-    assert set(first["step_s"]) == {"overlap", "after_backward"} and all(s > 0 for s in first["step_s"].values())
+    assert set(first["step_s"]) == {OVERLAP, AFTER} and all(s > 0 for s in first["step_s"].values())
     saved = torch.load(auto_run["ckpt"], weights_only=False)[SCHEDULE_KEY]
     assert saved["choice"] == first["choice"] and saved["step_s"] == pytest.approx(first["step_s"])
 
@@ -569,8 +570,8 @@ def test_autos_choice_is_every_ranks_and_a_resumed_fit_keeps_it(auto_run: dict[s
         assert facts["first"]["choice"] == saved["choice"]
         assert facts["first"]["step_s"] == pytest.approx(saved["step_s"])
         assert facts["choice"] == saved["choice"] and facts["step_s"] == pytest.approx(saved["step_s"])
-        assert facts["launch_during_backward"] == [saved["choice"] == "overlap"] * STEPS
-        assert _issued_during_backward(facts)[1:] == [saved["choice"] == "overlap"] * (STEPS - 1)
+        assert facts["launch_during_backward"] == [saved["choice"] == OVERLAP] * STEPS
+        assert _issued_during_backward(facts)[1:] == [saved["choice"] == OVERLAP] * (STEPS - 1)
 
 
 # ------------------------------------------------------------------------ 6. sync.comm_sms reaches the groups
@@ -614,6 +615,68 @@ def test_comm_sms_reaches_the_simulated_groups() -> None:
     assert facts["link_and_comm_sms"] == 8 and facts["link_only"] == 4 and facts["free_again"] is None
     assert facts["sub_group_sms"] == 8
     torch.testing.assert_close(facts["sum_under_link"], torch.full((3,), 4.0))
+
+
+class _SmsPerStep(Callback):
+    """The simulated world's SMs as each step's backward ran (after the strategy's batch-start switch)."""
+
+    def __init__(self) -> None:
+        self.sms: list[Any] = []
+        self.candidates: list[str] = []
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.sms.append(simulated_group.WORLD.sms)
+        self.candidates = [c.name for c in trainer.strategy.schedule_trial.candidates]
+
+
+class _FailsAt(Regression):
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.fail_at = step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == self.fail_at:
+            raise RuntimeError("failing on purpose, mid-trial")
+        return super().training_step(batch, batch_idx)
+
+
+SMS_TRIAL = ["overlap/fp32/sms=default", "overlap/fp32/sms=8", "overlap/fp32/sms=4", "overlap/fp32/sms=2",
+             "after_backward/fp32"]
+
+
+def _schedule_auto_in_a_simulated_world(fail_at: Optional[int]) -> dict[str, Any]:
+    """sync.schedule auto in a simulated world of 2 (free links) with comm_sms 16: the SMs candidates switch the
+    world's SMs; a fit (or a fit failing mid-trial) leaves them at 16."""
+    probe, summary = _SmsPerStep(), RunSummary(warmup_steps=0)
+    strategy = StaticDistStrategy(simulate={"world_size": 2},
+                                  sync={"schedule": "auto", "schedule_trial_steps": 2, "comm_sms": 16})
+    trainer = _quiet_trainer(strategy=strategy, max_steps=2 * len(SMS_TRIAL) + 2, callbacks=[probe, summary])
+    model = Regression() if fail_at is None else _FailsAt(fail_at)
+    error = None
+    try:
+        trainer.fit(model, DataLoader(_regression_data(), batch_size=4))
+    except RuntimeError as err:
+        error = str(err)
+    return {"sms": probe.sms, "after": simulated_group.WORLD.sms, "error": error, "summary": summary.summary,
+            "candidates": probe.candidates}
+
+
+@multiprocess
+@pytest.mark.parametrize("fail_at", [None, 5], ids=["fit", "failure"])
+def test_schedule_auto_switches_the_simulated_sms_and_puts_them_back(fail_at: Optional[int]) -> None:
+    facts = _in_fresh_process(_schedule_auto_in_a_simulated_world, fail_at, timeout=240)
+    assert facts["candidates"] == SMS_TRIAL  # a simulated world switches SMs (16, the default, is not tried twice)
+    # two steps per candidate: default (16), 8, 4, 2, then after_backward (default SMs) ...
+    per_candidate = [16, 16, 8, 8, 4, 4, 2, 2, 16, 16]
+    assert facts["sms"][: len(per_candidate)] == per_candidate[: len(facts["sms"])]
+    assert facts["after"] == 16  # as the run found them, after a fit and after a failure
+    if fail_at is None:
+        assert facts["error"] is None
+        summary = facts["summary"]
+        assert summary["sync_schedule"] in SMS_TRIAL
+        assert summary["sync_schedule_trial_steps"] == 2 * len(SMS_TRIAL) and summary["sync_schedule_trial_s"] > 0
+    else:
+        assert "failing on purpose" in facts["error"] and len(facts["sms"]) == fail_at
 
 
 def _comm_sms_with_a_link_on_cuda() -> dict[str, Any]:

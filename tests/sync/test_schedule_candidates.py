@@ -1,0 +1,81 @@
+"""``sync.schedule: auto``'s candidate set, pure: names, which candidates each transport gets, the dtypes only on
+request, a checkpoint's choice found again (a bare schedule's name from older checkpoints too); and the config keys
+that steer it refused in one line naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_static_dist import StaticDistStrategy
+from lightning_static_dist.config.check import ConfigError
+from lightning_static_dist.sync.config import SyncConfig
+from lightning_static_dist.sync.schedule import ScheduleCandidate, candidate_named, schedule_candidates
+
+AUTO = SyncConfig(schedule="auto", reduce_dtype="auto")
+
+
+def _names(sync: SyncConfig, transport: str, sharded: bool = False) -> list[str]:
+    return [c.name for c in schedule_candidates(sync, transport, sharded=sharded)]  # type: ignore[arg-type]
+
+
+def test_on_nccl_with_reduce_dtype_auto_there_are_ten_candidates_overlap_first() -> None:
+    assert _names(AUTO, "nccl") == [
+        "overlap/fp32/sms=default", "overlap/fp32/sms=8", "overlap/fp32/sms=4", "overlap/fp32/sms=2",
+        "overlap/bf16/sms=default", "overlap/bf16/sms=8", "overlap/bf16/sms=4", "overlap/bf16/sms=2",
+        "after_backward/fp32", "after_backward/bf16",
+    ]
+    assert _names(AUTO, "simulated") == _names(AUTO, "nccl")  # the emulated link's SMs switch too
+
+
+def test_on_gloo_only_the_default_sms() -> None:
+    assert _names(AUTO, "gloo") == ["overlap/fp32/sms=default", "overlap/bf16/sms=default",
+                                    "after_backward/fp32", "after_backward/bf16"]
+
+
+@pytest.mark.parametrize(("reduce_dtype", "dtype"), [("fp32", "fp32"), ("bf16", "bf16")])
+def test_a_pinned_reduce_dtype_is_the_only_dtype_tried(reduce_dtype: str, dtype: str) -> None:
+    sync = SyncConfig(schedule="auto", reduce_dtype=reduce_dtype)  # type: ignore[arg-type]
+    assert _names(sync, "gloo") == [f"overlap/{dtype}/sms=default", f"after_backward/{dtype}"]
+    assert _names(sync, "nccl") == [f"overlap/{dtype}/sms={n}" for n in ("default", 8, 4, 2)] + [f"after_backward/{dtype}"]
+
+
+def test_a_configured_comm_sms_is_the_default_and_not_tried_twice() -> None:
+    sync = SyncConfig(schedule="auto", comm_sms=4)
+    assert _names(sync, "nccl") == ["overlap/fp32/sms=default", "overlap/fp32/sms=8", "overlap/fp32/sms=2",
+                                    "after_backward/fp32"]
+
+
+def test_the_sharded_synchroniser_times_the_schedules_alone() -> None:
+    assert _names(AUTO, "nccl", sharded=True) == ["overlap/fp32/sms=default", "after_backward/fp32"]
+
+
+def test_a_checkpoints_choice_is_found_again_and_a_bare_schedule_means_the_default() -> None:
+    candidates = schedule_candidates(AUTO, "nccl")
+    assert candidate_named("overlap/bf16/sms=4", candidates, AUTO) == ScheduleCandidate("overlap", "bf16", 4)
+    assert candidate_named("after_backward", candidates, AUTO) == ScheduleCandidate("after_backward", "fp32")
+    pinned = SyncConfig(schedule="auto", reduce_dtype="bf16")
+    assert candidate_named("overlap", schedule_candidates(pinned, "gloo"), pinned) == ScheduleCandidate("overlap", "bf16")
+    assert candidate_named("overlap/fp32/sms=4", schedule_candidates(AUTO, "gloo"), AUTO) is None  # not on Gloo
+
+
+@pytest.mark.parametrize(("sync", "key", "says"), [
+    pytest.param({"reduce_dtype": "auto"}, "strategy.sync.reduce_dtype", "schedule 'auto'", id="dtype-auto-alone"),
+    pytest.param({"reduce_dtype": "auto", "schedule": "after_backward"}, "strategy.sync.reduce_dtype",
+                 "schedule 'auto'", id="dtype-auto-after-backward"),
+    pytest.param({"reduce_dtype": "fp16", "schedule": "auto"}, "strategy.sync.reduce_dtype", "'fp16'", id="dtype-fp16"),
+    pytest.param({"comm_sms": 0, "schedule": "auto"}, "strategy.sync.comm_sms", "[1, 1024]", id="comm-sms-0"),
+    pytest.param({"comm_sms": 2000}, "strategy.sync.comm_sms", "[1, 1024]", id="comm-sms-2000"),
+])
+def test_bad_values_are_one_line_errors_naming_the_key(sync: dict, key: str, says: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        StaticDistStrategy(sync=sync)
+    message = str(caught.value)
+    assert message.startswith(key) and says in message and "\n" not in message, message
+
+
+def test_reduce_dtype_auto_with_a_compressor_or_sharding_is_refused_naming_the_key() -> None:
+    for options in ({"compression": {"name": "powersgd"}}, {"sync": {"reduce": "reduce_scatter"}, "mesh": {"dp_shard": 2}}):
+        sync = {"schedule": "auto", "reduce_dtype": "auto", **options.pop("sync", {})}
+        with pytest.raises(ConfigError) as caught:
+            StaticDistStrategy(sync=sync, **options)
+        assert str(caught.value).startswith("strategy.sync."), caught.value
