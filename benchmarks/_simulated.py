@@ -135,6 +135,7 @@ def sim_rows(runs: dict[str, list[dict]], links: list[Link], workers: dict[str, 
                 "peak_mem_gib": job.get("peak_mem_gib"),
                 "bytes_per_step": job.get("bytes_per_step"),
                 "compile": job.get("compile"),
+                "schedule_choice": job.get("schedule_choice"),
                 # (the monitored tail runs at the last link, unloaded)
                 "overlap_tail": job.get("overlap") if host == "quiet" and (link is None or link == names[-1]) else None,
             })

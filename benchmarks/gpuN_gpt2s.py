@@ -105,6 +105,7 @@ CONTENDERS: dict[str, Optional[dict[str, Any]]] = {
     "static_dist_after": {"sync": {"schedule": "after_backward"}},
     "static_dist_after_bf16": {"sync": {"schedule": "after_backward", "reduce_dtype": "bf16"}},
     "static_dist_auto": {"sync": {"schedule": "auto"}},
+    "static_dist_sms2_bf16": {"sync": {"comm_sms": 2, "reduce_dtype": "bf16"}},
     # sync.comm_sms: the SMs a collective may take from backward (NCCL's max_ctas; the emulated link's SMs)
     "static_dist_sms4": {"sync": {"comm_sms": 4}},
     "static_dist_sms8": {"sync": {"comm_sms": 8}},
@@ -291,6 +292,10 @@ def _lightning_fit(name: str, model: Any, batches: Any, timer: Any, args: argpar
     trainer.fit(torch.compile(model) if name in ("ddp_compile", "lightning_compile") else model, train_dataloaders=batches)
     sync = getattr(trainer.strategy, "synchronizer", None)
     extra: dict[str, Any] = {"bytes_per_step": sync.stats.last_round_bytes if sync is not None else None}
+    choice = trainer.strategy.offer().schedule_choice() if hasattr(trainer.strategy, "offer") else None
+    if choice is not None:  # sync.schedule: auto: what it chose, and what the trial cost
+        extra["schedule_choice"] = {"choice": choice.choice, "trial_steps": choice.trial_steps,
+                                    "trial_s": choice.trial_s, "step_s": choice.step_s}
     report = getattr(trainer.strategy, "compile_report", None)
     if report is not None:
         extra["compile"] = {"graphs": len(report.graphs), "graph_breaks": len(report.graph_breaks),
