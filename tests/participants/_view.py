@@ -34,9 +34,9 @@ class Context:
 
     def __init__(self, fitting: bool = True, training: bool = True, global_step: int = 0,
                  trainer_loop: Any = None, micro_batches: Optional[int] = 1,
-                 gradient_readers: Optional[list[str]] = None) -> None:
+                 gradient_readers: Optional[tuple[str, ...]] = ()) -> None:
         self._fitting, self._training, self.step = fitting, training, global_step
-        self._gradient_readers = [] if gradient_readers is None else gradient_readers
+        self._gradient_readers = None if gradient_readers is None else list(gradient_readers)  # (None: Fabric's)
         self._trainer_loop = trainer_loop
         self._micro_batches = micro_batches
         self.callbacks: list[Any] = []
