@@ -229,6 +229,8 @@ class RunSummary(Callback):
             "bytes_per_round": sync.bytes_per_round if sync else None,
             "bucket_plan": sync.bucket_plan if sync else None,
         }
+        if sync is not None and sync.optimizer_overlap is not None:
+            self.summary["optimizer_overlap"] = sync.optimizer_overlap
         simulation = offer.simulation if offer is not None else None
         if simulation is not None:  # one process stood for the world: say so where every figure is read
             link = simulation.link

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
+from lightning_static_dist.offer import offer_of
 from tests.test_strategy import assert_same_weights, ddp, fit, static_dist
 
 pytestmark = pytest.mark.multiprocess
@@ -49,7 +50,8 @@ class Tower(L.LightningModule):
 
 
 class SubSteps(Callback):
-    """Writes ``<dir>/rank<N>.json``: the optimizer-overlap line, the bucket count, and for each call of the real
+    """Writes ``<dir>/rank<N>.json``: the optimizer-overlap line (as the strategy and the run summary have it), the
+    bucket count, and for each call of the real
     optimizer's ``step`` the parameters in its groups, the buckets settled and whether the round was still pending."""
 
     def __init__(self, directory: str) -> None:
@@ -63,7 +65,8 @@ class SubSteps(Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         facts = {"choice": trainer.strategy.optimizer_overlap.describe(), "seen": self.seen,
-                 "buckets": len(trainer.strategy.synchronizer.plan.buckets)}
+                 "buckets": len(trainer.strategy.synchronizer.plan.buckets),
+                 "summary": offer_of(trainer).sync_figures().optimizer_overlap}  # (what RunSummary records)
         with open(os.path.join(self.directory, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(facts, f)
 
@@ -107,7 +110,8 @@ def test_adamw_with_an_unused_layer_steps_per_bucket_and_ends_as_ddp(
     ours, reports = fit_tower(static_dist(sync=SYNC, compile=compile), tmp_path=tmp_path)
     assert_same_weights(ours, adamw_ddp)
     for report in reports:
-        assert report["choice"] == "optimizer overlap: on (auto: nothing reads the gradients between backward and the step)"
+        assert report["choice"] == report["summary"] == (
+            "optimizer overlap: on (auto: nothing reads the gradients between backward and the step)")
         assert_stepped_per_bucket(report, steps=4)
 
 
@@ -128,6 +132,6 @@ def test_gradient_clipping_waits_for_every_bucket_says_why_and_ends_as_ddp(tmp_p
     why = "gradient clipping (trainer.gradient_clip_val=0.05) needs every bucket's average first"
     assert f"static_dist: optimizer overlap: off ({why})" in capfd.readouterr().err
     for report in reports:
-        assert report["choice"] == f"optimizer overlap: off ({why})"
+        assert report["choice"] == report["summary"] == f"optimizer overlap: off ({why})"
         assert report["seen"] == [[PLANNED + 2, 0, False]] * 4  # one plain step each, the round complete
 

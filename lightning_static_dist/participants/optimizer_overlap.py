@@ -60,8 +60,16 @@ class OptimizerOverlap(StepParticipant):
                                 optimizers=view.optimizers)
         self.choice = choose_optimizer_overlap(config.sync.optimizer_overlap, hazards)  # (true + a hazard: raises)
         self.switch(self.choice.on)
-        if config.sync.schedule != "overlap" or config.sync.optimizer_overlap is True:  # (where the key means anything)
-            rank_zero_info(f"static_dist: {self.choice.describe()}")
+        if self.announced is not None:
+            rank_zero_info(f"static_dist: {self.announced}")
+
+    @property
+    def announced(self) -> Optional[str]:
+        """The choice as printed at fit start and kept in the run summary, where the schedule makes the key mean
+        anything (``after_backward``, ``auto``; with ``overlap`` every bucket is waited for as backward ends)."""
+        if self.choice is None or self._view.config.sync.schedule == "overlap":
+            return None
+        return self.choice.describe()
 
     def switch(self, on: bool) -> None:
         """Step bucket by bucket from the next round on (``on``, where :attr:`choice` allows it) or wait for every
