@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning_static_dist.offer import offer_of
+from lightning_static_dist.strategy import TrainerContext
 from tests.test_strategy import assert_same_weights, ddp, fit, static_dist
 
 pytestmark = pytest.mark.multiprocess
@@ -135,3 +136,27 @@ def test_gradient_clipping_waits_for_every_bucket_says_why_and_ends_as_ddp(tmp_p
         assert report["choice"] == report["summary"] == f"optimizer overlap: off ({why})"
         assert report["seen"] == [[PLANNED + 2, 0, False]] * 4  # one plain step each, the round complete
 
+
+
+class ReadsGradients(Callback):
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        pass
+
+
+class LogsGradients(Tower):
+    def on_after_backward(self) -> None:
+        pass
+
+
+def test_the_trainers_gradient_readers_are_clipping_and_every_overridden_hook() -> None:
+    readers = []
+    for model, callbacks, clip in ((Tower(), [], None), (LogsGradients(), [ReadsGradients()], 0.5)):
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=callbacks, gradient_clip_val=clip,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        trainer.strategy.connect(model)
+        readers.append(TrainerContext(trainer).gradient_readers)
+    assert readers == [[], [
+        "gradient clipping (trainer.gradient_clip_val=0.5) needs every bucket's average first",
+        "LogsGradients.on_after_backward is overridden and may read the gradients",
+        "ReadsGradients.on_before_optimizer_step is overridden and may read the gradients",
+    ]]
