@@ -234,6 +234,8 @@ class RunSummary(Callback):
             self.summary["sync_schedule"] = schedule.choice
             self.summary["sync_schedule_trial_steps"] = schedule.trial_steps or None
             self.summary["sync_schedule_trial_s"] = schedule.trial_s
+        if sync is not None and sync.optimizer_overlap is not None:
+            self.summary["optimizer_overlap"] = sync.optimizer_overlap
         simulation = offer.simulation if offer is not None else None
         if simulation is not None:  # one process stood for the world: say so where every figure is read
             link = simulation.link

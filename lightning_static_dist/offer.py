@@ -48,6 +48,9 @@ class SyncFigures:
     """Payload bytes of one round (graph mode: every round's; hooks: the most recent round's)."""
     bucket_plan: Optional[str]
     """The bucket plan, described (``3 buckets [0.00MiB/3p, ...]``); ``None`` in graph mode."""
+    optimizer_overlap: Optional[str] = None
+    """``sync.optimizer_overlap`` as resolved, with its reason (``on (...)`` / ``off (...)``), where the schedule makes
+    it mean anything (``after_backward``, ``auto``, or asked for with ``true``); else ``None``."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ One training step, as Lightning drives it::
     post_backward      GradientSynchronizer.finish(): launch the rest, make the stream wait, no host wait
                        (sync.mode=graph: the collectives are inside the compiled backward graph instead)
     optimizer step     the precision plugin unscales / clips the *synchronised* gradients, then steps
+                       (sync.optimizer_overlap: each bucket waited for and stepped in turn, the waits left to here)
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_static_dist.checkpoint import (
@@ -73,6 +75,7 @@ from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.sync import RoundSync
 from lightning_static_dist.sync.broadcast import start_from_rank_zero
 from lightning_static_dist.sync.config import SyncConfig
+from lightning_static_dist.sync.optimizer_overlap import OverlapChoice
 from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
 
 log = logging.getLogger(__name__)
@@ -124,6 +127,22 @@ class TrainerContext:
     @property
     def micro_batches(self) -> int:
         return self._trainer.accumulate_grad_batches
+
+    @property
+    def gradient_readers(self) -> list[str]:
+        """Clipping, and the hooks Lightning runs between backward and the step where the module or a callback
+        overrides them (they may read any gradient)."""
+        trainer = self._trainer
+        found = []
+        if trainer.gradient_clip_val:  # (None or 0: no clipping)
+            found.append(f"gradient clipping (trainer.gradient_clip_val={trainer.gradient_clip_val}) needs every"
+                         " bucket's average first")
+        module = trainer.lightning_module
+        for hook in ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping"):
+            owners = [module] if is_overridden(hook, module, parent=pl.LightningModule) else []
+            owners += [c for c in trainer.callbacks if is_overridden(hook, c, parent=pl.Callback)]
+            found.extend(f"{type(owner).__name__}.{hook} is overridden and may read the gradients" for owner in owners)
+        return found
 
     @property
     def trainer_loop(self) -> pl.Trainer:
@@ -280,6 +299,11 @@ class StaticDistStrategy(DataParallelProcesses):
         return self._parts.embeddings.sharder
 
     @property
+    def optimizer_overlap(self) -> Optional[OverlapChoice]:
+        """``strategy.sync.optimizer_overlap`` as resolved for this fit, and why (``None`` where nothing is averaged)."""
+        return self._parts.overlap.choice
+
+    @property
     def schedule_trial(self) -> Optional[CompressionTrial]:
         """``strategy.sync.schedule: auto``: the trial of the two schedules and, once made, its choice."""
         return self._parts.schedule.trial
@@ -397,7 +421,8 @@ class StaticDistStrategy(DataParallelProcesses):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        # (sync.optimizer_overlap: the plugin steps a stand-in that runs the closure, then steps bucket by bucket)
+        output = super().optimizer_step(self._parts.optimizer_to_step(optimizer), closure, model, **kwargs)
         for participant in self._parts.ordered:
             participant.after_optimizer_step()
         return output

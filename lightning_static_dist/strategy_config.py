@@ -103,6 +103,11 @@ class StrategyConfig:
             fail(f"{self.KEY}.sync.reduce_dtype", self.sync.reduce_dtype,
                   f"a compressor chooses what goes on the wire (compression.name is {self.compression.name!r});"
                   " allowed with compression: 'fp32'")
+        if self.sync.optimizer_overlap is True:  # what the block shows; the run's part is checked at setup
+            sharded = self.sync.reduce == "reduce_scatter" or (self.sync.reduce == "auto" and self.mesh.dp_shard != 1)
+            found = self.sync.optimizer_overlap_hazards(self.compression.name, self.compile.optimizer, sharded)
+            if found:
+                fail(f"{self.KEY}.sync.optimizer_overlap", True, f"{found[0]}; allowed with it: auto (off here), false")
         if self.compile.cudagraphs is True:  # what the config alone shows; the Trainer's part is checked at setup
             gathers = self.sync.reduce == "reduce_scatter" or self.mesh.dp_shard != 1 or self.embedding.shard is not False
             found = hazards(self.compile, self.sync.mode, gathers, micro_batches=1, automatic_optimization=True)

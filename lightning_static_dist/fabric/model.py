@@ -68,6 +68,10 @@ class FabricContext:
         return None  # the script accumulates when it enters no_backward_sync, step by step
 
     @property
+    def gradient_readers(self) -> None:
+        return None  # the script's loop runs between backward and the step: it may read any gradient
+
+    @property
     def trainer_loop(self) -> None:
         return None
 

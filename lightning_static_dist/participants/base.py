@@ -19,6 +19,7 @@ Phases, as the strategy calls them (a phase returning a value is read as the met
     after_backward        post_backward: the backward's own compute is over (what follows is waiting, not compute)
     finish_gradients      post_backward: make the gradients final (synchronise, check, release what backward held)
     before_optimizer_step post_backward, last: clipping, the scaler and the optimizer step follow
+    optimizer_to_step     optimizer_step: the optimizer the precision plugin steps (each participant may wrap it)
     after_optimizer_step  optimizer_step, after the step
     on_validation_end     a validation loop ended
     on_train_end          the training loop ended without an error (every rank at the same last step)
@@ -86,6 +87,13 @@ class StepContext(Protocol):
     def micro_batches(self) -> Optional[int]:
         """Backward passes per optimizer step where the front end fixes them (a Trainer's
         ``accumulate_grad_batches``); ``None`` where the loop decides step by step (Fabric's ``no_backward_sync``)."""
+        ...
+
+    @property
+    def gradient_readers(self) -> Optional[list[str]]:
+        """What the front end runs between a step's backward and its optimizer step that may read the gradients, a
+        clause each (gradient clipping, an overridden ``on_after_backward`` ...); ``None`` where it cannot tell
+        (Fabric: the script's own loop runs there)."""
         ...
 
     @property
@@ -227,6 +235,11 @@ class StepParticipant:
 
     def before_optimizer_step(self) -> None:
         """The optimizer step (clipping and unscaling first) is next."""
+
+    def optimizer_to_step(self, optimizer: Any) -> Any:
+        """The optimizer the front end's precision plugin steps: ``optimizer`` itself, or this participant's wrapper of
+        it (the one before it in the order may have wrapped it already)."""
+        return optimizer
 
     def after_optimizer_step(self) -> None:
         """The optimizer stepped."""

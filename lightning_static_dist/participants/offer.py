@@ -66,6 +66,7 @@ class ParticipantsOffer(StaticDistOffer):
             bytes_sent=(stats.bytes_sent if stats else 0) + graph_rounds * graph_bytes,
             bytes_per_round=graph_bytes or (stats.last_round_bytes if stats else 0),
             bucket_plan=sync.plan.describe() if sync is not None else None,
+            optimizer_overlap=self._parts.overlap.announced,
         )
 
     @property

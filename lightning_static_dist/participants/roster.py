@@ -23,6 +23,7 @@ from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.compression import CompressionState
 from lightning_static_dist.participants.embeddings import EmbeddingShards
 from lightning_static_dist.participants.gradients import GradientSynchronization, SyncSchedule
+from lightning_static_dist.participants.optimizer_overlap import OptimizerOverlap
 from lightning_static_dist.participants.recording import PhaseRecording
 from lightning_static_dist.participants.resume import LastStepSave, MidEpochResume
 from lightning_static_dist.participants.runtime import CollectiveTimeout, PeerWatch, SigtermAgreement, SimulationMark
@@ -44,6 +45,7 @@ class Participants:
         CollectiveTimeout strategy.timeout_s from the first optimizer step on (start-up waits longer)
         CompressionState  compression: the auto trial, and the compressor's state in checkpoints
         SyncSchedule      sync.schedule=auto: the trial of the two schedules, and its choice in checkpoints
+        OptimizerOverlap  sync.optimizer_overlap: the optimizer steps each bucket as its average lands
         SimulationMark    strategy.simulate: checkpoints say they were written in a simulated world
         MidEpochResume    a fit resumed mid-epoch with a loader that keeps no position: one line saying so
         LastStepSave      the end of a fit writes its last step where no checkpoint holds it
@@ -70,9 +72,10 @@ class Participants:
         self.sharded = ShardedSync(view, self.gradients, self.compile)
         self.compression = CompressionState(view, self.gradients)
         self.schedule = SyncSchedule(view, self.gradients)
+        self.overlap = OptimizerOverlap(view, self.gradients)
         self.ordered: tuple[StepParticipant, ...] = (
             self.gradients, self.sharded, self.compile, self.embeddings, SigtermAgreement(view),
-            PeerWatch(view, failed=failed), CollectiveTimeout(view), self.compression, self.schedule,
+            PeerWatch(view, failed=failed), CollectiveTimeout(view), self.compression, self.schedule, self.overlap,
             SimulationMark(view), MidEpochResume(view), LastStepSave(view), self.recording,
         )
 
@@ -101,6 +104,12 @@ class Participants:
         for participant in self.ordered:
             state = participant.optimizer_state_to_save(optimizer, state)
         return state
+
+    def optimizer_to_step(self, optimizer: Any) -> Any:
+        """The optimizer the precision plugin steps: ``optimizer`` as the participants wrap it, in their order."""
+        for participant in self.ordered:
+            optimizer = participant.optimizer_to_step(optimizer)
+        return optimizer
 
     def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> bool:
         """Whether a participant loaded the checkpoint's optimizer states in its own form (Lightning's is skipped)."""

@@ -12,7 +12,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from lightning_static_dist.config.check import check_fields, fail
 from lightning_static_dist.sync.plan import BucketCapacity
@@ -79,6 +79,15 @@ class SyncConfig:
     cost (steps, seconds), kept in the checkpoint (a resumed run applies it without timing again) and in the run
     summary. Under ``auto`` every candidate runs the step as ``overlap`` compiles it (with ``compile.regional: auto``,
     the cut graph)."""
+    optimizer_overlap: Union[bool, Literal["auto"]] = "auto"
+    """With ``schedule: after_backward`` (and the after_backward steps of ``auto``): each bucket's parameters take
+    their optimizer step as soon as that bucket's average lands, while later buckets are still in flight, instead of
+    the step waiting for every bucket. ``auto``: on under the Trainer where nothing reads the gradients between
+    backward and the step — automatic optimization, no gradient clipping, no gradient scaler (16-mixed), no override of
+    ``on_after_backward``, ``on_before_optimizer_step`` or ``configure_gradient_clipping``, ``nonfinite: off``, no
+    compression, ``all_reduce`` — with one optimizer of torch.optim's per-parameter ones (SGD, Adam, AdamW, Adamax,
+    NAdam, RAdam, RMSprop, Adagrad); printed at fit start, with the reason when off. ``true``: the same, a run where it
+    cannot apply refused in one line. torch's optimizer step hooks fire once per bucket."""
     schedule_trial_steps: int = 6
     """``schedule: auto``: optimizer steps each candidate is tried for (the first of them untimed). The trial takes
     candidates x this: on NCCL with ``reduce_dtype: auto``, 10 x 6 = 60 steps; on Gloo with it, 4 x 6 = 24."""
@@ -106,7 +115,33 @@ class SyncConfig:
         if self.schedule != "overlap" and self.mode == "graph":
             fail(f"{self.KEY}.schedule", self.schedule, "with strategy.sync.mode=graph inductor schedules the"
                  " collectives inside the compiled graph; allowed with graph: 'overlap'")
+        if self.optimizer_overlap is True:  # (what the rest of the strategy block shows: strategy_config.py)
+            found = self.optimizer_overlap_hazards(compression="none", compile_optimizer=False,
+                                                   sharded=self.reduce == "reduce_scatter")
+            if found:
+                fail(f"{self.KEY}.optimizer_overlap", True, f"{found[0]}; allowed with it: auto (off here), false")
         for name in ("bucket_mb", "first_bucket_mb"):
             value = getattr(self, name)
             if not 0 < value <= 4096:
                 fail(f"{self.KEY}.{name}", value, "must be a number of MiB in (0, 4096]")
+
+    def optimizer_overlap_hazards(self, compression: str, compile_optimizer: bool, sharded: bool) -> list[str]:
+        """What the ``strategy`` block shows that rules ``optimizer_overlap`` out, a clause each (``compression``:
+        ``compression.name``; ``sharded``: the buckets are reduce-scattered, ``reduce: reduce_scatter`` or a mesh with
+        ``dp_shard`` other than 1). The run's own part: ``sync/optimizer_overlap.py``."""
+        found = []
+        if self.mode == "graph":
+            found.append("sync.mode=graph averages inside the compiled backward, with no bucket to wait for")
+        if self.schedule == "overlap":
+            found.append("sync.schedule=overlap waits for every bucket as backward ends (the step per bucket needs"
+                         " schedule after_backward or auto)")
+        if sharded:
+            found.append("reduce_scatter steps each rank's shards once every bucket is reduce-scattered")
+        if compression != "none":
+            found.append(f"compression.name={compression}: a compressor and its guard read the whole round")
+        if self.nonfinite != "off":
+            found.append(f"sync.nonfinite={self.nonfinite} checks every averaged gradient before the step")
+        if compile_optimizer:
+            found.append("compile.optimizer=true compiles one step over every parameter (a step per bucket would"
+                         " compile a graph per bucket)")
+        return found

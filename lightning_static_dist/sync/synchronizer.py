@@ -22,6 +22,12 @@ One *round* is one backward pass followed by :meth:`GradientSynchronizer.finish`
 2. ``finish()`` — queued on the autograd engine by the first hook, so it runs as backward returns — fills what the
    hooks did not (a parameter unused on this rank contributes zeros), launches the remaining buckets in order and
    makes the compute stream wait for each of them. Nothing in a round waits on the host.
+3. With :attr:`~GradientSynchronizer.defer_waits` on (``sync.optimizer_overlap``, after_backward rounds only),
+   ``finish()`` stops after the launches: :meth:`~GradientSynchronizer.settle` waits for the buckets in plan order up
+   to one of them (the optimizer steps that bucket's parameters while later ones are in flight), and with no bucket
+   named completes the round. Whatever may read the gradients next settles first (the next backward's first hook,
+   ``no_sync``, ``finish_if_pending``, the step checks before a checkpoint, ``detach``); a round that adopts
+   parameters into a new plan settles inside ``finish()``.
 
 Where the averages land. Without a ``reduce_dtype``, each ``param.grad`` *becomes a view of its slot* as soon as
 its bucket is packed (the gradient autograd made is freed there), and the collective averages in place: there is
@@ -162,6 +168,12 @@ class GradientSynchronizer:
         self.ready_groups: Optional[Mapping[int, int]] = None
         """``id(parameter)`` -> the compiled graph piece whose backward makes its gradient ready (set by the strategy
         when the model is compiled as one graph cut at the buckets): the plan puts each piece in a bucket of its own."""
+        self.defer_waits = False
+        """``strategy.sync.optimizer_overlap``: a round issued after backward (:attr:`launch_during_backward` off) leaves
+        its waits to :meth:`settle`. Between rounds only."""
+        self._unsettled: Optional[_RoundCheck] = None
+        """The step check of a round whose waits :meth:`finish` left to :meth:`settle`; ``None``: none pending."""
+        self._newcomers: list[int] = []
         self.stats = SyncStats()
         self._round_checks: deque[_RoundCheck] = deque()
         self._reset_round()
@@ -189,6 +201,7 @@ class GradientSynchronizer:
 
     @reducer.setter
     def reducer(self, reducer: BucketReducer) -> None:
+        self.settle()
         if any(p is not None for p in self._pending):
             raise RuntimeError("static_dist: the bucket reducer cannot change while a round is in flight")
         self._reducer = check_reducer(reducer)
@@ -228,7 +241,9 @@ class GradientSynchronizer:
                 self._hooks[index] = param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, index))
 
     def detach(self) -> None:
-        """Remove the hooks and drop any round in flight (its collectives are waited for, results discarded)."""
+        """Remove the hooks and drop any round in flight (its collectives are waited for, results discarded); a round
+        left to :meth:`settle` completes first."""
+        self.settle()
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
@@ -238,6 +253,7 @@ class GradientSynchronizer:
     def free_buffers(self) -> None:
         """Drop the bucket buffers (one copy of the gradients); the plan and the counters stay readable, and the next
         :meth:`attach` makes the buffers again."""
+        self.settle()
         self._buffers = []
 
     @property
@@ -253,6 +269,7 @@ class GradientSynchronizer:
         since would otherwise be adopted into a rebuilt plan). The sharded synchroniser fixes its plan this way: the
         optimizer holds the buckets' shards before the first step, so the plan cannot wait for the first round.
         """
+        self.settle()
         self._plan = plan
         self._layout = layout
         self._first_round_done = True
@@ -262,6 +279,7 @@ class GradientSynchronizer:
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally: no collective is launched until the context exits."""
+        self.settle()  # (the next backward accumulates into the gradients a pending round still writes)
         previous, self._sync_enabled = self._sync_enabled, False
         try:
             yield
@@ -269,7 +287,9 @@ class GradientSynchronizer:
             self._sync_enabled = previous
 
     def abandon_round(self) -> None:
-        """Forget the round after an exception, without waiting: a failed peer may never join what is in flight."""
+        """Forget the round after an exception, without waiting: a failed peer may never join what is in flight (a round
+        left to :meth:`settle` too: its gradients are not trusted)."""
+        self._unsettled, self._newcomers = None, []
         self._finish_queued = self._finished_by_engine = False
         self._in_pass = self._pass_counted = False
         self._reducer.abandon_round()
@@ -283,12 +303,14 @@ class GradientSynchronizer:
             buffer.reset()
         self._pending: list[Optional[PendingReduction]] = [None] * len(self._plan.buckets)
         self._next_to_launch = 0
+        self._settled = 0
         self._round_bytes = 0
         self._round_dense_bytes = 0
         self._observed_order = []
 
     def _on_grad_ready(self, index: int, param: Parameter) -> None:
         if not self._in_pass:
+            self.settle()  # a round left pending completes before this backward adds to its gradients
             # count backward passes, synchronised or not: the number every bucket carries to check the ranks agree
             # (taken here, at the pass's first hook: a bucket may be sealed during backward or after it)
             self._in_pass = True
@@ -360,6 +382,8 @@ class GradientSynchronizer:
 
     def finish_if_pending(self) -> None:
         """:meth:`finish`, unless the autograd engine already finished this backward's round (the usual case)."""
+        if not self._finished_by_engine:
+            self.settle()  # (a pending round is an earlier backward's: this one made no gradient here)
         if not self._pass_counted:
             # a backward that produced no gradient on this rank still counts as a pass, as on the other ranks
             self._pass_number = self.backward_passes
@@ -378,8 +402,10 @@ class GradientSynchronizer:
 
         Runs by itself at the end of every backward pass in which a gradient became ready (queued on the autograd
         engine); call it — or :meth:`finish_if_pending` — after a backward in which none did, so that every rank
-        takes part in the round's collectives. A no-op inside :meth:`no_sync`.
+        takes part in the round's collectives. A no-op inside :meth:`no_sync`. With :attr:`defer_waits` on, a round
+        issued after backward that adopts no parameter leaves its waits to :meth:`settle`.
         """
+        self.settle()  # (a round still pending is an earlier backward's)
         if not self._sync_enabled:
             self.stats.skipped_rounds += 1
             return
@@ -400,15 +426,43 @@ class GradientSynchronizer:
         # 2. parameters outside the plan: decide together whether any of them got a gradient anywhere
         newcomers = self._reduce_usage_of_unplanned()
         # 3. the ranks' step check (after the buckets: the same place in every rank's sequence of collectives)
-        check = _RoundCheck(self._pass_number, self._group, self._check_device())  # (16 bytes: not in bytes_sent)
-        # 4. make the compute stream wait for each collective, and write back where a copy is needed
-        for bucket_index, (buffer, pending) in enumerate(zip(self._buffers, self._pending)):
+        self._unsettled = _RoundCheck(self._pass_number, self._group, self._check_device())  # (16 bytes: not counted)
+        self._newcomers = newcomers
+        # 4. the waits: left to settle() where the optimizer steps bucket by bucket, else here (a round that adopts
+        # newcomers settles now: its plan changes before anyone could step by it)
+        if not (self.defer_waits and not self.launch_during_backward) or newcomers or not self._first_round_done:
+            self.settle()
+
+    @property
+    def unsettled(self) -> bool:
+        """Whether a round's waits are left to :meth:`settle` (:attr:`defer_waits`)."""
+        return self._unsettled is not None
+
+    @property
+    def settled_buckets(self) -> int:
+        """Buckets of the current round whose averages have landed in their parameters' gradients."""
+        return self._settled
+
+    def settle(self, bucket_index: Optional[int] = None) -> None:
+        """Make the compute stream wait for the round's collectives, in plan order, up to and including bucket
+        ``bucket_index``, and give their parameters the averages; with no bucket named, all of them, and complete the
+        round. A no-op when no round is pending (:meth:`finish` settles it unless :attr:`defer_waits` says not to)."""
+        check = self._unsettled
+        if check is None:
+            return
+        last = len(self._buffers) - 1 if bucket_index is None else min(bucket_index, len(self._buffers) - 1)
+        while self._settled <= last:  # make the stream wait for each collective, and write back where a copy is needed
+            bucket, pending = self._settled, self._pending[self._settled]
             assert pending is not None
-            with waiting_in(f"the gradient collective of bucket {bucket_index}"):
+            with waiting_in(f"the gradient collective of bucket {bucket}"):
                 averaged = pending.wait()
             if self.recorder is not None:
-                self.recorder.bucket_waited(bucket_index)
-            buffer.unpack(averaged, self._params)
+                self.recorder.bucket_waited(bucket)
+            self._buffers[bucket].unpack(averaged, self._params)
+            self._settled += 1
+        if bucket_index is not None:
+            return
+        newcomers, self._unsettled, self._newcomers = self._newcomers, None, []
         check.settle()
         self._round_checks.append(check)
         if newcomers or not self._first_round_done:
@@ -439,6 +493,7 @@ class GradientSynchronizer:
 
     def check_pending_rounds(self) -> None:
         """Read the verdicts of the rounds not checked yet, waiting for them (the end of fit, before a checkpoint)."""
+        self.settle()
         self._read_round_checks(keep=0)
 
     def _check_device(self) -> torch.device:

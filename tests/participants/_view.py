@@ -33,8 +33,10 @@ class Context:
     one in (``trainer_loop``; Fabric's context has none)."""
 
     def __init__(self, fitting: bool = True, training: bool = True, global_step: int = 0,
-                 trainer_loop: Any = None, micro_batches: Optional[int] = 1) -> None:
+                 trainer_loop: Any = None, micro_batches: Optional[int] = 1,
+                 gradient_readers: Optional[tuple[str, ...]] = ()) -> None:
         self._fitting, self._training, self.step = fitting, training, global_step
+        self._gradient_readers = None if gradient_readers is None else list(gradient_readers)  # (None: Fabric's)
         self._trainer_loop = trainer_loop
         self._micro_batches = micro_batches
         self.callbacks: list[Any] = []
@@ -62,6 +64,10 @@ class Context:
     @property
     def micro_batches(self) -> Optional[int]:
         return self._micro_batches
+
+    @property
+    def gradient_readers(self) -> Optional[list[str]]:
+        return self._gradient_readers
 
 
 class View:

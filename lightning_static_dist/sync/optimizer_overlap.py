@@ -1,0 +1,158 @@
+"""``strategy.sync.optimizer_overlap``: each bucket's parameters take their optimizer step as soon as that bucket's
+average lands, while the later buckets' collectives are still in flight (modded-nanogpt steps its parameters so).
+
+Under ``sync.schedule: after_backward`` every bucket's collective is issued when backward ends. Without overlap the
+compute stream then waits for all of them and the optimizer steps every parameter. With it, the synchroniser leaves
+its waits pending (:attr:`~lightning_static_dist.sync.synchronizer.GradientSynchronizer.defer_waits`) and
+:func:`step_per_bucket` walks the plan: wait for bucket 0, step bucket 0's parameters, wait for bucket 1, step its
+parameters ... The waits are stream waits (the host blocks only on CPU, where Gloo's collective is the host's work).
+
+That is only the step the user asked for where nothing reads the gradients between backward and the step (clipping by
+norm needs every bucket's average first, a hook may read any gradient) and the optimizer updates each parameter from
+its own gradient and state alone (:data:`PER_PARAMETER`): :func:`choose_optimizer_overlap` decides, and says why.
+
+Example::
+
+    sync.launch_during_backward, sync.defer_waits = False, True
+    loss.backward()                       # every bucket issued as backward ends, none waited for
+    step_per_bucket(optimizer, sync)      # settle(k) then step bucket k's parameters, for each k; then the rest
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_static_dist.config.check import fail
+from lightning_static_dist.sync.config import SyncConfig
+from lightning_static_dist.sync.synchronizer import GradientSynchronizer
+
+KEY = f"{SyncConfig.KEY}.optimizer_overlap"
+
+PER_PARAMETER: tuple[type[Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.RMSprop, torch.optim.Adagrad,
+)
+"""torch.optim's elementwise optimizers: a parameter's update reads its own gradient and state only, so stepping the
+parameters bucket by bucket is the same step (exact types: a subclass may couple parameters in its own ``step``)."""
+
+
+@dataclass(frozen=True)
+class OverlapChoice:
+    """Whether the optimizer steps bucket by bucket, and why (a clause for the line printed at fit start)."""
+
+    on: bool
+    why: str
+
+    def describe(self) -> str:
+        return f"optimizer overlap: {'on' if self.on else 'off'} ({self.why})"
+
+
+def step_hazards(readers: Optional[Sequence[str]], automatic_optimization: bool, scaler: bool,
+                 optimizers: Sequence[Any]) -> list[str]:
+    """What the run shows at setup that rules optimizer overlap out. ``readers``: what the front end runs between
+    backward and the step that may read the gradients (a clause each; ``None``: it cannot tell)."""
+    found = []
+    if readers is None:
+        found.append("the front end's own loop may read the gradients between backward and the step (Fabric)")
+    else:
+        found.extend(readers)
+    if not automatic_optimization:
+        found.append("manual optimization steps inside training_step")
+    if scaler:
+        found.append("the gradient scaler (16-mixed) unscales and checks every gradient before the step")
+    if len(optimizers) != 1:
+        found.append(f"{len(optimizers)} optimizers: one is stepped bucket by bucket")
+    elif type(optimizers[0]) not in PER_PARAMETER:
+        found.append(f"{type(optimizers[0]).__name__} is not one of torch.optim's per-parameter optimizers"
+                     f" ({', '.join(t.__name__ for t in PER_PARAMETER)})")
+    return found
+
+
+def choose_optimizer_overlap(setting: Union[bool, Literal["auto"]], hazards: Sequence[str]) -> OverlapChoice:
+    """Resolve ``sync.optimizer_overlap`` against the ``hazards`` found (``SyncConfig.optimizer_overlap_hazards``,
+    then :func:`step_hazards`): ``auto`` is on where there are none and off naming the first; ``true`` with one is a
+    one-line ``ConfigError``; ``false`` is off."""
+    if setting is False:
+        return OverlapChoice(False, f"{KEY}=false")
+    if hazards:
+        if setting is True:
+            fail(KEY, True, f"{hazards[0]}; allowed with it: auto (off here), false")
+        return OverlapChoice(False, hazards[0])
+    return OverlapChoice(True, "each bucket's parameters step as its average lands" if setting is True
+                         else "auto: nothing reads the gradients between backward and the step")
+
+
+def step_per_bucket(optimizer: Optimizer, synchronizer: GradientSynchronizer, **kwargs: Any) -> None:
+    """One optimizer step, bucket by bucket where the synchroniser left the round's waits pending (else one step).
+
+    For each bucket of the plan, in plan order: :meth:`~GradientSynchronizer.settle` up to it, then ``optimizer.step()``
+    restricted to its parameters; then the round settled and one step of the parameters outside every bucket (sharded
+    embeddings, averaged on their own). The restriction swaps each param group's ``params`` list for the bucket's
+    share of it for the length of the step, so the optimizer's own state is what is updated (``state_dict()``, LR
+    schedulers and checkpoints unchanged) and no gradient is touched. The optimizer's own step hooks
+    (``register_step_pre_hook`` / ``register_step_post_hook``) therefore fire once per bucket; Lightning's
+    ``on_before_optimizer_step`` fires once.
+    """
+    if not synchronizer.unsettled:
+        optimizer.step(**kwargs)
+        return
+    params = synchronizer.parameters
+    bucket_of = {id(params[i]): k for k, bucket in enumerate(synchronizer.plan.buckets) for i in bucket.param_indices}
+    buckets = len(synchronizer.plan.buckets)
+    # shares[k][g]: bucket k's parameters in param group g, in the group's order (k = buckets: outside every bucket)
+    shares: list[list[list[Any]]] = [[[] for _ in optimizer.param_groups] for _ in range(buckets + 1)]
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            shares[bucket_of.get(id(p), buckets)][g].append(p)
+    for k in range(buckets):
+        synchronizer.settle(k)
+        _step_restricted(optimizer, shares[k], kwargs)
+    synchronizer.settle()
+    if any(p.grad is not None for share in shares[buckets] for p in share):
+        _step_restricted(optimizer, shares[buckets], kwargs)
+
+
+def _step_restricted(optimizer: Optimizer, share: list[list[Any]], kwargs: dict[str, Any]) -> None:
+    """``optimizer.step()`` over ``share`` (one list per param group) only; nothing when it holds no gradient."""
+    if not any(p.grad is not None for group in share for p in group):
+        return
+    groups = optimizer.param_groups
+    saved = [group["params"] for group in groups]
+    try:
+        for group, own in zip(groups, share):
+            group["params"] = own
+        optimizer.step(**kwargs)
+    finally:
+        for group, own in zip(groups, saved):
+            group["params"] = own
+
+
+class BucketwiseOptimizer:
+    """The optimizer as the precision plugin sees it under optimizer overlap: ``step(closure)`` runs the closure (in
+    Lightning's automatic optimization the training step and its backward), then steps the real optimizer bucket by
+    bucket (:func:`step_per_bucket`); everything else is the real optimizer's.
+
+    Example::
+
+        output = precision_plugin.optimizer_step(BucketwiseOptimizer(optimizer, synchronizer), model, closure)
+    """
+
+    def __init__(self, optimizer: Optimizer, synchronizer: GradientSynchronizer) -> None:
+        self.optimizer = optimizer
+        self._synchronizer = synchronizer
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():  # (as torch's optimizers call it)
+                loss = closure()
+        step_per_bucket(self.optimizer, self._synchronizer, **kwargs)
+        return loss
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
