@@ -292,7 +292,7 @@ def _lightning_fit(name: str, model: Any, batches: Any, timer: Any, args: argpar
     trainer.fit(torch.compile(model) if name in ("ddp_compile", "lightning_compile") else model, train_dataloaders=batches)
     sync = getattr(trainer.strategy, "synchronizer", None)
     extra: dict[str, Any] = {"bytes_per_step": sync.stats.last_round_bytes if sync is not None else None}
-    choice = trainer.strategy.offer().schedule_choice() if hasattr(trainer.strategy, "offer") else None
+    choice = trainer.strategy.offer.schedule_choice() if hasattr(trainer.strategy, "offer") else None
     if choice is not None:  # sync.schedule: auto: what it chose, and what the trial cost
         extra["schedule_choice"] = {"choice": choice.choice, "trial_steps": choice.trial_steps,
                                     "trial_s": choice.trial_s, "step_s": choice.step_s}

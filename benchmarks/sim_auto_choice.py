@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # (the package, from a checkout)
 
 
 def main() -> None:
@@ -48,7 +49,7 @@ def main() -> None:
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                         use_distributed_sampler=False)
     trainer.fit(new_nanogpt(FULL), train_dataloaders=loader(FULL, steps, torch.device("cuda"), seed=1234))
-    choice = strategy.offer().schedule_choice()
+    choice = strategy.offer.schedule_choice()
     assert choice is not None, "sync.schedule auto did not decide"
     result = {"link": link.describe(), "world_size": args.world, "choice": choice.choice,
               "trial_steps": choice.trial_steps, "trial_s": round(choice.trial_s or 0.0, 2),

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # (the package, from a checkout)
 from _simulated import parse_link  # noqa: E402
 
 RAW_BYTES = 496_000_000

@@ -142,7 +142,9 @@ def test_a_two_regime_link_moves_bytes_at_the_idle_pace_while_the_compute_stream
     """)
     moved = 2 * 0.5 * (64 << 20)
     idle_ms, busy_ms = moved / 400e9 * 1e3, moved / 2e9 * 1e3
-    assert idle_ms <= out["at_once"] <= idle_ms + 0.15, out
+    # (the counter is raised by a kernel the compute stream runs after the collective's launch: until then the busy
+    # pace; measured 0.36 ms on an H200, 2026-12-03)
+    assert idle_ms <= out["at_once"] <= idle_ms + 0.3, out
     assert out["beside"] >= 0.8 * busy_ms, out
     assert out["future"] < 0.5 * busy_ms, out  # (the backward here is far shorter than the busy time)
     assert out["counter"] == 0, out  # every raise was lowered
