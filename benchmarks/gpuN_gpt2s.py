@@ -101,15 +101,19 @@ CONTENDERS: dict[str, Optional[dict[str, Any]]] = {
     "static_dist_blocks": {"compile": {"regional": True}},
     "static_dist_whole": {"compile": {"regional": False}},
     "static_dist_bf16": {"sync": {"reduce_dtype": "bf16"}},
+    # sync.schedule overlap: every bucket's collective issued as it fills, during backward (the step cut at the
+    # buckets); the default before issue 34 (the default now is by_topology: after_backward on one node of GPUs)
+    "static_dist_overlap": {"sync": {"schedule": "overlap"}},
+    "static_dist_overlap_bf16": {"sync": {"schedule": "overlap", "reduce_dtype": "bf16"}},
     # sync.schedule: every bucket issued once backward ends (the step compiled uncut), and the trial of both
     "static_dist_after": {"sync": {"schedule": "after_backward"}},
     "static_dist_after_bf16": {"sync": {"schedule": "after_backward", "reduce_dtype": "bf16"}},
     "static_dist_auto": {"sync": {"schedule": "auto"}},
-    "static_dist_sms2_bf16": {"sync": {"comm_sms": 2, "reduce_dtype": "bf16"}},
+    "static_dist_sms2_bf16": {"sync": {"comm_sms": 2, "reduce_dtype": "bf16", "schedule": "overlap"}},
     # sync.comm_sms: the SMs a collective may take from backward (NCCL's max_ctas; the emulated link's SMs)
-    "static_dist_sms4": {"sync": {"comm_sms": 4}},
-    "static_dist_sms8": {"sync": {"comm_sms": 8}},
-    "static_dist_sms2": {"sync": {"comm_sms": 2}},
+    "static_dist_sms4": {"sync": {"comm_sms": 4, "schedule": "overlap"}},
+    "static_dist_sms8": {"sync": {"comm_sms": 8, "schedule": "overlap"}},
+    "static_dist_sms2": {"sync": {"comm_sms": 2, "schedule": "overlap"}},
     "static_dist_after_sms4": {"sync": {"schedule": "after_backward", "comm_sms": 4}},
     "static_dist_b25": {"sync": {"bucket_mb": 25.0}},
     "static_dist_b50": {"sync": {"bucket_mb": 50.0}},
@@ -118,7 +122,7 @@ CONTENDERS: dict[str, Optional[dict[str, Any]]] = {
     # CUDA graphs per piece (inductor's reduce-overhead): the pieces' host cost is what paced the cut graph
     "static_dist_cudagraphs": {"compile": {"mode": "reduce-overhead"}},
     # compile.cudagraphs false: the compiled step launched kernel by kernel (the default before issue 33)
-    "static_dist_nocg": {"compile": {"cudagraphs": False}},
+    "static_dist_nocg": {"compile": {"cudagraphs": False}, "sync": {"schedule": "overlap"}},
     # the defaults with the OverlapMonitor recording every step during the timed windows (its cost: monitor-cost)
     "static_dist_monitor": {},
     "static_dist_monitor10": {},  # the same, recording one step in ten (OverlapMonitor(every_n_steps=10))

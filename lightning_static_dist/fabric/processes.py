@@ -32,7 +32,12 @@ from lightning_static_dist.ddp_arguments import check_process_group_backend
 from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
 from lightning_static_dist.processes.ending import install_excepthook
 from lightning_static_dist.processes.faults import collective_failed, diagnose, is_collective_failure, post_own_failure
-from lightning_static_dist.processes.data_parallel import check_simulation, ranks_in_world, start_process_group
+from lightning_static_dist.processes.data_parallel import (
+    check_simulation,
+    ranks_in_world,
+    resolve_for_world,
+    start_process_group,
+)
 from lightning_static_dist.processes.launcher import FabricSpawnLauncher, StaticDistLauncher
 from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.strategy_config import StrategyConfig
@@ -147,6 +152,7 @@ class FabricProcesses(DDPStrategy):
         check_process_group_backend(self._process_group_backend)
         super().setup_environment()
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
+        self._config, _ = resolve_for_world(self._config, self.root_device, self.num_nodes, self.reduce_scatter())
 
     @override
     def _setup_distributed(self) -> None:

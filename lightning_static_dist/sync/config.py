@@ -67,8 +67,12 @@ class SyncConfig:
     first offending parameter. ``off``: no check, like DDP. Not applied with a gradient scaler (16-mixed), which
     skips such steps itself."""
 
-    schedule: Literal["overlap", "after_backward", "auto"] = "overlap"
-    """When the buckets' collectives are issued. ``overlap``: each as soon as its last gradient is ready, during
+    schedule: Literal["by_topology", "overlap", "after_backward", "auto"] = "by_topology"
+    """When the buckets' collectives are issued. ``by_topology`` (the default): ``after_backward`` where every rank is a
+    GPU of one node (NVLink or PCIe between them: an idle GPU's NCCL moves the whole gradient faster than collectives
+    fighting backward for SMs, and the optimizer step overlaps it, ``optimizer_overlap``), ``overlap`` across nodes,
+    on CPUs, and where ``after_backward`` cannot run (``mode: graph``, ``reduce_scatter``); resolved once the world is
+    known and printed at fit start (:func:`resolve_schedule`). ``overlap``: each as soon as its last gradient is ready, during
     backward (compiled, the step is cut where the buckets end, so that gradients become ready piece by piece).
     ``after_backward``: all of them back to back once backward ends (compiled, the step is one graph, uncut: no cut
     cost, and no collective holds SMs while backward computes). ``auto``: time a stated set of candidates on this
@@ -112,7 +116,7 @@ class SyncConfig:
         if self.reduce_dtype == "auto" and self.schedule != "auto":
             fail(f"{self.KEY}.reduce_dtype", self.reduce_dtype, "the trial of strategy.sync.schedule=auto chooses it"
                  f" (schedule is {self.schedule!r}); allowed: 'fp32', 'bf16', or 'auto' with schedule 'auto'")
-        if self.schedule != "overlap" and self.mode == "graph":
+        if self.schedule not in ("overlap", "by_topology") and self.mode == "graph":
             fail(f"{self.KEY}.schedule", self.schedule, "with strategy.sync.mode=graph inductor schedules the"
                  " collectives inside the compiled graph; allowed with graph: 'overlap'")
         if self.optimizer_overlap is True:  # (what the rest of the strategy block shows: strategy_config.py)
@@ -145,3 +149,20 @@ class SyncConfig:
             found.append("compile.optimizer=true compiles one step over every parameter (a step per bucket would"
                          " compile a graph per bucket)")
         return found
+
+
+def resolve_schedule(sync: SyncConfig, *, device_type: str, num_nodes: int, sharded: bool) -> str:
+    """``sync.schedule`` made concrete for this run: ``by_topology`` becomes ``after_backward`` on the GPUs of one node
+    where after_backward can run (``mode: hooks``, not sharded), else ``overlap``; the other values stay.
+
+    Example::
+
+        >>> resolve_schedule(SyncConfig(), device_type="cuda", num_nodes=1, sharded=False)
+        'after_backward'
+        >>> resolve_schedule(SyncConfig(), device_type="cuda", num_nodes=2, sharded=False)
+        'overlap'
+    """
+    if sync.schedule != "by_topology":
+        return sync.schedule
+    one_node_of_gpus = device_type == "cuda" and num_nodes == 1
+    return "after_backward" if one_node_of_gpus and sync.mode == "hooks" and not sharded else "overlap"

@@ -61,7 +61,7 @@ for cudagraphs in ("auto", False):
     torch.manual_seed(0)
     model = LoggingGPT()
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    strategy = StaticDistStrategy(compile={"enabled": True, "cudagraphs": cudagraphs}, sync=SMALL_BUCKETS,
+    strategy = StaticDistStrategy(compile={"enabled": True, "cudagraphs": cudagraphs}, sync={**SMALL_BUCKETS, "schedule": "overlap"},
                                   simulate={"world_size": 2})
     launches = Launches()
     L.seed_everything(0)
@@ -116,7 +116,7 @@ from lightning_static_dist import StaticDistStrategy
 from tests.compile.test_compile import SMALL_BUCKETS
 from tests.test_host_syncs import EveryParameterUsed
 
-strategy = StaticDistStrategy(compile={"enabled": True}, sync=SMALL_BUCKETS, simulate={"world_size": 2})
+strategy = StaticDistStrategy(compile={"enabled": True}, sync={**SMALL_BUCKETS, "schedule": "overlap"}, simulate={"world_size": 2})
 (report,) = count_syncs(tempfile.mkdtemp(), strategy, EveryParameterUsed(), devices=1)
 print(json.dumps({**report, "cudagraphs": strategy.compile_report.cudagraphs}))
 """
@@ -137,7 +137,7 @@ from lightning_static_dist import StaticDistStrategy
 from tests.compile.test_compile import SMALL_BUCKETS, nested_gpt
 
 model = nested_gpt()
-strategy = StaticDistStrategy(compile={"enabled": True}, sync=SMALL_BUCKETS, simulate={"world_size": 2})
+strategy = StaticDistStrategy(compile={"enabled": True}, sync={**SMALL_BUCKETS, "schedule": "overlap"}, simulate={"world_size": 2})
 trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision="32-true", max_steps=4,
                     accumulate_grad_batches=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                     enable_model_summary=False)

@@ -8,7 +8,9 @@ import pytest
 
 from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.config.check import ConfigError
-from lightning_static_dist.sync.config import SyncConfig
+from lightning_static_dist.participants.compilation import compile_split
+from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.sync.config import SyncConfig, resolve_schedule
 from lightning_static_dist.sync.schedule import ScheduleCandidate, candidate_named, schedule_candidates
 
 AUTO = SyncConfig(schedule="auto", reduce_dtype="auto")
@@ -79,3 +81,28 @@ def test_reduce_dtype_auto_with_a_compressor_or_sharding_is_refused_naming_the_k
         with pytest.raises(ConfigError) as caught:
             StaticDistStrategy(sync=sync, **options)
         assert str(caught.value).startswith("strategy.sync."), caught.value
+
+
+@pytest.mark.parametrize(("device", "nodes", "sync", "sharded", "expected"), [
+    ("cuda", 1, {}, False, "after_backward"),       # the GPUs of one node: after backward, the optimizer overlapping
+    ("cuda", 2, {}, False, "overlap"),              # across nodes: hidden under backward
+    ("cpu", 1, {}, False, "overlap"),               # Gloo on CPUs: hidden under backward
+    ("cuda", 1, {"mode": "graph"}, False, "overlap"),
+    ("cuda", 1, {}, True, "overlap"),               # reduce_scatter issues its buckets during backward
+    ("cuda", 2, {"schedule": "after_backward"}, False, "after_backward"),  # a pinned schedule stays
+    ("cpu", 1, {"schedule": "auto"}, False, "auto"),
+])
+def test_by_topology_resolves_where_the_world_is_known(device: str, nodes: int, sync: dict, sharded: bool,
+                                                        expected: str) -> None:
+    assert resolve_schedule(SyncConfig(**sync), device_type=device, num_nodes=nodes, sharded=sharded) == expected
+
+
+def test_the_strategy_config_resolves_by_topology_once_and_says_what_it_became() -> None:
+    config = StrategyConfig.from_dict({"sync": {"bucket_mb": 10}})
+    assert config.sync.schedule == "by_topology"
+    resolved, line = config.resolved(device_type="cuda", num_nodes=1, sharded=False)
+    assert resolved.sync.schedule == "after_backward" and resolved.sync.bucket_mb == 10
+    assert line == "sync.schedule by_topology: after_backward (GPUs of 1 node)"
+    assert compile_split(resolved.compile, resolved.sync, 2) is None  # after_backward: the step compiled uncut
+    again, nothing = resolved.resolved(device_type="cpu", num_nodes=4, sharded=False)
+    assert again is resolved and nothing is None
