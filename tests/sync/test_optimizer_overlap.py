@@ -86,10 +86,12 @@ def _three_ways(rank: int, world: int) -> dict[str, Any]:
         with sync.no_sync():
             pass
 
-    settled_by = {}
-    for name, use in (("next backward", lambda: _loss(models["per_bucket"], rank, 9).backward()),
-                      ("no_sync", in_no_sync), ("check_pending_rounds", sync.check_pending_rounds),
-                      ("detach", sync.detach)):
+    def switch_between_rounds() -> None:
+        sync.group = sync.group  # (as sync.schedule auto's trial switches a candidate's group)
+
+    settled_by, next_backward = {}, None
+    for name, use in (("no_sync", in_no_sync), ("check_pending_rounds", sync.check_pending_rounds),
+                      ("a switch between rounds", switch_between_rounds), ("detach", sync.detach)):
         _loss(models["per_bucket"], rank, 10).backward()
         sync.finish_if_pending()  # (finished by the engine: the round stays pending)
         before, rounds = sync.unsettled, sync.stats.rounds
@@ -97,6 +99,16 @@ def _three_ways(rank: int, world: int) -> dict[str, Any]:
         settled_by[name] = (before, sync.stats.rounds - rounds)
         sync.settle()  # (the next backward's own round)
         optimizers["per_bucket"].zero_grad()
+    # a backward with the round still pending is too late to settle (its first gradient is in .grad): one error
+    sync.attach()
+    _loss(models["per_bucket"], rank, 10).backward()
+    sync.finish_if_pending()
+    optimizers["per_bucket"].zero_grad()  # (what Lightning's closure does before the next backward)
+    try:
+        _loss(models["per_bucket"], rank, 9).backward()
+    except RuntimeError as err:
+        next_backward = (str(err), sync.unsettled)
+    sync.settle()
     return {
         "weights": {name: {n: p.detach().clone() for n, p in m.named_parameters()} for name, m in models.items()},
         "buckets": len(sync.plan.buckets),
@@ -104,6 +116,7 @@ def _three_ways(rank: int, world: int) -> dict[str, Any]:
         "seen": seen,
         "pending_after_backward": pending_after_backward,
         "settled_by": settled_by,
+        "next_backward": next_backward,
         "rounds": sync.stats.rounds,
     }
 
@@ -145,7 +158,19 @@ def test_each_bucket_steps_once_its_own_average_has_landed_while_later_ones_are_
 def test_whatever_reads_the_gradients_next_completes_the_pending_round_first(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         assert r["settled_by"] == {name: (True, 1) for name in
-                                   ("next backward", "no_sync", "check_pending_rounds", "detach")}
+                                   ("no_sync", "check_pending_rounds", "a switch between rounds", "detach")}
+
+
+@pytest.mark.multiprocess
+def test_a_backward_with_the_round_still_pending_is_an_error_not_corrupted_gradients(
+        ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["next_backward"] is not None, "the backward went ahead over the pending averages"
+        message, still_pending = r["next_backward"]
+        assert message.startswith("static_dist: a backward pass started while the previous round's gradient averages"
+                                  " were still pending")
+        assert "strategy.sync.optimizer_overlap=false" in message and "\n" not in message
+        assert still_pending  # (left to settle(), which the caller may still call)
 
 
 def test_step_per_bucket_without_a_pending_round_is_one_plain_step() -> None:
