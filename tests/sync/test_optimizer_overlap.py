@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from _dist import run_ranks
 from lightning_static_dist import StaticDistStrategy
@@ -200,6 +201,34 @@ def test_auto_is_on_with_nothing_in_the_way_and_off_naming_the_first_hazard() ->
     assert "Fabric" in choose_optimizer_overlap("auto", step_hazards(None, True, False, adamw)).why
     assert choose_optimizer_overlap(False, []).describe() == "optimizer overlap: off (strategy.sync.optimizer_overlap=false)"
     assert torch.optim.AdamW in PER_PARAMETER and torch.optim.LBFGS not in PER_PARAMETER
+
+
+def test_optimizer_step_hooks_would_run_once_per_bucket_so_auto_is_off_and_true_is_one_line() -> None:
+    sgd = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    assert step_hazards([], True, False, [sgd]) == []
+    handle = sgd.register_step_pre_hook(lambda *args: None)
+    own = ("SGD has step hooks (register_step_pre_hook / register_step_post_hook) that would run once per bucket")
+    assert choose_optimizer_overlap("auto", step_hazards([], True, False, [sgd])).describe() == (
+        f"optimizer overlap: off ({own})")
+    handle.remove()
+    handle = sgd.register_step_post_hook(lambda *args: None)
+    assert step_hazards([], True, False, [sgd]) == [own]
+    handle.remove()
+    handle = register_optimizer_step_pre_hook(lambda *args: None)
+    try:
+        with pytest.raises(ConfigError) as excinfo:
+            choose_optimizer_overlap(True, step_hazards([], True, False, [sgd]))
+    finally:
+        handle.remove()
+    assert str(excinfo.value) == (
+        "strategy.sync.optimizer_overlap=True: torch's global optimizer step hooks (register_optimizer_step_pre_hook /"
+        " _post_hook) would run once per bucket; allowed with it: auto (off here), false")
+    handle = register_optimizer_step_post_hook(lambda *args: None)
+    try:
+        assert len(step_hazards([], True, False, [sgd])) == 1
+    finally:
+        handle.remove()
+    assert step_hazards([], True, False, [sgd]) == []
 
 
 def test_true_with_a_hazard_found_at_setup_is_one_line() -> None:
