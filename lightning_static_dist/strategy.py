@@ -130,8 +130,9 @@ class TrainerContext:
 
     @property
     def gradient_readers(self) -> list[str]:
-        """Clipping, and the hooks Lightning runs between backward and the step where the module or a callback
-        overrides them (they may read any gradient)."""
+        """Clipping, the hooks Lightning runs between backward and the step where the module or a callback
+        overrides them (they may read any gradient), and the module's own ``optimizer_step`` / ``backward`` where
+        overridden (either may run a backward without a step after it, or read the gradients before the step)."""
         trainer = self._trainer
         found = []
         if trainer.gradient_clip_val:  # (None or 0: no clipping)
@@ -142,6 +143,9 @@ class TrainerContext:
             owners = [module] if is_overridden(hook, module, parent=pl.LightningModule) else []
             owners += [c for c in trainer.callbacks if is_overridden(hook, c, parent=pl.Callback)]
             found.extend(f"{type(owner).__name__}.{hook} is overridden and may read the gradients" for owner in owners)
+        found.extend(f"{type(module).__name__}.{hook} is overridden and may run a backward without stepping, or read"
+                     " the gradients before the step" for hook in ("optimizer_step", "backward")
+                     if is_overridden(hook, module, parent=pl.LightningModule))
         return found
 
     @property

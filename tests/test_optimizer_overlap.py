@@ -148,9 +148,26 @@ class LogsGradients(Tower):
         pass
 
 
+class Alternating(Tower):
+    """Steps on odd batches only; on even ones runs the closure (training step and backward) alone, as Lightning's
+    docs show for an overridden ``optimizer_step``."""
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        if batch_idx % 2 == 1:
+            optimizer.step(closure=optimizer_closure)
+        else:
+            optimizer_closure()
+
+
+class OwnBackward(Alternating):
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        loss.backward(*args, **kwargs)
+
+
 def test_the_trainers_gradient_readers_are_clipping_and_every_overridden_hook() -> None:
     readers = []
-    for model, callbacks, clip in ((Tower(), [], None), (LogsGradients(), [ReadsGradients()], 0.5)):
+    for model, callbacks, clip in ((Tower(), [], None), (LogsGradients(), [ReadsGradients()], 0.5),
+                                   (OwnBackward(), [], None)):
         trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=callbacks, gradient_clip_val=clip,
                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
         trainer.strategy.connect(model)
@@ -159,4 +176,35 @@ def test_the_trainers_gradient_readers_are_clipping_and_every_overridden_hook() 
         "gradient clipping (trainer.gradient_clip_val=0.5) needs every bucket's average first",
         "LogsGradients.on_after_backward is overridden and may read the gradients",
         "ReadsGradients.on_before_optimizer_step is overridden and may read the gradients",
+    ], [
+        "OwnBackward.optimizer_step is overridden and may run a backward without stepping, or read the gradients"
+        " before the step",
+        "OwnBackward.backward is overridden and may run a backward without stepping, or read the gradients before the"
+        " step",
     ]]
+
+
+def test_an_optimizer_step_that_runs_the_closure_without_stepping_turns_auto_off_and_ends_as_ddp(
+        tmp_path: Any, capfd: Any) -> None:
+    theirs, _ = fit(lambda: Alternating("sgd"), ddp(find_unused_parameters=True), max_steps=3)
+    callbacks = [SubSteps(str(tmp_path))]
+    ours, _ = fit(lambda: Alternating("sgd"), static_dist(sync=SYNC), max_steps=3, callbacks=callbacks)
+    assert_same_weights(ours, theirs)
+    why = ("Alternating.optimizer_step is overridden and may run a backward without stepping, or read the gradients"
+           " before the step")
+    assert f"static_dist: optimizer overlap: off ({why})" in capfd.readouterr().err
+    for rank in range(2):
+        with open(os.path.join(tmp_path, f"rank{rank}.json")) as f:
+            assert json.load(f)["summary"] == f"optimizer overlap: off ({why})"
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed"])  # (32-true: the tests above)
+def test_the_precision_plugins_step_with_the_closure_steps_per_bucket_and_ends_as_ddp(
+        tmp_path: Any, precision: str) -> None:
+    theirs, _ = fit_tower(ddp(find_unused_parameters=True), optimizer="sgd", precision=precision)
+    ours, reports = fit_tower(static_dist(sync=SYNC), optimizer="sgd", tmp_path=tmp_path, precision=precision)
+    assert_same_weights(ours, theirs)
+    for report in reports:
+        assert report["choice"] == ("optimizer overlap: on (auto: nothing reads the gradients between backward and"
+                                    " the step)")
+        assert_stepped_per_bucket(report, steps=4)

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
-from lightning_static_dist.participants.gradients import GradientSynchronization
+from lightning_static_dist.participants.gradients import GradientSynchronization, SyncSchedule
 from lightning_static_dist.sync import GradientSynchronizer
 from lightning_static_dist.sync.optimizer_overlap import (
     BucketwiseOptimizer,
@@ -33,20 +33,28 @@ from lightning_static_dist.sync.optimizer_overlap import (
 class OptimizerOverlap(StepParticipant):
     """``sync.optimizer_overlap``: resolved at setup (:attr:`choice`); while on, each after-backward round leaves its
     waits to the optimizer step, which settles and steps one bucket at a time. Under ``sync.schedule: auto`` only the
-    trial's after_backward rounds defer (an ``overlap`` round is waited for as backward ends, and stepped at once)."""
+    trial's after_backward rounds defer (an ``overlap`` round is waited for as backward ends, and stepped at once):
+    what is printed and summarised says so until the trial decides, then what it decided (``schedule``: its trial).
 
-    def __init__(self, view: StrategyView, gradients: GradientSynchronization) -> None:
+    A round the step did not settle (a front end that ran a backward without stepping) is settled before the next
+    training batch, its forward, and anything that reads the parameters: never by the next backward, whose first
+    gradient would already be in ``param.grad`` (the synchroniser refuses that backward)."""
+
+    def __init__(self, view: StrategyView, gradients: GradientSynchronization,
+                 schedule: Optional[SyncSchedule] = None) -> None:
         self._view = view
         self._gradients = gradients
+        self._schedule = schedule
         self.choice: Optional[OverlapChoice] = None
         """Whether the optimizer steps bucket by bucket in this fit, and why (``None`` where nothing is averaged)."""
+        self._decided: Optional[str] = None  # under sync.schedule auto: the line once its trial chose
 
     def _synchronizer(self) -> Optional[GradientSynchronizer]:
         sync = self._gradients.synchronizer
         return sync if isinstance(sync, GradientSynchronizer) else None
 
     def after_setup(self, context: StepContext) -> None:
-        self.choice = None
+        self.choice, self._decided = None, None
         if self._gradients.mode is None:
             return  # one rank, or not fitting: nothing is averaged, nothing to overlap
         view = self._view
@@ -60,16 +68,49 @@ class OptimizerOverlap(StepParticipant):
                                 optimizers=view.optimizers)
         self.choice = choose_optimizer_overlap(config.sync.optimizer_overlap, hazards)  # (true + a hazard: raises)
         self.switch(self.choice.on)
+        self._follow_trial()  # (a resumed fit's trial may have decided already)
         if self.announced is not None:
             rank_zero_info(f"static_dist: {self.announced}")
 
     @property
     def announced(self) -> Optional[str]:
         """The choice as printed at fit start and kept in the run summary, where the schedule makes the key mean
-        anything (``after_backward``, ``auto``; with ``overlap`` every bucket is waited for as backward ends)."""
+        anything (``after_backward``, ``auto``; with ``overlap`` every bucket is waited for as backward ends). Under
+        ``sync.schedule: auto`` it is on for the after_backward candidates only until the trial decides, then as the
+        choice makes it (an ``overlap/...`` choice steps no bucket on its own: off)."""
         if self.choice is None or self._view.config.sync.schedule == "overlap":
             return None
-        return self.choice.describe()
+        if self._view.config.sync.schedule != "auto" or not self.choice.on:
+            return self.choice.describe()
+        return self._decided or f"optimizer overlap: on for sync.schedule auto's after_backward candidates" \
+                                f" ({self.choice.why})"
+
+    def _follow_trial(self) -> bool:
+        """Under ``sync.schedule: auto``, once its trial has chosen: :attr:`announced` as the choice makes it. Whether
+        that happened now."""
+        trial = self._schedule.trial if self._schedule is not None else None
+        if self._decided is not None or self.choice is None or not self.choice.on or trial is None or not trial.decided:
+            return False
+        chosen = str(trial.choice)
+        self._decided = self.choice.describe() if chosen.startswith("after_backward") else (
+            f"optimizer overlap: off (sync.schedule auto chose {chosen}: every bucket is waited for as backward ends)")
+        return True
+
+    def _settle(self) -> None:
+        sync = self._synchronizer()
+        if sync is not None:
+            sync.settle()
+
+    def on_train_batch_start(self) -> None:
+        self._settle()
+        if self._follow_trial():  # (the schedule trial, before this participant, decided at this batch)
+            rank_zero_info(f"static_dist: {self.announced}")
+
+    def before_forward(self) -> None:
+        self._settle()  # (a closure run twice in one batch)
+
+    def before_reading_parameters(self) -> None:
+        self._settle()  # (validation, or the state dict, after a backward that was not stepped)
 
     def switch(self, on: bool) -> None:
         """Step bucket by bucket from the next round on (``on``, where :attr:`choice` allows it) or wait for every

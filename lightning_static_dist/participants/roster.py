@@ -72,7 +72,7 @@ class Participants:
         self.sharded = ShardedSync(view, self.gradients, self.compile)
         self.compression = CompressionState(view, self.gradients)
         self.schedule = SyncSchedule(view, self.gradients)
-        self.overlap = OptimizerOverlap(view, self.gradients)
+        self.overlap = OptimizerOverlap(view, self.gradients, self.schedule)
         self.ordered: tuple[StepParticipant, ...] = (
             self.gradients, self.sharded, self.compile, self.embeddings, SigtermAgreement(view),
             PeerWatch(view, failed=failed), CollectiveTimeout(view), self.compression, self.schedule, self.overlap,

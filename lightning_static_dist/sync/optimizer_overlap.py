@@ -26,6 +26,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 from torch.optim import Optimizer
+from torch.optim import optimizer as torch_optimizer
 
 from lightning_static_dist.config.check import fail
 from lightning_static_dist.sync.config import SyncConfig
@@ -70,6 +71,22 @@ def step_hazards(readers: Optional[Sequence[str]], automatic_optimization: bool,
     elif type(optimizers[0]) not in PER_PARAMETER:
         found.append(f"{type(optimizers[0]).__name__} is not one of torch.optim's per-parameter optimizers"
                      f" ({', '.join(t.__name__ for t in PER_PARAMETER)})")
+    found.extend(_step_hooks(optimizers))
+    return found
+
+
+def _step_hooks(optimizers: Sequence[Any]) -> list[str]:
+    """Optimizer step hooks registered at setup: stepped bucket by bucket, each would run once per bucket, seeing
+    part of the step (torch's global ones, and each optimizer's own)."""
+    found = []
+    if torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
+        found.append("torch's global optimizer step hooks (register_optimizer_step_pre_hook / _post_hook) would run"
+                     " once per bucket")
+    for optimizer in optimizers:
+        if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks",
+                                                                           None):
+            found.append(f"{type(optimizer).__name__} has step hooks (register_step_pre_hook / register_step_post_hook)"
+                         " that would run once per bucket")
     return found
 
 

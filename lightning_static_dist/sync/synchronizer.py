@@ -25,9 +25,11 @@ One *round* is one backward pass followed by :meth:`GradientSynchronizer.finish`
 3. With :attr:`~GradientSynchronizer.defer_waits` on (``sync.optimizer_overlap``, after_backward rounds only),
    ``finish()`` stops after the launches: :meth:`~GradientSynchronizer.settle` waits for the buckets in plan order up
    to one of them (the optimizer steps that bucket's parameters while later ones are in flight), and with no bucket
-   named completes the round. Whatever may read the gradients next settles first (the next backward's first hook,
-   ``no_sync``, ``finish_if_pending``, the step checks before a checkpoint, ``detach``); a round that adopts
-   parameters into a new plan settles inside ``finish()``.
+   named completes the round. Whatever may read the gradients next settles first (``no_sync``,
+   ``finish_if_pending``, the step checks before a checkpoint, a switch between rounds, ``detach``; the strategy
+   before each training batch); a round that adopts parameters into a new plan settles inside ``finish()``. A
+   backward that starts with a round still pending is a ``RuntimeError``: by its first hook a new gradient is in
+   ``param.grad`` already, and the pending averages would overwrite it (settle, or step, before the next backward).
 
 Where the averages land. Without a ``reduce_dtype``, each ``param.grad`` *becomes a view of its slot* as soon as
 its bucket is packed (the gradient autograd made is freed there), and the collective averages in place: there is
@@ -227,6 +229,7 @@ class GradientSynchronizer:
         self._group = group
 
     def _between_rounds(self, what: str) -> None:
+        self.settle()  # (a round left to settle() is complete as far as a switch between rounds goes)
         if any(p is not None for p in self._pending) or self._layout is not None:
             raise RuntimeError(f"static_dist: {what} of the synchroniser changes between rounds only, and not under a"
                                " fixed plan")
@@ -310,7 +313,8 @@ class GradientSynchronizer:
 
     def _on_grad_ready(self, index: int, param: Parameter) -> None:
         if not self._in_pass:
-            self.settle()  # a round left pending completes before this backward adds to its gradients
+            if self._unsettled is not None:  # too late to settle: this hook's gradient is in ``param.grad`` already
+                raise RuntimeError(_OPEN_ROUND)  # (the round stays pending: settle() still completes it)
             # count backward passes, synchronised or not: the number every bucket carries to check the ranks agree
             # (taken here, at the pass's first hook: a bucket may be sealed during backward or after it)
             self._in_pass = True
@@ -555,6 +559,14 @@ class GradientSynchronizer:
         buffer = BucketBuffer(bucket, self._params, reduce_dtype=self._reduce_dtype)
         buffer.alias_grads = True  # the flat buffer holds the gradients in their own dtype: averaged in place
         return buffer
+
+
+_OPEN_ROUND = (
+    "static_dist: a backward pass started while the previous round's gradient averages were still pending"
+    " (sync.optimizer_overlap leaves them to the optimizer step): its new gradients would be overwritten by, or added"
+    " to, the old averages. Step the optimizer (or call settle()) after every synchronised backward; in Lightning an"
+    " overridden optimizer_step or backward that runs a backward without stepping needs"
+    " strategy.sync.optimizer_overlap=false (auto turns it off)")
 
 
 def _from_rank_zero(values: Any, group: Optional[dist.ProcessGroup]) -> Any:

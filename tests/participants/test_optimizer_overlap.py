@@ -14,7 +14,7 @@ from _dist import run_ranks
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.embeddings import EmbeddingShards
-from lightning_static_dist.participants.gradients import GradientSynchronization
+from lightning_static_dist.participants.gradients import GradientSynchronization, SyncSchedule
 from lightning_static_dist.participants.optimizer_overlap import OptimizerOverlap
 from lightning_static_dist.participants.recording import PhaseRecording
 from lightning_static_dist.strategy_config import StrategyConfig
@@ -52,8 +52,68 @@ def _decide(setting: Union[bool, str], schedule: str = "after_backward", readers
     return seen
 
 
+def _settled_by(rank: int) -> dict[str, tuple[bool, bool]]:
+    """For each phase that comes before a backward or a read of the parameters: whether a deferred round was pending
+    before it, and still after it (a front end that ran a backward and did not step)."""
+    model = Regression()
+    view = View(model, StrategyConfig.from_dict({"sync": {"schedule": "after_backward"}}))
+    view.optimizers = [torch.optim.AdamW(model.parameters(), lr=0.1)]
+    recording = PhaseRecording()
+    gradients = GradientSynchronization(view, StaticCompile(view), EmbeddingShards(view, recording), recording)
+    overlap = OptimizerOverlap(view, gradients)
+    context = view.enter(Context())
+    gradients.setup(context)
+    gradients.after_setup(context)
+    overlap.after_setup(context)
+    sync = gradients.synchronizer
+    seen = {}
+    for step, (name, phase) in enumerate((("first round", lambda: None),
+                                          ("on_train_batch_start", overlap.on_train_batch_start),
+                                          ("before_forward", overlap.before_forward),
+                                          ("before_reading_parameters", overlap.before_reading_parameters))):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        model.training_step((torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)), step).backward()
+        gradients.finish_gradients(accumulating=False)
+        before = sync.unsettled
+        phase()
+        seen[name] = (before, sync.unsettled)
+        sync.settle()
+        view.optimizers[0].zero_grad()
+    overlap.teardown(failed=False)
+    gradients.teardown(failed=False)
+    return seen
+
+
+def _under_schedule_auto() -> dict[str, Optional[str]]:
+    """What OptimizerOverlap announces under sync.schedule auto: before its trial decides, and once it chose each
+    kind of candidate."""
+    model = Regression()
+    view = View(model, StrategyConfig.from_dict({"sync": {"schedule": "auto", "schedule_trial_steps": 2}}))
+    view.optimizers = [torch.optim.AdamW(model.parameters(), lr=0.1)]
+    recording = PhaseRecording()
+    gradients = GradientSynchronization(view, StaticCompile(view), EmbeddingShards(view, recording), recording)
+    schedule = SyncSchedule(view, gradients)
+    overlap = OptimizerOverlap(view, gradients, schedule)
+    context = view.enter(Context())
+    gradients.setup(context)
+    seen: dict[str, Optional[str]] = {}
+    for chosen in ("after_backward/fp32", "overlap/fp32/sms=default"):
+        for participant in (gradients, schedule, overlap):
+            participant.after_setup(context)
+        seen["trial"] = overlap.announced
+        schedule.trial.load_state_dict({"choice": chosen})  # (as the trial decides at a batch start)
+        overlap.on_train_batch_start()
+        seen[chosen] = overlap.announced
+        schedule.teardown(failed=False)
+        overlap.teardown(failed=False)
+    gradients.teardown(failed=False)
+    return seen
+
+
 def _on_two_ranks(rank: int, world: int) -> dict[str, Any]:
     return {
+        "settled_by": _settled_by(rank),
+        "under_schedule_auto": _under_schedule_auto(),
         "auto": _decide("auto"),
         "auto_under_schedule_auto": _decide("auto", schedule="auto"),
         "auto_clipped": _decide("auto", readers=(CLIPPING,)),
@@ -97,6 +157,31 @@ def test_true_with_a_reason_found_at_setup_is_one_line(ranks: list[dict[str, Any
     for r in ranks:
         assert r["true_clipped"] == {"error": f"strategy.sync.optimizer_overlap=True: {CLIPPING}; allowed with it:"
                                               " auto (off here), false"}
+
+
+@pytest.mark.multiprocess
+def test_a_round_left_pending_is_settled_before_the_next_batch_its_forward_and_any_read_of_the_parameters(
+        ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["settled_by"] == {
+            "first round": (False, False),  # (it adopts the parameters into the plan: settled in finish)
+            "on_train_batch_start": (True, False),
+            "before_forward": (True, False),
+            "before_reading_parameters": (True, False),
+        }
+
+
+@pytest.mark.multiprocess
+def test_under_schedule_auto_the_announced_state_is_conditional_until_the_trial_chooses(
+        ranks: list[dict[str, Any]]) -> None:
+    why = "auto: nothing reads the gradients between backward and the step"
+    for r in ranks:
+        assert r["under_schedule_auto"] == {
+            "trial": f"optimizer overlap: on for sync.schedule auto's after_backward candidates ({why})",
+            "after_backward/fp32": f"optimizer overlap: on ({why})",
+            "overlap/fp32/sms=default": "optimizer overlap: off (sync.schedule auto chose overlap/fp32/sms=default:"
+                                        " every bucket is waited for as backward ends)",
+        }
 
 
 def test_nothing_to_average_decides_nothing(one_rank_gloo: None) -> None:

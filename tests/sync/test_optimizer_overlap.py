@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from _dist import run_ranks
 from lightning_static_dist import StaticDistStrategy
@@ -86,10 +87,12 @@ def _three_ways(rank: int, world: int) -> dict[str, Any]:
         with sync.no_sync():
             pass
 
-    settled_by = {}
-    for name, use in (("next backward", lambda: _loss(models["per_bucket"], rank, 9).backward()),
-                      ("no_sync", in_no_sync), ("check_pending_rounds", sync.check_pending_rounds),
-                      ("detach", sync.detach)):
+    def switch_between_rounds() -> None:
+        sync.group = sync.group  # (as sync.schedule auto's trial switches a candidate's group)
+
+    settled_by, next_backward = {}, None
+    for name, use in (("no_sync", in_no_sync), ("check_pending_rounds", sync.check_pending_rounds),
+                      ("a switch between rounds", switch_between_rounds), ("detach", sync.detach)):
         _loss(models["per_bucket"], rank, 10).backward()
         sync.finish_if_pending()  # (finished by the engine: the round stays pending)
         before, rounds = sync.unsettled, sync.stats.rounds
@@ -97,6 +100,16 @@ def _three_ways(rank: int, world: int) -> dict[str, Any]:
         settled_by[name] = (before, sync.stats.rounds - rounds)
         sync.settle()  # (the next backward's own round)
         optimizers["per_bucket"].zero_grad()
+    # a backward with the round still pending is too late to settle (its first gradient is in .grad): one error
+    sync.attach()
+    _loss(models["per_bucket"], rank, 10).backward()
+    sync.finish_if_pending()
+    optimizers["per_bucket"].zero_grad()  # (what Lightning's closure does before the next backward)
+    try:
+        _loss(models["per_bucket"], rank, 9).backward()
+    except RuntimeError as err:
+        next_backward = (str(err), sync.unsettled)
+    sync.settle()
     return {
         "weights": {name: {n: p.detach().clone() for n, p in m.named_parameters()} for name, m in models.items()},
         "buckets": len(sync.plan.buckets),
@@ -104,6 +117,7 @@ def _three_ways(rank: int, world: int) -> dict[str, Any]:
         "seen": seen,
         "pending_after_backward": pending_after_backward,
         "settled_by": settled_by,
+        "next_backward": next_backward,
         "rounds": sync.stats.rounds,
     }
 
@@ -145,7 +159,19 @@ def test_each_bucket_steps_once_its_own_average_has_landed_while_later_ones_are_
 def test_whatever_reads_the_gradients_next_completes_the_pending_round_first(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         assert r["settled_by"] == {name: (True, 1) for name in
-                                   ("next backward", "no_sync", "check_pending_rounds", "detach")}
+                                   ("no_sync", "check_pending_rounds", "a switch between rounds", "detach")}
+
+
+@pytest.mark.multiprocess
+def test_a_backward_with_the_round_still_pending_is_an_error_not_corrupted_gradients(
+        ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["next_backward"] is not None, "the backward went ahead over the pending averages"
+        message, still_pending = r["next_backward"]
+        assert message.startswith("static_dist: a backward pass started while the previous round's gradient averages"
+                                  " were still pending")
+        assert "strategy.sync.optimizer_overlap=false" in message and "\n" not in message
+        assert still_pending  # (left to settle(), which the caller may still call)
 
 
 def test_step_per_bucket_without_a_pending_round_is_one_plain_step() -> None:
@@ -177,6 +203,34 @@ def test_auto_is_on_with_nothing_in_the_way_and_off_naming_the_first_hazard() ->
     assert torch.optim.AdamW in PER_PARAMETER and torch.optim.LBFGS not in PER_PARAMETER
 
 
+def test_optimizer_step_hooks_would_run_once_per_bucket_so_auto_is_off_and_true_is_one_line() -> None:
+    sgd = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    assert step_hazards([], True, False, [sgd]) == []
+    handle = sgd.register_step_pre_hook(lambda *args: None)
+    own = ("SGD has step hooks (register_step_pre_hook / register_step_post_hook) that would run once per bucket")
+    assert choose_optimizer_overlap("auto", step_hazards([], True, False, [sgd])).describe() == (
+        f"optimizer overlap: off ({own})")
+    handle.remove()
+    handle = sgd.register_step_post_hook(lambda *args: None)
+    assert step_hazards([], True, False, [sgd]) == [own]
+    handle.remove()
+    handle = register_optimizer_step_pre_hook(lambda *args: None)
+    try:
+        with pytest.raises(ConfigError) as excinfo:
+            choose_optimizer_overlap(True, step_hazards([], True, False, [sgd]))
+    finally:
+        handle.remove()
+    assert str(excinfo.value) == (
+        "strategy.sync.optimizer_overlap=True: torch's global optimizer step hooks (register_optimizer_step_pre_hook /"
+        " _post_hook) would run once per bucket; allowed with it: auto (off here), false")
+    handle = register_optimizer_step_post_hook(lambda *args: None)
+    try:
+        assert len(step_hazards([], True, False, [sgd])) == 1
+    finally:
+        handle.remove()
+    assert step_hazards([], True, False, [sgd]) == []
+
+
 def test_true_with_a_hazard_found_at_setup_is_one_line() -> None:
     with pytest.raises(ConfigError) as excinfo:
         choose_optimizer_overlap(True, step_hazards([], False, True, []))
@@ -187,7 +241,7 @@ def test_true_with_a_hazard_found_at_setup_is_one_line() -> None:
 
 
 @pytest.mark.parametrize(("strategy", "named"), [
-    pytest.param({}, "sync.schedule=overlap", id="schedule-overlap"),
+    pytest.param({"sync": {"schedule": "overlap"}}, "sync.schedule=overlap", id="schedule-overlap"),
     pytest.param({"sync": {"mode": "graph"}}, "sync.mode=graph", id="graph-mode"),
     pytest.param({"sync": {"schedule": "after_backward", "nonfinite": "skip"}}, "sync.nonfinite=skip", id="nonfinite"),
     pytest.param({"sync": {"schedule": "after_backward"}, "compression": {"name": "bf16"}}, "compression.name=bf16",
