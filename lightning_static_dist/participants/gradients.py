@@ -337,7 +337,8 @@ class SyncSchedule(StepParticipant):
     choice is printed with what the trial cost, kept in the checkpoint (a resumed run applies it without timing again)
     and offered to the run summary. The trial's steps are real training steps: only how the collectives go changes.
     What it switches process-wide (NCCL groups per SM budget, a simulated link's SMs) is undone at teardown, after a
-    failure too. ``gradients`` owns the synchroniser it switches.
+    failure too. ``gradients`` owns the synchroniser it switches (``sync.mode: hooks``; the sharded synchroniser has
+    no ``auto``: the config refuses it).
 
     Example (the roster builds it)::
 
@@ -364,10 +365,10 @@ class SyncSchedule(StepParticipant):
     def after_setup(self, context: StepContext) -> None:
         view = self._view
         mode = self._gradients.mode
-        if view.config.sync.schedule != "auto" or mode not in ("hooks", "sharded"):
+        if view.config.sync.schedule != "auto" or mode != "hooks":
             return
         transport = schedule_transport(view)
-        self.candidates = schedule_candidates(view.config.sync, transport, sharded=mode == "sharded")
+        self.candidates = schedule_candidates(view.config.sync, transport)
         budgets = sorted({c.comm_sms for c in self.candidates if c.comm_sms is not None}, reverse=True)
         if budgets:  # (a collective on NCCL: every rank has the same candidates)
             self._sms = CommSmsSwitch.open(transport, view.dp_group, budgets)
@@ -410,7 +411,7 @@ class SyncSchedule(StepParticipant):
     def _use(self, candidate: ScheduleCandidate) -> None:
         """Reduce as ``candidate`` says from the next round on (between rounds): its SMs, its dtype, its schedule."""
         synchronizer = self._gradients.synchronizer
-        if isinstance(synchronizer, GradientSynchronizer):  # (hooks; the sharded candidates differ in schedule only)
+        if isinstance(synchronizer, GradientSynchronizer):  # (hooks: the only mode with a trial)
             if self._sms is not None:
                 synchronizer.group = self._sms.group_for(candidate.comm_sms)
             synchronizer.use_reduce_dtype(torch.bfloat16 if candidate.reduce_dtype == "bf16" else None)
