@@ -31,6 +31,7 @@ from torch.nn import Parameter
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_static_dist.compression.auto import Candidate, CompressionTrial
+from lightning_static_dist.processes.data_parallel import nccl_options
 from lightning_static_dist.processes.faults import enter_collective, leave_collective, waiting_in
 from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.participants.base import (
@@ -50,7 +51,13 @@ from lightning_static_dist.sync.broadcast import broadcast_buffers
 from lightning_static_dist.sync.graph import GraphGradientSync
 from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
 from lightning_static_dist.sync.config import SyncConfig
-from lightning_static_dist.sync.schedule import ScheduleCandidate, Transport, candidate_named, schedule_candidates
+from lightning_static_dist.sync.schedule import (
+    SMS_CANDIDATES,
+    ScheduleCandidate,
+    Transport,
+    candidate_named,
+    schedule_candidates,
+)
 
 SyncMode = Literal["hooks", "graph", "sharded"]
 
@@ -319,15 +326,22 @@ SCHEDULE_KEY = "static_dist_sync_schedule"  # sync.schedule: auto: the trial's c
 
 
 def schedule_transport(view: StrategyView) -> Transport:
-    """What carries this run's gradient collectives, as ``sync.schedule: auto``'s candidates care: a simulated world,
-    NCCL over a data-parallel group of the whole world (a group per SM budget can be made on every rank), or
-    anything whose SMs are not switched (``"gloo"``)."""
-    if view.simulation is not None:
-        return "simulated"
+    """What carries this run's gradient collectives, as ``sync.schedule: auto``'s candidates care: a simulated world
+    with an emulated link (whose SMs are switched), NCCL over a data-parallel group of the whole world (a group per SM
+    budget can be made on every rank) where this torch's NCCL options have ``max_ctas``, or anything whose SMs are
+    not switched (``"gloo"``: Gloo, a simulated world with free links, NCCL without ``max_ctas``: warned)."""
+    simulation = view.simulation
+    if simulation is not None:
+        return "simulated" if simulation.link is not None else "gloo"  # (free links hold no SMs)
     group = view.dp_group
     backend = torch.distributed.get_backend(group)
     whole_world = torch.distributed.get_world_size(group) == torch.distributed.get_world_size()
-    return "nccl" if "nccl" in backend and view.root_device.type == "cuda" and whole_world else "gloo"
+    if "nccl" not in backend or view.root_device.type != "cuda" or not whole_world:
+        return "gloo"
+    budget = next(n for n in SMS_CANDIDATES if n is not None)
+    if not nccl_options("nccl", budget, setting="strategy.sync.schedule=auto's SM budgets"):
+        return "gloo"  # (warned) every budget's group would be the default's twin: the default SMs only
+    return "nccl"
 
 
 class SyncSchedule(StepParticipant):
