@@ -75,7 +75,8 @@ class Participants:
         self.overlap = OptimizerOverlap(view, self.gradients)
         self.ordered: tuple[StepParticipant, ...] = (
             self.gradients, self.sharded, self.compile, self.embeddings, SigtermAgreement(view),
-            PeerWatch(view, failed=failed), CollectiveTimeout(view), self.compression, self.schedule, self.overlap,
+            PeerWatch(view, failed=failed), CollectiveTimeout(view, groups=lambda: self.schedule.comm_groups),
+            self.compression, self.schedule, self.overlap,
             SimulationMark(view), MidEpochResume(view), LastStepSave(view), self.recording,
         )
 
