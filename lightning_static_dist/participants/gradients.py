@@ -412,7 +412,6 @@ class SyncSchedule(StepParticipant):
                            f" steps ({len(self.candidates)} candidates x {trial.trial_steps}), {self.trial_s:.1f} s")
             self._keep_chosen()  # (every rank decides at this step; the device synchronised above)
 
-    @property
     def comm_groups(self) -> list[torch.distributed.ProcessGroup]:
         """The NCCL groups this fit opened for SM budgets and has not destroyed yet (``CollectiveTimeout`` sets
         ``strategy.timeout_s`` on them after the first optimizer step)."""

@@ -60,8 +60,7 @@ class CollectiveTimeout(StepParticipant):
     the groups a fit opens for itself (``groups``: ``sync.schedule: auto``'s SM budgets, opened with the start-up
     timeout) after that fit's first optimizer step."""
 
-    def __init__(self, view: StrategyView,
-                 groups: Callable[[], Iterable[dist.ProcessGroup]] = lambda: ()) -> None:
+    def __init__(self, view: StrategyView, groups: Optional[Callable[[], Iterable[dist.ProcessGroup]]] = None) -> None:
         self._view = view
         self._groups = groups
         self._set = False
@@ -78,7 +77,7 @@ class CollectiveTimeout(StepParticipant):
             set_collective_timeout(timeout)
             if view.host_group is not None and view.host_group is not dist.group.WORLD:
                 set_collective_timeout(timeout, view.host_group)
-        for group in self._groups():
+        for group in self._groups() if self._groups is not None else ():
             set_collective_timeout(timeout, group)
 
     def teardown(self, failed: bool) -> None:

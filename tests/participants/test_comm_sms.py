@@ -235,7 +235,7 @@ def _schedule(saved: Optional[dict[str, Any]] = None, late: bool = False
     schedule.after_setup(context)
     if saved is not None and late:
         schedule.load_state_dict({SCHEDULE_KEY: dict(saved)})
-    return model, view, gradients, schedule, CollectiveTimeout(view, groups=lambda: schedule.comm_groups), context
+    return model, view, gradients, schedule, CollectiveTimeout(view, groups=schedule.comm_groups), context
 
 
 def _steps(rank: int, steps: int, parts: tuple, budget_of: dict[int, int],
