@@ -35,10 +35,13 @@ class Link:
 
 
 _FIELDS = ("gbps", "latency_us", "sms", "idle_gbps", "sm_gbps")
+_REQUIRED = {"gbps": "GBPS", "latency_us": "LATENCY_US", "sms": "SMS"}
+"""The fields a link spec must give (``-`` is refused there: it leaves only an optional field unset)."""
 
 
 def parse_link(text: str) -> Link:
-    """``free``, or ``[NAME=]GBPS,LAT_US,SMS[,IDLE_GBPS[,SM_GBPS]]`` (``-`` leaves an optional field unset)."""
+    """``free``, or ``[NAME=]GBPS,LAT_US,SMS[,IDLE_GBPS[,SM_GBPS]]`` (``-`` leaves an optional field unset; in a
+    required one it is a ``ValueError`` naming the field)."""
     name, _, spec = text.rpartition("=")
     if spec == "free":
         return Link(name or "free", None)
@@ -47,6 +50,9 @@ def parse_link(text: str) -> Link:
         raise ValueError(f"--link {text!r}: expected free or [NAME=]GBPS,LATENCY_US,SMS[,IDLE_GBPS[,SM_GBPS]]")
     values: dict[str, Any] = {}
     for field, part in zip(_FIELDS, parts):
+        if part == "-" and field in _REQUIRED:
+            raise ValueError(f"--link {text!r}: {_REQUIRED[field]} is required ('-' leaves only IDLE_GBPS or SM_GBPS"
+                             " unset)")
         if part != "-":
             values[field] = int(part) if field == "sms" else float(part)
     return Link(name or spec.replace(",", "-"), values)

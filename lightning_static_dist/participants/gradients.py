@@ -31,6 +31,7 @@ from torch.nn import Parameter
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_static_dist.compression.auto import Candidate, CompressionTrial
+from lightning_static_dist.processes.data_parallel import nccl_options, start_up_timeout
 from lightning_static_dist.processes.faults import enter_collective, leave_collective, waiting_in
 from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.participants.base import (
@@ -50,7 +51,13 @@ from lightning_static_dist.sync.broadcast import broadcast_buffers
 from lightning_static_dist.sync.graph import GraphGradientSync
 from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
 from lightning_static_dist.sync.config import SyncConfig
-from lightning_static_dist.sync.schedule import ScheduleCandidate, Transport, candidate_named, schedule_candidates
+from lightning_static_dist.sync.schedule import (
+    SMS_CANDIDATES,
+    ScheduleCandidate,
+    Transport,
+    candidate_named,
+    schedule_candidates,
+)
 
 SyncMode = Literal["hooks", "graph", "sharded"]
 
@@ -319,15 +326,22 @@ SCHEDULE_KEY = "static_dist_sync_schedule"  # sync.schedule: auto: the trial's c
 
 
 def schedule_transport(view: StrategyView) -> Transport:
-    """What carries this run's gradient collectives, as ``sync.schedule: auto``'s candidates care: a simulated world,
-    NCCL over a data-parallel group of the whole world (a group per SM budget can be made on every rank), or
-    anything whose SMs are not switched (``"gloo"``)."""
-    if view.simulation is not None:
-        return "simulated"
+    """What carries this run's gradient collectives, as ``sync.schedule: auto``'s candidates care: a simulated world
+    with an emulated link (whose SMs are switched), NCCL over a data-parallel group of the whole world (a group per SM
+    budget can be made on every rank) where this torch's NCCL options have ``max_ctas``, or anything whose SMs are
+    not switched (``"gloo"``: Gloo, a simulated world with free links, NCCL without ``max_ctas``: warned)."""
+    simulation = view.simulation
+    if simulation is not None:
+        return "simulated" if simulation.link is not None else "gloo"  # (free links hold no SMs)
     group = view.dp_group
     backend = torch.distributed.get_backend(group)
     whole_world = torch.distributed.get_world_size(group) == torch.distributed.get_world_size()
-    return "nccl" if "nccl" in backend and view.root_device.type == "cuda" and whole_world else "gloo"
+    if "nccl" not in backend or view.root_device.type != "cuda" or not whole_world:
+        return "gloo"
+    budget = next(n for n in SMS_CANDIDATES if n is not None)
+    if not nccl_options("nccl", budget, setting="strategy.sync.schedule=auto's SM budgets"):
+        return "gloo"  # (warned) every budget's group would be the default's twin: the default SMs only
+    return "nccl"
 
 
 class SyncSchedule(StepParticipant):
@@ -337,7 +351,9 @@ class SyncSchedule(StepParticipant):
     choice is printed with what the trial cost, kept in the checkpoint (a resumed run applies it without timing again)
     and offered to the run summary. The trial's steps are real training steps: only how the collectives go changes.
     What it switches process-wide (NCCL groups per SM budget, a simulated link's SMs) is undone at teardown, after a
-    failure too. ``gradients`` owns the synchroniser it switches.
+    failure too (the NCCL groups then left to the exit path); the groups not chosen are destroyed once the trial
+    decides, and a resumed run opens the chosen budget's group only. ``gradients`` owns the synchroniser it switches
+    (``sync.mode: hooks``; the sharded synchroniser has no ``auto``: the config refuses it).
 
     Example (the roster builds it)::
 
@@ -364,13 +380,15 @@ class SyncSchedule(StepParticipant):
     def after_setup(self, context: StepContext) -> None:
         view = self._view
         mode = self._gradients.mode
-        if view.config.sync.schedule != "auto" or mode not in ("hooks", "sharded"):
+        if view.config.sync.schedule != "auto" or mode != "hooks":
             return
         transport = schedule_transport(view)
-        self.candidates = schedule_candidates(view.config.sync, transport, sharded=mode == "sharded")
-        budgets = sorted({c.comm_sms for c in self.candidates if c.comm_sms is not None}, reverse=True)
-        if budgets:  # (a collective on NCCL: every rank has the same candidates)
-            self._sms = CommSmsSwitch.open(transport, view.dp_group, budgets)
+        self.candidates = schedule_candidates(view.config.sync, transport)
+        known = self._saved_choice()  # (resumed with a choice: its budget alone)
+        timed = self.candidates if known is None else [known]
+        budgets = sorted({c.comm_sms for c in timed if c.comm_sms is not None}, reverse=True)
+        if budgets:  # (a collective on NCCL: every rank has the same candidates and checkpoint)
+            self._sms = CommSmsSwitch.open(transport, view.dp_group, budgets, timeout=start_up_timeout(view.config))
         trial_candidates = [Candidate(c.name, lambda c=c: c) for c in self.candidates]
         self.trial = CompressionTrial(trial_candidates, start_step=0, trial_steps=view.config.sync.schedule_trial_steps,
                                       device=view.root_device, group=view.dp_group, min_gain=0.0)
@@ -392,6 +410,26 @@ class SyncSchedule(StepParticipant):
             self.trial_s = self._slowest_rank(self._now() - self._started)
             rank_zero_info(f"static_dist: sync.schedule auto: {trial.describe()}; the trial took {self.trial_steps}"
                            f" steps ({len(self.candidates)} candidates x {trial.trial_steps}), {self.trial_s:.1f} s")
+            self._keep_chosen()  # (every rank decides at this step; the device synchronised above)
+
+    def comm_groups(self) -> list[torch.distributed.ProcessGroup]:
+        """The NCCL groups this fit opened for SM budgets and has not destroyed yet (``CollectiveTimeout`` sets
+        ``strategy.timeout_s`` on them after the first optimizer step)."""
+        return self._sms.groups if self._sms is not None else []
+
+    def _keep_chosen(self) -> None:
+        """Destroy the SM groups the trial's choice does not reduce over (the synchroniser is on the chosen one)."""
+        assert self.trial is not None and self.trial.choice is not None
+        chosen = next((c for c in self.candidates if c.name == self.trial.choice), None)
+        if self._sms is not None and chosen is not None:
+            self._sms.keep(chosen.comm_sms)
+
+    def _saved_choice(self) -> Optional[ScheduleCandidate]:
+        """The candidate a checkpoint loaded before setup chose, if it is one of this run's (else ``None``: timed)."""
+        saved = self._resume
+        if saved is None or saved.get("choice") is None:
+            return None
+        return candidate_named(saved["choice"], self.candidates, self._view.config.sync)
 
     def _now(self) -> float:
         if self._view.root_device.type == "cuda":
@@ -410,7 +448,7 @@ class SyncSchedule(StepParticipant):
     def _use(self, candidate: ScheduleCandidate) -> None:
         """Reduce as ``candidate`` says from the next round on (between rounds): its SMs, its dtype, its schedule."""
         synchronizer = self._gradients.synchronizer
-        if isinstance(synchronizer, GradientSynchronizer):  # (hooks; the sharded candidates differ in schedule only)
+        if isinstance(synchronizer, GradientSynchronizer):  # (hooks: the only mode with a trial)
             if self._sms is not None:
                 synchronizer.group = self._sms.group_for(candidate.comm_sms)
             synchronizer.use_reduce_dtype(torch.bfloat16 if candidate.reduce_dtype == "bf16" else None)
@@ -457,10 +495,11 @@ class SyncSchedule(StepParticipant):
         self.trial_steps, self.trial_s = int(saved.get("trial_steps", 0)), saved.get("trial_s")
         if self._gradients.synchronizer is not None:
             self._use(chosen)
+        self._keep_chosen()  # (loaded after setup: every budget's group was opened; every rank loads the same)
 
     def teardown(self, failed: bool) -> None:
-        if self._sms is not None:  # (after a failure too: the groups and SMs of this fit are not the next one's)
+        if self._sms is not None:  # (after a failure too: the SMs of this fit are not the next one's)
             synchronizer = self._gradients.synchronizer
-            self._sms.close(synchronizer if isinstance(synchronizer, GradientSynchronizer) else None)
+            self._sms.close(synchronizer if isinstance(synchronizer, GradientSynchronizer) else None, failed)
             self._sms = None
         self.trial = None

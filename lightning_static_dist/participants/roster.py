@@ -73,9 +73,11 @@ class Participants:
         self.compression = CompressionState(view, self.gradients)
         self.schedule = SyncSchedule(view, self.gradients)
         self.overlap = OptimizerOverlap(view, self.gradients, self.schedule)
+        # (CollectiveTimeout reads the SM groups through a bound method, not a lambda: the spawn launcher pickles this)
         self.ordered: tuple[StepParticipant, ...] = (
             self.gradients, self.sharded, self.compile, self.embeddings, SigtermAgreement(view),
-            PeerWatch(view, failed=failed), CollectiveTimeout(view), self.compression, self.schedule, self.overlap,
+            PeerWatch(view, failed=failed), CollectiveTimeout(view, groups=self.schedule.comm_groups),
+            self.compression, self.schedule, self.overlap,
             SimulationMark(view), MidEpochResume(view), LastStepSave(view), self.recording,
         )
 

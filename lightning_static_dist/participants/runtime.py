@@ -11,6 +11,7 @@ Example (the strategy builds these in its ``__init__``)::
 from __future__ import annotations
 
 from datetime import timedelta
+from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -55,21 +56,32 @@ class CollectiveTimeout(StepParticipant):
     """``strategy.timeout_s`` from the first optimizer step on. The process group starts with a longer timeout
     (``processes/data_parallel.py``'s ``start_up_timeout``): a rank waits for another while they start, set up and
     compile far longer than a collective of a running job should; a value that fits a running job (seconds) would
-    end the job before its first step."""
+    end the job before its first step. The default group and the host group are set once (they live for the job);
+    the groups a fit opens for itself (``groups``: ``sync.schedule: auto``'s SM budgets, opened with the start-up
+    timeout) after that fit's first optimizer step."""
 
-    def __init__(self, view: StrategyView) -> None:
+    def __init__(self, view: StrategyView, groups: Optional[Callable[[], Iterable[dist.ProcessGroup]]] = None) -> None:
         self._view = view
+        self._groups = groups
         self._set = False
+        self._fit_set = False
 
     def after_optimizer_step(self) -> None:
         view = self._view
-        if self._set or view.world_size == 1 or view.simulation is not None or not dist.is_initialized():
+        if self._fit_set or view.world_size == 1 or view.simulation is not None or not dist.is_initialized():
             return
-        self._set = True
+        self._fit_set = True
         timeout = timedelta(seconds=view.config.timeout_s)
-        set_collective_timeout(timeout)
-        if view.host_group is not None and view.host_group is not dist.group.WORLD:
-            set_collective_timeout(timeout, view.host_group)
+        if not self._set:
+            self._set = True
+            set_collective_timeout(timeout)
+            if view.host_group is not None and view.host_group is not dist.group.WORLD:
+                set_collective_timeout(timeout, view.host_group)
+        for group in self._groups() if self._groups is not None else ():
+            set_collective_timeout(timeout, group)
+
+    def teardown(self, failed: bool) -> None:
+        self._fit_set = False  # (the next fit's own groups: set after its first step)
 
 
 SIMULATED_KEY = "static_dist_simulated"  # a checkpoint written in a simulated world: {"world_size": N, "link": ...}

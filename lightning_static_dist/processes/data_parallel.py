@@ -90,21 +90,22 @@ def binds_device(backend: str, device: torch.device) -> bool:
     return device.type != "cpu" and device_backend(backend, device.type) in _DEVICE_BOUND_BACKENDS
 
 
-def nccl_options(backend: str, comm_sms: Optional[int]) -> dict[str, Any]:
+def nccl_options(backend: str, comm_sms: Optional[int], setting: Optional[str] = None) -> dict[str, Any]:
     """``init_process_group`` keywords for ``strategy.sync.comm_sms``: NCCL's options with ``config.max_ctas`` (the
-    CTAs, hence SMs, one collective may use); nothing for another backend, or where this torch has no such field.
-    Only for ``backend == "nccl"``: options for one backend cannot be given to a ``device:backend`` list."""
+    CTAs, hence SMs, one collective may use); nothing for another backend, or where this torch has no such field
+    (warned, naming ``setting``: by default ``strategy.sync.comm_sms=N``). Only for ``backend == "nccl"``: options for
+    one backend cannot be given to a ``device:backend`` list."""
     if comm_sms is None or "nccl" not in backend:
         return {}
+    setting = setting or f"strategy.sync.comm_sms={comm_sms}"
     if backend != "nccl":
-        rank_zero_warn(f"static_dist: strategy.sync.comm_sms={comm_sms} is applied with process_group_backend='nccl'"
+        rank_zero_warn(f"static_dist: {setting} is applied with process_group_backend='nccl'"
                        f" only (options of one backend cannot go to {backend!r}); not applied")
         return {}
     options_type = getattr(torch.distributed, "ProcessGroupNCCL", None)
     options = options_type.Options() if options_type is not None else None
     if options is None or not hasattr(getattr(options, "config", None), "max_ctas"):
-        rank_zero_warn(f"static_dist: strategy.sync.comm_sms={comm_sms}: this torch's NCCL options have no max_ctas;"
-                       " not applied")
+        rank_zero_warn(f"static_dist: {setting}: this torch's NCCL options have no max_ctas; not applied")
         return {}
     options.config.max_ctas = comm_sms
     least = getattr(options.config, "min_ctas", None)

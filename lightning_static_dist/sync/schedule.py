@@ -10,8 +10,8 @@ beside backward's kernels — the SMs a collective may use (``comm_sms``: ``None
 
 The dtypes are ``fp32`` and ``bf16`` only under ``sync.reduce_dtype: auto`` (bf16 rounds the sum: nobody gets it
 without asking), else the configured one. SMs are switched only on NCCL (one communicator per budget) and in a
-simulated world (the emulated link's SMs); Gloo has no such knob. The sharded synchroniser times the two schedules
-alone. Pure: no process, no group.
+simulated world (the emulated link's SMs); Gloo has no such knob. (The sharded synchroniser has no ``auto``: it
+issues its buckets during backward, ``overlap`` only.) Pure: no process, no group.
 
 Example::
 
@@ -55,13 +55,12 @@ class ScheduleCandidate:
         return f"overlap/{self.reduce_dtype}/sms={'default' if self.comm_sms is None else self.comm_sms}"
 
 
-def schedule_candidates(sync: SyncConfig, transport: Transport, sharded: bool = False) -> list[ScheduleCandidate]:
-    """The candidates ``sync`` (with ``schedule: auto``) times over ``transport``, baseline first; ``sharded``: the
-    two schedules only, in the configured dtype and SMs."""
+def schedule_candidates(sync: SyncConfig, transport: Transport) -> list[ScheduleCandidate]:
+    """The candidates ``sync`` (with ``schedule: auto``) times over ``transport``, baseline first."""
     dtypes: tuple[Literal["fp32", "bf16"], ...]
-    dtypes = ("fp32", "bf16") if sync.reduce_dtype == "auto" and not sharded else (_fixed_dtype(sync),)
+    dtypes = ("fp32", "bf16") if sync.reduce_dtype == "auto" else (_fixed_dtype(sync),)
     sms: tuple[Optional[int], ...] = (None,)
-    if transport in ("nccl", "simulated") and not sharded:
+    if transport in ("nccl", "simulated"):
         sms = tuple(n for n in SMS_CANDIDATES if n is None or n != sync.comm_sms)  # (a budget equal to the default)
     overlap = [ScheduleCandidate("overlap", dtype, n) for dtype in dtypes for n in sms]
     return overlap + [ScheduleCandidate("after_backward", dtype) for dtype in dtypes]

@@ -119,6 +119,12 @@ def test_a_two_regime_link_spec_names_its_idle_pace_and_its_per_sm_bandwidth() -
         parse_link("70,5")
 
 
+@pytest.mark.parametrize(("spec", "field"), [("-,5,8", "GBPS"), ("nv=70,-,8", "LATENCY_US"), ("70,5,-,308", "SMS")])
+def test_a_dash_in_a_required_field_is_refused_naming_the_field(spec: str, field: str) -> None:
+    with pytest.raises(ValueError, match=f": {field} is required"):
+        parse_link(spec)
+
+
 def test_the_calibration_scales_each_links_step_to_the_records_ceiling_and_prefers_the_records_own_config() -> None:
     """Recorded (12-01, 2 GPUs): ceiling 33.34 ms, static_dist 36.88, plain DDP 36.80. Here the ceiling runs 30 ms, so
     a simulated step of 33.0 ms stands for 33.0 * 33.34 / 30 = 36.674 ms: error |36.674 - 36.88| / 36.88 = 0.0056.

@@ -644,9 +644,14 @@ SMS_TRIAL = ["overlap/fp32/sms=default", "overlap/fp32/sms=8", "overlap/fp32/sms
              "after_backward/fp32"]
 
 
-def _schedule_auto_in_a_simulated_world(fail_at: Optional[int]) -> dict[str, Any]:
-    """sync.schedule auto in a simulated world of 2 (free links) with comm_sms 16: the SMs candidates switch the
-    world's SMs; a fit (or a fit failing mid-trial) leaves them at 16."""
+def _schedule_auto_in_a_simulated_world(fail_at: Optional[int], as_if_linked: bool = True) -> dict[str, Any]:
+    """sync.schedule auto in a simulated world of 2 with comm_sms 16: the SMs candidates switch the world's SMs; a
+    fit (or a fit failing mid-trial) leaves them at 16. A link needs CUDA: ``as_if_linked`` has the schedule take the
+    world for one with a link (its free links would switch no SMs, and time the default SMs only)."""
+    if as_if_linked:
+        from lightning_static_dist.participants import gradients
+
+        gradients.schedule_transport = lambda view: "simulated"  # (this fresh process's own)
     probe, summary = _SmsPerStep(), RunSummary(warmup_steps=0)
     strategy = StaticDistStrategy(simulate={"world_size": 2},
                                   sync={"schedule": "auto", "schedule_trial_steps": 2, "comm_sms": 16})
@@ -677,6 +682,13 @@ def test_schedule_auto_switches_the_simulated_sms_and_puts_them_back(fail_at: Op
         assert summary["sync_schedule_trial_steps"] == 2 * len(SMS_TRIAL) and summary["sync_schedule_trial_s"] > 0
     else:
         assert "failing on purpose" in facts["error"] and len(facts["sms"]) == fail_at
+
+
+@multiprocess
+def test_schedule_auto_with_free_links_times_the_default_sms_only() -> None:
+    facts = _in_fresh_process(_schedule_auto_in_a_simulated_world, None, False, timeout=240)
+    assert facts["candidates"] == [OVERLAP, AFTER]  # free links hold no SMs: nothing to switch
+    assert set(facts["sms"]) == {16} and facts["after"] == 16 and facts["error"] is None
 
 
 def _comm_sms_with_a_link_on_cuda() -> dict[str, Any]:

@@ -16,8 +16,8 @@ from lightning_static_dist.sync.schedule import ScheduleCandidate, candidate_nam
 AUTO = SyncConfig(schedule="auto", reduce_dtype="auto")
 
 
-def _names(sync: SyncConfig, transport: str, sharded: bool = False) -> list[str]:
-    return [c.name for c in schedule_candidates(sync, transport, sharded=sharded)]  # type: ignore[arg-type]
+def _names(sync: SyncConfig, transport: str) -> list[str]:
+    return [c.name for c in schedule_candidates(sync, transport)]  # type: ignore[arg-type]
 
 
 def test_on_nccl_with_reduce_dtype_auto_there_are_ten_candidates_overlap_first() -> None:
@@ -47,8 +47,9 @@ def test_a_configured_comm_sms_is_the_default_and_not_tried_twice() -> None:
                                     "after_backward/fp32"]
 
 
-def test_the_sharded_synchroniser_times_the_schedules_alone() -> None:
-    assert _names(AUTO, "nccl", sharded=True) == ["overlap/fp32/sms=default", "after_backward/fp32"]
+def test_the_sharded_synchroniser_has_no_auto_schedule() -> None:
+    with pytest.raises(ConfigError, match=r"^strategy\.sync\.schedule.*allowed: 'overlap'"):
+        StaticDistStrategy(sync={"schedule": "auto", "reduce": "reduce_scatter"}, mesh={"dp_shard": 2})
 
 
 def test_a_checkpoints_choice_is_found_again_and_a_bare_schedule_means_the_default() -> None:
