@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # (the package, from a checkout)
@@ -42,14 +43,20 @@ def main() -> None:
     sync = {"schedule": "auto", "reduce_dtype": "auto", "schedule_trial_steps": args.trial_steps}
     strategy = StaticDistStrategy(compile={"enabled": True, "backend": "inductor"}, sync=sync,
                                   simulate={"world_size": args.world, "link": link.spec})
-    steps = 10 * args.trial_steps + args.after
+    steps = 3 + 10 * args.trial_steps + args.after  # (the trial starts after 3 warm steps)
     torch.set_float32_matmul_precision("high")
+    seen: dict[str, object] = {}
+
+    class KeepChoice(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            seen["choice"] = trainer.strategy.offer.schedule_choice()  # (the trial is dropped at teardown)
+
     trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        use_distributed_sampler=False)
+                        use_distributed_sampler=False, callbacks=[KeepChoice()])
     trainer.fit(new_nanogpt(FULL), train_dataloaders=loader(FULL, steps, torch.device("cuda"), seed=1234))
-    choice = strategy.offer.schedule_choice()
+    choice: Any = seen.get("choice")
     assert choice is not None, "sync.schedule auto did not decide"
     result = {"link": link.describe(), "world_size": args.world, "choice": choice.choice,
               "trial_steps": choice.trial_steps, "trial_s": round(choice.trial_s or 0.0, 2),
