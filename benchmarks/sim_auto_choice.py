@@ -43,7 +43,9 @@ def main() -> None:
     sync = {"schedule": "auto", "reduce_dtype": "auto", "schedule_trial_steps": args.trial_steps}
     strategy = StaticDistStrategy(compile={"enabled": True, "backend": "inductor"}, sync=sync,
                                   simulate={"world_size": args.world, "link": link.spec})
-    steps = 3 + 10 * args.trial_steps + args.after  # (the trial starts after 3 warm steps)
+    from lightning_static_dist.participants.gradients import WARM_STEPS
+
+    steps = WARM_STEPS + 10 * args.trial_steps + args.after  # (on a GPU the trial starts after the warm steps)
     torch.set_float32_matmul_precision("high")
     seen: dict[str, object] = {}
 

@@ -127,6 +127,10 @@ class StrategyConfig:
         if self.sync.mode != "hooks" or sharded:
             where += ", sync.mode=graph" if self.sync.mode != "hooks" else ", reduce_scatter"
         line = f"sync.schedule by_topology: {schedule} ({where})"
+        if schedule == "overlap" and self.sync.optimizer_overlap is True:
+            fail(f"{self.KEY}.sync.optimizer_overlap", True, f"sync.schedule by_topology resolved to overlap here"
+                 f" ({where}), where every bucket is waited for as backward ends; allowed: auto, false, or pin"
+                 " sync.schedule: after_backward")
         return dataclasses.replace(self, sync=dataclasses.replace(self.sync, schedule=schedule)), line
 
     def _check_sharded(self) -> None:

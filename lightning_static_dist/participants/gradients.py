@@ -377,6 +377,8 @@ class SyncSchedule(StepParticipant):
         self.trial_s: Optional[float] = None
         """Seconds the trial took, from its first batch to the batch it decided at (once decided)."""
         self._started: Optional[float] = None
+        self._first_step: Optional[int] = None
+        self._warm = 0
         self._sms: Optional[CommSmsSwitch] = None
         self._resume: Optional[dict[str, Any]] = None
 
@@ -394,12 +396,13 @@ class SyncSchedule(StepParticipant):
             self._sms = CommSmsSwitch.open(transport, view.dp_group, budgets, timeout=start_up_timeout(view.config))
         trial_candidates = [Candidate(c.name, lambda c=c: c) for c in self.candidates]
         # (on a GPU the first steps compile the step and record its CUDA graphs: timed, they would sink the first
-        # candidate; on CPUs the first step, untimed for each candidate, is enough)
-        warm = WARM_STEPS if view.root_device.type == "cuda" else 0
-        self.trial = CompressionTrial(trial_candidates, start_step=warm,
+        # candidate; on CPUs the first step, untimed for each candidate, is enough). Counted from the first batch
+        # this fit sees (on_train_batch_start): a resumed fit compiles again too.
+        self._warm = WARM_STEPS if view.root_device.type == "cuda" else 0
+        self.trial = CompressionTrial(trial_candidates, start_step=0,
                                       trial_steps=view.config.sync.schedule_trial_steps,
                                       device=view.root_device, group=view.dp_group, min_gain=0.0)
-        self.trial_steps, self.trial_s, self._started = 0, None, None
+        self.trial_steps, self.trial_s, self._started, self._first_step = 0, None, None, None
         if self._resume is not None:
             self._load(self._resume)
 
@@ -407,9 +410,13 @@ class SyncSchedule(StepParticipant):
         trial = self.trial
         if trial is None or trial.decided or self._gradients.synchronizer is None:
             return
-        if self._started is None:
+        step = global_step(self._view)
+        if self._first_step is None:  # (the warm steps count from here, not from step 0: see after_setup)
+            self._first_step = step
+            trial.start_step = step + self._warm
+        if self._started is None and step >= trial.start_step:  # (the trial's cost: from its first step, not the warm)
             self._started = self._now()
-        candidate = trial.before_step(global_step(self._view))
+        candidate = trial.before_step(step)
         if candidate != "keep":
             self._use(candidate.make())
         if trial.decided:

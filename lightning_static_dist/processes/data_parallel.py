@@ -347,8 +347,11 @@ class DataParallelProcesses(ParallelStrategy):
         return reduces_by_scatter(self._config.sync.reduce, self._mesh, self.world_size)
 
     def _resolve_config(self) -> None:
-        """What in the config depends on the world (``sync.schedule: by_topology``), made concrete once, and said."""
-        self._config, _ = resolve_for_world(self._config, self.root_device, self.num_nodes, self.reduce_scatter())
+        """What in the config depends on the world (``sync.schedule: by_topology``), made concrete for this setup's
+        world from the config as asked (a strategy reused in another world resolves again), and said."""
+        asked = self.__dict__.setdefault("_asked_config", self._config)
+        with parse_errors_of(self):
+            self._config, _ = resolve_for_world(asked, self.root_device, self.num_nodes, self.reduce_scatter())
 
     @override
     def _configure_launcher(self) -> None:

@@ -69,8 +69,9 @@ class SyncConfig:
 
     schedule: Literal["by_topology", "overlap", "after_backward", "auto"] = "by_topology"
     """When the buckets' collectives are issued. ``by_topology`` (the default): ``after_backward`` where every rank is a
-    GPU of one node (NVLink or PCIe between them: an idle GPU's NCCL moves the whole gradient faster than collectives
-    fighting backward for SMs, and the optimizer step overlaps it, ``optimizer_overlap``), ``overlap`` across nodes,
+    GPU of one node (measured, simulated, for an NVLink pair: an idle GPU's NCCL moves the whole gradient faster than
+    collectives fighting backward for SMs, and the optimizer step overlaps it, ``optimizer_overlap``; a PCIe-only node
+    is not measured), ``overlap`` across nodes,
     on CPUs, and where ``after_backward`` cannot run (``mode: graph``, ``reduce_scatter``); resolved once the world is
     known and printed at fit start (:func:`resolve_schedule`). ``overlap``: each as soon as its last gradient is ready, during
     backward (compiled, the step is cut where the buckets end, so that gradients become ready piece by piece).

@@ -107,3 +107,13 @@ def test_the_strategy_config_resolves_by_topology_once_and_says_what_it_became()
     assert compile_split(resolved.compile, resolved.sync, 2) is None  # after_backward: the step compiled uncut
     again, nothing = resolved.resolved(device_type="cpu", num_nodes=4, sharded=False)
     assert again is resolved and nothing is None
+
+
+def test_optimizer_overlap_true_where_by_topology_resolves_to_overlap_is_one_line_naming_the_resolution() -> None:
+    config = StrategyConfig.from_dict({"sync": {"optimizer_overlap": True}})  # (by_topology: unknown until the world)
+    with pytest.raises(ConfigError) as caught:
+        config.resolved(device_type="cpu", num_nodes=1, sharded=False)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("strategy.sync.optimizer_overlap=True")
+    assert "by_topology resolved to overlap here (CPUs of 1 node)" in message and "after_backward" in message
+    assert config.resolved(device_type="cuda", num_nodes=1, sharded=False)[0].sync.schedule == "after_backward"
