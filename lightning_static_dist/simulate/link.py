@@ -4,8 +4,8 @@ NCCL's collectives run as kernels of a few CTAs, each on an SM of its own for th
 a GEMM sized for every SM finds some of them taken and spills into a second wave. To show that cost on one GPU,
 :func:`hold_sms` launches ``sms`` blocks on the given stream, each asking for all the shared memory one block may
 have (so that no other kernel's block that needs shared memory, a GEMM's, fits beside it on that SM), and each
-spinning on the GPU's global timer until ``duration_s`` has passed since it started. A block that finds no free
-SM starts late and ends late, as a contended collective does.
+spinning on the GPU's global timer for as long as the collective would take since it started. A block that finds no
+free SM starts late and ends late, as a contended collective does.
 
 Two regimes (``LinkConfig.idle_gbps``): the kernel spends the ring's latency first, then moves its bytes at one of
 two rates, reading before each step of its loop a counter in device memory — how many collectives the compute
@@ -13,7 +13,8 @@ stream is blocked on right now (:class:`IdleFlag`). While it is zero, compute ru
 busy rate; while it is not, the GPU is otherwise idle: the idle rate.
 
 The kernel is compiled once per process with CuPy's ``RawKernel`` (CuPy must be installed: link emulation is a
-measuring tool, not a dependency of training); :func:`ring_seconds` is the time the kernel is told to take.
+measuring tool, not a dependency of training); :func:`ring_traffic` is what the kernel is told to move, and after
+which latency.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 
 
 def ring_traffic(kind: str, nbytes: int, world: int, latency_us: float) -> tuple[float, float]:
-    """(bytes an N-rank ring moves per rank, as bus bandwidth counts them; its latency in seconds).
+    """(bytes an N-rank ring moves per rank, as bus bandwidth counts them; its latency in seconds): all-reduce
+    2(N-1)/N * bytes and 2(N-1) latencies; all-gather and reduce-scatter half of both; a broadcast (a pipelined
+    chain) the bytes and one latency. At B GB/s the ring takes ``moved / B`` more than its latency.
 
     Example::
 
@@ -66,19 +69,6 @@ def ring_traffic(kind: str, nbytes: int, world: int, latency_us: float) -> tuple
         return float(nbytes), latency_us * 1e-6
     steps = RING_STEPS.get(kind, 1)
     return steps * (world - 1) / world * nbytes, steps * (world - 1) * latency_us * 1e-6
-
-
-def ring_seconds(kind: str, nbytes: int, world: int, gbps: float, latency_us: float) -> float:
-    """How long an N-rank ring takes: all-reduce 2(N-1)/N * bytes / B + 2(N-1) * latency; all-gather and
-    reduce-scatter half of both; a broadcast (a pipelined chain) bytes / B + latency.
-
-    Example::
-
-        >>> round(ring_seconds("all_reduce", 496_000_000, 2, 308.0, 0.0) * 1e3, 2)
-        1.61
-    """
-    moved, latency_s = ring_traffic(kind, nbytes, world, latency_us)
-    return moved / (gbps * 1e9) + latency_s
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,9 +97,9 @@ class IdleFlag:
     """The device counter the link's kernel reads: how many collectives the compute stream is blocked on now.
 
     The compute stream raises it just before it waits for a collective and lowers it once the wait is over
-    (:meth:`waiting`); a consumer that waits through the work's future (DDP's reducer) cannot be seen waiting, so the
-    simulated group raises it on the compute stream when that backward ends and lowers it on the link's stream after
-    the backward's last collective (:meth:`until_link_drains`).
+    (``SimulatedWork.wait()``); a consumer that waits through the work's future (DDP's reducer) cannot be seen
+    waiting, so the simulated group raises it on the compute stream when that backward ends and lowers it on the
+    link's stream after the backward's last collective (``SimulatedGroup._idle_after_backward``).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -126,9 +116,9 @@ class IdleFlag:
         self.counter.sub_(1)
 
 
-def hold_sms(stream: torch.cuda.Stream, sms: int, duration_s: float, nbytes: float = 0.0,
-             rates_gbps: tuple[float, float] = (1.0, 1.0), idle: Optional[IdleFlag] = None) -> None:
-    """Queue on ``stream`` a kernel of ``sms`` one-per-SM blocks that each spin for ``duration_s``, then for as long
+def hold_sms(stream: torch.cuda.Stream, sms: int, latency_s: float, nbytes: float, rates_gbps: tuple[float, float],
+             idle: Optional[IdleFlag]) -> None:
+    """Queue on ``stream`` a kernel of ``sms`` one-per-SM blocks that each spin for ``latency_s``, then for as long
     as ``nbytes`` take at ``rates_gbps`` (busy, idle), the rate chosen step by step by ``idle`` (busy without one)."""
     import cupy
     import numpy
@@ -138,7 +128,7 @@ def hold_sms(stream: torch.cuda.Stream, sms: int, duration_s: float, nbytes: flo
     # (never more blocks than SMs: a second wave would double the time the link was told to take)
     blocks = max(1, min(sms, torch.cuda.get_device_properties(index).multi_processor_count))
     busy, idle_rate = rates_gbps
-    args = (numpy.uint64(max(0, int(duration_s * 1e9))), numpy.float64(nbytes), numpy.float64(busy),
+    args = (numpy.uint64(max(0, int(latency_s * 1e9))), numpy.float64(nbytes), numpy.float64(busy),
             numpy.float64(idle_rate), numpy.uint64(idle.address if idle is not None else 0))
     with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
         kernel((blocks,), (32,), args, shared_mem=shared)
