@@ -241,6 +241,9 @@ class SimulatedGroup(dist.ProcessGroup):
         def at_backward_end() -> None:
             self._marked_backward = -1
             idle.raise_()  # (queued first, so it runs before DDP's own end-of-backward waits are queued)
+            # the lower after the raise, and after everything issued by then (else a link done before backward ends
+            # would take the counter below zero until the raise, for any other collective in flight on the device)
+            stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 idle.lower()
 
