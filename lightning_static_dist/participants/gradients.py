@@ -50,7 +50,7 @@ from lightning_static_dist.sync import GradientSynchronizer, RoundSync
 from lightning_static_dist.sync.broadcast import broadcast_buffers
 from lightning_static_dist.sync.graph import GraphGradientSync
 from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
-from lightning_static_dist.sync.config import SyncConfig
+from lightning_static_dist.sync.config import SyncConfig, reduce_torch_dtype
 from lightning_static_dist.sync.schedule import (
     SMS_CANDIDATES,
     ScheduleCandidate,
@@ -74,7 +74,7 @@ def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], sync: 
         group=group,
         capacity=sync.capacity,
         check_each_collective=sync.check == "collective",
-        reduce_dtype=torch.bfloat16 if sync.reduce_dtype == "bf16" else None,
+        reduce_dtype=reduce_torch_dtype(sync.reduce_dtype),
     )
     synchronizer.launch_during_backward = sync.schedule != "after_backward"  # (auto: its trial switches it)
     return synchronizer
@@ -213,8 +213,8 @@ class GradientSynchronization(StepParticipant):
         if self.mode == "sharded":
             self.synchronizer = build_sharded_synchronizer(view)
         elif self.mode == "graph":
-            reduce_dtype = torch.bfloat16 if view.config.sync.reduce_dtype == "bf16" else None
-            self.graph_sync = GraphGradientSync(view.model, group=view.dp_group, reduce_dtype=reduce_dtype)
+            self.graph_sync = GraphGradientSync(view.model, group=view.dp_group,
+                                                reduce_dtype=reduce_torch_dtype(view.config.sync.reduce_dtype))
             self.graph_sync.attach()
             return
         else:
@@ -375,7 +375,8 @@ class SyncSchedule(StepParticipant):
         self.trial_steps = 0
         """Optimizer steps the trial took (once decided)."""
         self.trial_s: Optional[float] = None
-        """Seconds the trial took, from its first batch to the batch it decided at (once decided)."""
+        """Seconds the trial took, from its first step (after the warm steps) to the batch it decided at (once
+        decided)."""
         self._started: Optional[float] = None
         self._first_step: Optional[int] = None
         self._warm = 0
@@ -465,7 +466,7 @@ class SyncSchedule(StepParticipant):
         if isinstance(synchronizer, GradientSynchronizer):  # (hooks: the only mode with a trial)
             if self._sms is not None:
                 synchronizer.group = self._sms.group_for(candidate.comm_sms)
-            synchronizer.use_reduce_dtype(torch.bfloat16 if candidate.reduce_dtype == "bf16" else None)
+            synchronizer.use_reduce_dtype(reduce_torch_dtype(candidate.reduce_dtype))
         self._use_schedule(candidate.schedule)
 
     def _use_schedule(self, schedule: str) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
+import torch
+
 from lightning_static_dist.config.check import check_fields, fail
 from lightning_static_dist.sync.plan import BucketCapacity
 
@@ -167,3 +169,10 @@ def resolve_schedule(sync: SyncConfig, *, device_type: str, num_nodes: int, shar
         return sync.schedule
     one_node_of_gpus = device_type == "cuda" and num_nodes == 1
     return "after_backward" if one_node_of_gpus and sync.mode == "hooks" and not sharded else "overlap"
+
+
+def reduce_torch_dtype(reduce_dtype: str) -> Optional[torch.dtype]:
+    """The dtype ``sync.reduce_dtype`` (or a ``schedule: auto`` candidate's) averages in: ``bf16`` is
+    ``torch.bfloat16``; ``fp32`` and ``auto`` are ``None``, the gradients' own (``auto`` starts there, its trial
+    switches it)."""
+    return torch.bfloat16 if reduce_dtype == "bf16" else None
