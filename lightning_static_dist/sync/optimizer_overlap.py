@@ -130,8 +130,7 @@ def step_per_bucket(optimizer: Optimizer, synchronizer: GradientSynchronizer, **
         synchronizer.settle(k)
         _step_restricted(optimizer, shares[k], kwargs)
     synchronizer.settle()
-    if any(p.grad is not None for share in shares[buckets] for p in share):
-        _step_restricted(optimizer, shares[buckets], kwargs)
+    _step_restricted(optimizer, shares[buckets], kwargs)  # (nothing where none of them has a gradient)
 
 
 def _step_restricted(optimizer: Optimizer, share: list[list[Any]], kwargs: dict[str, Any]) -> None:
