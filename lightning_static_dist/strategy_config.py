@@ -103,7 +103,7 @@ class StrategyConfig:
             fail(f"{self.KEY}.sync.reduce_dtype", self.sync.reduce_dtype,
                   f"a compressor chooses what goes on the wire (compression.name is {self.compression.name!r});"
                   " allowed with compression: 'fp32'")
-        if self.sync.optimizer_overlap is True:  # what the block shows; the run's part is checked at setup
+        if self.sync.optimizer_overlap is True:  # what the block shows (sync's part too); the run's part at setup
             sharded = self.sync.reduce == "reduce_scatter" or (self.sync.reduce == "auto" and self.mesh.dp_shard != 1)
             found = self.sync.optimizer_overlap_hazards(self.compression.name, self.compile.optimizer, sharded)
             if found:

@@ -122,11 +122,6 @@ class SyncConfig:
         if self.schedule not in ("overlap", "by_topology") and self.mode == "graph":
             fail(f"{self.KEY}.schedule", self.schedule, "with strategy.sync.mode=graph inductor schedules the"
                  " collectives inside the compiled graph; allowed with graph: 'overlap'")
-        if self.optimizer_overlap is True:  # (what the rest of the strategy block shows: strategy_config.py)
-            found = self.optimizer_overlap_hazards(compression="none", compile_optimizer=False,
-                                                   sharded=self.reduce == "reduce_scatter")
-            if found:
-                fail(f"{self.KEY}.optimizer_overlap", True, f"{found[0]}; allowed with it: auto (off here), false")
         for name in ("bucket_mb", "first_bucket_mb"):
             value = getattr(self, name)
             if not 0 < value <= 4096:
