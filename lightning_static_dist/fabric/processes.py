@@ -152,9 +152,7 @@ class FabricProcesses(DDPStrategy):
         check_process_group_backend(self._process_group_backend)
         super().setup_environment()
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
-        asked = self.__dict__.setdefault("_asked_config", self._config)  # (resolved again in another world)
-        with parse_errors_of(self):
-            self._config, _ = resolve_for_world(asked, self.root_device, self.num_nodes, self.reduce_scatter())
+        resolve_for_world(self)
 
     @override
     def _setup_distributed(self) -> None:

@@ -152,13 +152,18 @@ def start_simulated_world(simulation: SimulateConfig, comm_sms: Optional[int], d
                    " crosses a link")
 
 
-def resolve_for_world(config: StrategyConfig, device: torch.device, num_nodes: int,
-                      sharded: bool) -> tuple[StrategyConfig, Optional[str]]:
-    """:meth:`StrategyConfig.resolved` for this world, its line printed on rank 0 (both front ends, at setup)."""
-    config, line = config.resolved(device_type=device.type, num_nodes=num_nodes, sharded=sharded)
+def resolve_for_world(strategy: Any) -> None:
+    """Either front end's config, what in it depends on the world (``sync.schedule: by_topology``) made concrete for
+    this setup's world (:meth:`StrategyConfig.resolved`), from the config as asked, so that a strategy reused in another
+    world resolves again; its line printed on rank 0, and a refusal in one line (``parse_errors_of``). At setup, once
+    the mesh is built."""
+    asked = strategy.__dict__.setdefault("_asked_config", strategy._config)
+    with parse_errors_of(strategy):
+        config, line = asked.resolved(device_type=strategy.root_device.type, num_nodes=strategy.num_nodes,
+                                      sharded=strategy.reduce_scatter())
     if line is not None:
         rank_zero_info(f"static_dist: {line}")
-    return config, line
+    strategy._config = config
 
 
 def ranks_in_world(simulation: Optional[SimulateConfig], num_nodes: int, num_processes: int) -> int:
@@ -346,13 +351,6 @@ class DataParallelProcesses(ParallelStrategy):
         """``strategy.sync.reduce`` resolved against the mesh that started (``auto``: reduce_scatter if dp_shard > 1)."""
         return reduces_by_scatter(self._config.sync.reduce, self._mesh, self.world_size)
 
-    def _resolve_config(self) -> None:
-        """What in the config depends on the world (``sync.schedule: by_topology``), made concrete for this setup's
-        world from the config as asked (a strategy reused in another world resolves again), and said."""
-        asked = self.__dict__.setdefault("_asked_config", self._config)
-        with parse_errors_of(self):
-            self._config, _ = resolve_for_world(asked, self.root_device, self.num_nodes, self.reduce_scatter())
-
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -393,7 +391,7 @@ class DataParallelProcesses(ParallelStrategy):
             self.cluster_environment, backend, self.root_device, self._config,
             trainer.default_root_dir if trainer is not None else os.getcwd())
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
-        self._resolve_config()
+        resolve_for_world(self)
         if self.world_size > 1 and self._host_group is None:  # once per strategy: every later stage reuses it
             self._host_group = loop_patches.host_group(start_up_timeout(self._config))
         if self.world_size > 1 and self.simulation is None:
