@@ -185,3 +185,20 @@ class Regression(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def gradient_participant(strategy: dict[str, Any], optimizer: Optional[type] = torch.optim.SGD
+                         ) -> tuple[Regression, View, Any]:
+    """A :class:`Regression` model, a view of it with the ``strategy`` block and one ``optimizer`` (lr 0.1; ``None``:
+    none) over its parameters, and the real gradient participant on it, compile and embeddings as the strategy builds
+    them (off here): not set up."""
+    from lightning_static_dist.participants.compilation import StaticCompile
+    from lightning_static_dist.participants.embeddings import EmbeddingShards
+    from lightning_static_dist.participants.gradients import GradientSynchronization
+    from lightning_static_dist.participants.recording import PhaseRecording
+
+    model = Regression()
+    view = View(model, StrategyConfig.from_dict(strategy),
+                optimizers=[optimizer(model.parameters(), lr=0.1)] if optimizer is not None else None)
+    recording = PhaseRecording()
+    return model, view, GradientSynchronization(view, StaticCompile(view), EmbeddingShards(view, recording), recording)

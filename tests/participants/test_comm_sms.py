@@ -22,21 +22,18 @@ from _dist import run_ranks
 from lightning_static_dist.participants import comm_sms as comm_sms_module
 from lightning_static_dist.participants import gradients as gradients_module
 from lightning_static_dist.participants.comm_sms import CommSmsSwitch
-from lightning_static_dist.participants.compilation import StaticCompile
-from lightning_static_dist.participants.embeddings import EmbeddingShards
 from lightning_static_dist.participants.gradients import (
     SCHEDULE_KEY,
     GradientSynchronization,
     SyncSchedule,
     schedule_transport,
 )
-from lightning_static_dist.participants.recording import PhaseRecording
 from lightning_static_dist.participants.runtime import CollectiveTimeout
 from lightning_static_dist.simulate.config import LinkConfig, SimulateConfig
 from lightning_static_dist.simulate.group import WORLD
 from lightning_static_dist.strategy_config import StrategyConfig
 
-from ._view import Context, Regression, View
+from ._view import Context, Regression, View, gradient_participant
 
 START_UP = timedelta(seconds=600)  # processes/data_parallel.py's START_UP_S: timeout_s (60) is shorter
 TIMEOUT_S = 60.0
@@ -220,12 +217,8 @@ def _as_if_nccl(asked: list[Optional[int]]) -> None:
 
 def _schedule(saved: Optional[dict[str, Any]] = None, late: bool = False
               ) -> tuple[Regression, View, GradientSynchronization, SyncSchedule, CollectiveTimeout, Context]:
-    model = Regression()
-    view = View(model, StrategyConfig.from_dict({"timeout_s": TIMEOUT_S, "sync": {
-        "schedule": "auto", "schedule_trial_steps": TRIAL_STEPS}}))
-    view.optimizers = [torch.optim.SGD(model.parameters(), lr=0.1)]
-    recording = PhaseRecording()
-    gradients = GradientSynchronization(view, StaticCompile(view), EmbeddingShards(view, recording), recording)
+    model, view, gradients = gradient_participant({"timeout_s": TIMEOUT_S, "sync": {
+        "schedule": "auto", "schedule_trial_steps": TRIAL_STEPS}})
     schedule = SyncSchedule(view, gradients)
     if saved is not None and not late:
         schedule.load_state_dict({SCHEDULE_KEY: dict(saved)})  # (as Lightning loads: before setup)

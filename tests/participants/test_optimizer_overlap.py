@@ -12,15 +12,11 @@ import torch
 from _dist import run_ranks
 
 from lightning_static_dist.config import ConfigError
-from lightning_static_dist.participants.compilation import StaticCompile
-from lightning_static_dist.participants.embeddings import EmbeddingShards
-from lightning_static_dist.participants.gradients import GradientSynchronization, SyncSchedule
+from lightning_static_dist.participants.gradients import SyncSchedule
 from lightning_static_dist.participants.optimizer_overlap import OptimizerOverlap
-from lightning_static_dist.participants.recording import PhaseRecording
-from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.sync.optimizer_overlap import BucketwiseOptimizer
 
-from ._view import Context, Regression, View
+from ._view import Context, gradient_participant
 
 CLIPPING = "gradient clipping (trainer.gradient_clip_val=1.0) needs every bucket's average first"
 
@@ -28,12 +24,8 @@ CLIPPING = "gradient clipping (trainer.gradient_clip_val=1.0) needs every bucket
 def _decide(setting: Union[bool, str], schedule: str = "after_backward", readers: Optional[tuple[str, ...]] = (),
             optimizer: str = "adamw") -> dict[str, Any]:
     """Set up the real gradient participant and OptimizerOverlap on it; what they chose, or the error."""
-    model = Regression()
-    view = View(model, StrategyConfig.from_dict({"sync": {"schedule": schedule, "optimizer_overlap": setting}}))
-    make = torch.optim.LBFGS if optimizer == "lbfgs" else torch.optim.AdamW
-    view.optimizers = [make(model.parameters(), lr=0.1)]
-    recording = PhaseRecording()
-    gradients = GradientSynchronization(view, StaticCompile(view), EmbeddingShards(view, recording), recording)
+    _, view, gradients = gradient_participant({"sync": {"schedule": schedule, "optimizer_overlap": setting}},
+                                              torch.optim.LBFGS if optimizer == "lbfgs" else torch.optim.AdamW)
     overlap = OptimizerOverlap(view, gradients)
     context = view.enter(Context(gradient_readers=readers))
     gradients.setup(context)
@@ -55,11 +47,7 @@ def _decide(setting: Union[bool, str], schedule: str = "after_backward", readers
 def _settled_by(rank: int) -> dict[str, tuple[bool, bool]]:
     """For each phase that comes before a backward or a read of the parameters: whether a deferred round was pending
     before it, and still after it (a front end that ran a backward and did not step)."""
-    model = Regression()
-    view = View(model, StrategyConfig.from_dict({"sync": {"schedule": "after_backward"}}))
-    view.optimizers = [torch.optim.AdamW(model.parameters(), lr=0.1)]
-    recording = PhaseRecording()
-    gradients = GradientSynchronization(view, StaticCompile(view), EmbeddingShards(view, recording), recording)
+    model, view, gradients = gradient_participant({"sync": {"schedule": "after_backward"}}, torch.optim.AdamW)
     overlap = OptimizerOverlap(view, gradients)
     context = view.enter(Context())
     gradients.setup(context)
@@ -87,11 +75,8 @@ def _settled_by(rank: int) -> dict[str, tuple[bool, bool]]:
 def _under_schedule_auto() -> dict[str, Optional[str]]:
     """What OptimizerOverlap announces under sync.schedule auto: before its trial decides, and once it chose each
     kind of candidate."""
-    model = Regression()
-    view = View(model, StrategyConfig.from_dict({"sync": {"schedule": "auto", "schedule_trial_steps": 2}}))
-    view.optimizers = [torch.optim.AdamW(model.parameters(), lr=0.1)]
-    recording = PhaseRecording()
-    gradients = GradientSynchronization(view, StaticCompile(view), EmbeddingShards(view, recording), recording)
+    model, view, gradients = gradient_participant({"sync": {"schedule": "auto", "schedule_trial_steps": 2}},
+                                                  torch.optim.AdamW)
     schedule = SyncSchedule(view, gradients)
     overlap = OptimizerOverlap(view, gradients, schedule)
     context = view.enter(Context())
@@ -185,10 +170,8 @@ def test_under_schedule_auto_the_announced_state_is_conditional_until_the_trial_
 
 
 def test_nothing_to_average_decides_nothing(one_rank_gloo: None) -> None:
-    model = Regression()
-    view = View(model, StrategyConfig.from_dict({"sync": {"schedule": "after_backward", "optimizer_overlap": True}}))
-    recording = PhaseRecording()
-    gradients = GradientSynchronization(view, StaticCompile(view), EmbeddingShards(view, recording), recording)
+    _, view, gradients = gradient_participant({"sync": {"schedule": "after_backward", "optimizer_overlap": True}},
+                                              optimizer=None)
     overlap = OptimizerOverlap(view, gradients)
     context = view.enter(Context())
     gradients.setup(context)

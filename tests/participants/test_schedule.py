@@ -15,13 +15,9 @@ import torch
 import torch.distributed as dist
 from _dist import run_ranks
 
-from lightning_static_dist.participants.compilation import StaticCompile
-from lightning_static_dist.participants.embeddings import EmbeddingShards
 from lightning_static_dist.participants.gradients import SCHEDULE_KEY, GradientSynchronization, SyncSchedule
-from lightning_static_dist.participants.recording import PhaseRecording
-from lightning_static_dist.strategy_config import StrategyConfig
 
-from ._view import Context, Regression, View
+from ._view import Context, Regression, View, gradient_participant
 
 TRIAL_STEPS = 2  # per schedule, the first untimed: overlap on steps 0-1, after_backward on 2-3, the choice at 4
 STEPS = 6
@@ -34,12 +30,8 @@ OVERLAP, AFTER = "overlap/fp32/sms=default", "after_backward/fp32"
 def _participants(schedule: str, reduce_dtype: str = "fp32"
                   ) -> tuple[Regression, View, GradientSynchronization, SyncSchedule]:
     """A model, the real gradient participant (compile and embeddings off) and SyncSchedule on it, not set up."""
-    model = Regression()
-    view = View(model, StrategyConfig.from_dict({"sync": {"schedule": schedule, "reduce_dtype": reduce_dtype,
-                                                          "schedule_trial_steps": TRIAL_STEPS}}))
-    view.optimizers = [torch.optim.SGD(model.parameters(), lr=0.1)]
-    recording = PhaseRecording()
-    gradients = GradientSynchronization(view, StaticCompile(view), EmbeddingShards(view, recording), recording)
+    model, view, gradients = gradient_participant({"sync": {"schedule": schedule, "reduce_dtype": reduce_dtype,
+                                                            "schedule_trial_steps": TRIAL_STEPS}})
     return model, view, gradients, SyncSchedule(view, gradients)
 
 
