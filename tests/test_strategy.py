@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from _dist import fresh_job_env, reference_ddp
 from lightning_static_dist import StaticDistStrategy
-from lightning_static_dist.processes.data_parallel import binds_device
+from lightning_static_dist.processes.world import binds_device
 
 pytestmark = pytest.mark.multiprocess
 

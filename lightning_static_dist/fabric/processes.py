@@ -1,7 +1,7 @@
 """The processes, ranks, mesh and groups of the Fabric strategy, below its step
 (:class:`~lightning_static_dist.fabric.strategy.StaticDistFabricStrategy`): Fabric's ``DDPStrategy`` with the
 process group started as the Trainer strategy starts it
-(:func:`~lightning_static_dist.processes.data_parallel.start_process_group`: ``strategy.simulate``'s world,
+(:func:`~lightning_static_dist.processes.world.start_process_group`: ``strategy.simulate``'s world,
 ``sync.comm_sms``), the data-parallel ``DeviceMesh``, this package's launchers, and what the step participants read
 of the processes (:class:`~lightning_static_dist.participants.StrategyView`).
 
@@ -32,7 +32,7 @@ from lightning_static_dist.ddp_arguments import check_process_group_backend
 from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
 from lightning_static_dist.processes.ending import install_excepthook
 from lightning_static_dist.processes.faults import collective_failed, diagnose, is_collective_failure, post_own_failure
-from lightning_static_dist.processes.data_parallel import (
+from lightning_static_dist.processes.world import (
     check_simulation,
     ranks_in_world,
     resolve_for_world,

@@ -31,7 +31,7 @@ from torch.nn import Parameter
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_static_dist.compression.auto import Candidate, CompressionTrial
-from lightning_static_dist.processes.data_parallel import nccl_options, start_up_timeout
+from lightning_static_dist.processes.world import nccl_options, start_up_timeout
 from lightning_static_dist.processes.faults import enter_collective, leave_collective, waiting_in
 from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.participants.base import (

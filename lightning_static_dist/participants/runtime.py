@@ -54,7 +54,7 @@ class PeerWatch(StepParticipant):
 
 class CollectiveTimeout(StepParticipant):
     """``strategy.timeout_s`` from the first optimizer step on. The process group starts with a longer timeout
-    (``processes/data_parallel.py``'s ``start_up_timeout``): a rank waits for another while they start, set up and
+    (``processes/world.py``'s ``start_up_timeout``): a rank waits for another while they start, set up and
     compile far longer than a collective of a running job should; a value that fits a running job (seconds) would
     end the job before its first step. The default group and the host group are set once (they live for the job);
     the groups a fit opens for itself (``groups``: ``sync.schedule: auto``'s SM budgets, opened with the start-up

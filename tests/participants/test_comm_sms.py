@@ -35,7 +35,7 @@ from lightning_static_dist.strategy_config import StrategyConfig
 
 from ._view import Context, Regression, View, gradient_participant
 
-START_UP = timedelta(seconds=600)  # processes/data_parallel.py's START_UP_S: timeout_s (60) is shorter
+START_UP = timedelta(seconds=600)  # processes/world.py's START_UP_S: timeout_s (60) is shorter
 TIMEOUT_S = 60.0
 TRIAL_STEPS = 2
 _REAL_NEW_GROUP = dist.new_group

@@ -38,7 +38,7 @@ from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.config.check import ConfigError
 from lightning_static_dist.participants.compilation import compile_split
 from lightning_static_dist.participants.gradients import SCHEDULE_KEY
-from lightning_static_dist.processes.data_parallel import nccl_options
+from lightning_static_dist.processes.world import nccl_options
 from lightning_static_dist.simulate import BACKEND, LinkConfig, SimulatedGroup, init_simulated_world, set_link
 from lightning_static_dist.simulate import group as simulated_group
 from lightning_static_dist.sync.config import SyncConfig
