@@ -27,6 +27,7 @@ from lightning_static_dist.participants.gradients import build_synchronizer
 from lightning_static_dist.offer import StaticDistOffer, offer_of
 from lightning_static_dist.overlap.monitor import OverlapMonitor
 from lightning_static_dist.participants.compression import CompressionState
+from lightning_static_dist.step_plan import resolve_plan
 from lightning_static_dist.strategy_config import StrategyConfig
 
 
@@ -88,8 +89,9 @@ def _swapped_rounds(rank: int, world: int) -> dict[str, Any]:
     model = nn.Linear(64, 32)
     reference = copy.deepcopy(model)
     config = StrategyConfig(compression={"name": "bf16"})
-    sync = build_synchronizer(model.named_parameters(), config.sync, group=None)  # exact: the owner installs
-    view = SimpleNamespace(config=config, root_device=torch.device("cpu"), dp_group=None, global_rank=rank,
+    plan = resolve_plan(config, world_size=world, device_type="cpu", num_nodes=1, mesh=None)
+    sync = build_synchronizer(model.named_parameters(), plan, group=None)  # exact: the owner installs
+    view = SimpleNamespace(config=config, plan=plan, root_device=torch.device("cpu"), dp_group=None, global_rank=rank,
                            world_size=world)
     owner = CompressionState(view, SimpleNamespace(mode="hooks", synchronizer=sync))  # type: ignore[arg-type]
     owner.setup(SimpleNamespace(fitting=True, global_step=0))  # type: ignore[arg-type]

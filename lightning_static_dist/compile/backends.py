@@ -29,6 +29,7 @@ from lightning_static_dist.compile.report import (
 )
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compile.cudagraphs import inductor_options
+from lightning_static_dist.sync.config import SyncConfig
 from lightning_static_dist.sync.plan import BucketCapacity
 from lightning_static_dist.wording import counted
 
@@ -103,18 +104,16 @@ class RecordingBackend:
 
 # ------------------------------------------------------------------------------- the inductor_distributed backend
 
-#: ``inductor_distributed``'s buckets when no strategy gives its own: the strategy's defaults (``strategy.sync``).
-_STRATEGY_DEFAULT_CAPACITY = BucketCapacity.from_mib(1.0, 100.0)
-
-
-def graph_mode_patches(capacity: BucketCapacity = _STRATEGY_DEFAULT_CAPACITY) -> dict[str, Any]:
+def graph_mode_patches(capacity: Optional[BucketCapacity] = None) -> dict[str, Any]:
     """Inductor settings that make it communication-aware, each only where this torch version has it: bucket the
-    traced all-reduces (the first bucket ``capacity.first_bytes``, later ones ``capacity.bytes``: inductor's default
+    traced all-reduces (the first bucket ``capacity.first_bytes``, later ones ``capacity.bytes``; ``None``: the
+    ``strategy.sync`` defaults, for ``inductor_distributed`` used without the strategy; inductor's default
     is one 2 GB bucket, issued after the whole backward) and reorder collectives against compute (waits sunk,
     collectives raised; the pass names changed between torch versions)."""
     import torch._inductor.comms as comms
 
     config = torch._inductor.config
+    capacity = capacity if capacity is not None else SyncConfig().capacity
     patches: dict[str, Any] = {}
     if hasattr(config, "bucket_all_reduces_fx"):
         patches["bucket_all_reduces_fx"] = "all"

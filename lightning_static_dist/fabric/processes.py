@@ -29,7 +29,7 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning_static_dist.compat import mark_run_failed
 from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.ddp_arguments import check_process_group_backend
-from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
+from lightning_static_dist.mesh import build_dp_mesh, resolve_mesh_shape
 from lightning_static_dist.processes.ending import install_excepthook
 from lightning_static_dist.processes.faults import collective_failed, diagnose, is_collective_failure, post_own_failure
 from lightning_static_dist.processes.world import (
@@ -40,6 +40,7 @@ from lightning_static_dist.processes.world import (
 )
 from lightning_static_dist.processes.launcher import FabricSpawnLauncher, StaticDistLauncher
 from lightning_static_dist.simulate.config import SimulateConfig
+from lightning_static_dist.step_plan import StepPlan
 from lightning_static_dist.strategy_config import StrategyConfig
 
 
@@ -52,11 +53,19 @@ class FabricProcesses(DDPStrategy):
         super().__init__(timeout=timedelta(seconds=config.timeout_s), **kwargs)
         self._config = config
         self._mesh: Optional[DeviceMesh] = None
+        self._plan: Optional[StepPlan] = None
         self._failed = False
 
     @property
     def config(self) -> StrategyConfig:
         return self._config
+
+    @property
+    def plan(self) -> StepPlan:
+        """The step plan of the world that started (resolved when the processes start)."""
+        if self._plan is None:
+            raise RuntimeError("The step plan is resolved when the processes start: access it after `fabric.launch()`.")
+        return self._plan
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -131,8 +140,8 @@ class FabricProcesses(DDPStrategy):
         return True
 
     def reduce_scatter(self) -> bool:
-        """``sync.reduce`` resolved against the mesh (``auto``: reduce_scatter if dp_shard > 1)."""
-        return reduces_by_scatter(self._config.sync.reduce, self._mesh, self.world_size)
+        """``sync.reduce`` resolved against the mesh that started (the plan's ``reduce_by_scatter``)."""
+        return self.plan.reduce_by_scatter
 
     @override
     def _configure_launcher(self) -> None:

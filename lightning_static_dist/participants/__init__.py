@@ -8,9 +8,10 @@ from lightning_static_dist.participants.base import StepContext, StepParticipant
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.compression import CompressionState
 from lightning_static_dist.participants.embeddings import EmbeddingShards
-from lightning_static_dist.participants.gradients import GradientSynchronization, SyncSchedule
+from lightning_static_dist.participants.gradients import GradientSynchronization
 from lightning_static_dist.participants.recording import PhaseRecording
 from lightning_static_dist.participants.roster import Participants
+from lightning_static_dist.participants.schedule_trial import SyncSchedule
 from lightning_static_dist.participants.runtime import PeerWatch, SigtermAgreement
 from lightning_static_dist.participants.sharded import ShardedSync
 

@@ -51,6 +51,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_static_dist.simulate.config import SimulateConfig
+from lightning_static_dist.step_plan import StepPlan
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.overlap.recorder import StepRecorder
 
@@ -111,6 +112,11 @@ class StrategyView(Protocol):
 
     @property
     def config(self) -> StrategyConfig: ...
+
+    @property
+    def plan(self) -> StepPlan:
+        """The config resolved for the world that started (set up with the processes): what phases read."""
+        ...
 
     @property
     def world_size(self) -> int: ...

@@ -35,17 +35,6 @@ from lightning_static_dist.compile.cudagraphs import CudagraphChoice, capture_sk
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.processes.fingerprint import check_same_on_all_ranks
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
-from lightning_static_dist.sync.config import SyncConfig
-
-
-def compile_split(compile: CompileConfig, sync: SyncConfig, world_size: int) -> Optional[tuple[int, int]]:
-    """Where the compiled step is cut: the bucket capacities in bytes (first bucket, every later one), or ``None``
-    (uncut): at world size 1 (nothing to overlap), for the blocks compiled one by one or the whole step asked for
-    uncut (``regional`` true or false), in graph mode (the collectives are inside the graph), and with
-    ``sync.schedule: after_backward`` (every bucket is issued once backward ends: a cut would only cost)."""
-    if compile.regional != "auto" or world_size < 2 or sync.mode == "graph" or sync.schedule == "after_backward":
-        return None
-    return sync.capacity.first_bytes, sync.capacity.bytes
 
 
 def check_same_graphs(report: Any, group: Optional[dist.ProcessGroup]) -> None:
@@ -62,13 +51,17 @@ class StaticCompile(StepParticipant):
         self.report: Optional[CompileReport] = None
         """What static compilation did on this rank (``None`` when the model is not compiled)."""
         self.requested_backend: Optional[str] = None
-        """Set when ``trainer.fit(torch.compile(model))`` asked for compilation with this backend."""
+        """Set when ``trainer.fit(torch.compile(model))`` asked for compilation with this backend (``""``: its
+        backend is the default, ``compile.backend``)."""
+        self._resolution: Optional[tuple[CompileConfig, CudagraphChoice]] = None
         self.graphs_checked = True
         """Whether the ranks' compiled graphs were compared since the last compilation."""
 
     def adopt(self, dynamo_ctx: Any) -> None:
-        """Compile the way ``torch.compile(model)`` asked: with the user's backend (else ``compile.backend``)."""
-        self.requested_backend = backend_of(dynamo_ctx) or self._view.config.compile.backend
+        """Compile the way ``torch.compile(model)`` asked: with the user's backend (else ``compile.backend``, read
+        from the plan at setup: the world is not known yet)."""
+        self.requested_backend = backend_of(dynamo_ctx) or ""
+        self._resolution = None
 
     def config(self) -> CompileConfig:
         """``strategy.compile`` as it applies to this run: enabled by ``trainer.fit(torch.compile(model))``, and with
@@ -84,21 +77,26 @@ class StaticCompile(StepParticipant):
         return self._resolved()[1]
 
     def _resolved(self) -> tuple[CompileConfig, CudagraphChoice]:
-        """:meth:`config` and :meth:`cudagraphs` from one resolution (the choice is made on the resolved config)."""
-        config = self._view.config.compile
-        if self.requested_backend is not None:
-            # the user passed torch.compile(model); Lightning's compile check unwrapped it
-            config = dataclasses.replace(config, enabled=True, backend=self.requested_backend)
-        if config.regional == "auto" and self._view.reduce_scatter():
-            config = dataclasses.replace(config, regional=bool(self.repeated_blocks()))
-        choice = self._choose_cudagraphs(config)
-        return dataclasses.replace(config, cudagraphs=choice.on), choice
+        """:meth:`config` and :meth:`cudagraphs`, resolved once per stage (the choice is made on the resolved config;
+        finding the repeated blocks walks the model)."""
+        if self._resolution is None:
+            plan = self._view.plan
+            config = plan.compile
+            if self.requested_backend is not None:
+                # the user passed torch.compile(model); Lightning's compile check unwrapped it
+                config = dataclasses.replace(config, enabled=True, backend=self.requested_backend or config.backend)
+            if config.regional == "auto" and plan.reduce_by_scatter:
+                config = dataclasses.replace(config, regional=bool(self.repeated_blocks()))
+            choice = self._choose_cudagraphs(config)
+            self._resolution = dataclasses.replace(config, cudagraphs=choice.on), choice
+        return self._resolution
 
     def _choose_cudagraphs(self, config: CompileConfig) -> CudagraphChoice:
         view = self._view
+        plan = view.plan
         context = view.context
-        return choose_cudagraphs(config, view.root_device, sync_mode=view.config.sync.mode,
-                                 gathers_parameters=view.reduce_scatter() or view.config.embedding.shard is not False,
+        return choose_cudagraphs(config, view.root_device, sync_mode=plan.sync.mode,
+                                 gathers_parameters=plan.reduce_by_scatter or plan.embedding.shard is not False,
                                  micro_batches=context.micro_batches if context is not None else 1,
                                  automatic_optimization=getattr(view.lightning_module, "automatic_optimization", True))
 
@@ -118,8 +116,8 @@ class StaticCompile(StepParticipant):
         config, cudagraphs = self._resolved()
         if self.requested_backend is not None:
             rank_zero_info(f"static_dist: compiling the torch.compile()-d model in the strategy (backend {config.backend!r})")
-        sync = view.config.sync
-        graph_mode = sync.mode == "graph" and view.world_size > 1
+        plan = view.plan
+        graph_mode = plan.sync_mode == "graph"
         if graph_mode and not config.enabled:
             raise ConfigError("strategy.sync.mode='graph': the collectives live in the compiled graph, which needs"
                               " strategy.compile.enabled=true (or trainer.fit(torch.compile(model))); allowed"
@@ -127,9 +125,10 @@ class StaticCompile(StepParticipant):
         if config.enabled and not is_compiled(module):
             # one graph for forward + loss, cut where the buckets end so that collectives still overlap backward
             # (decided from the config, not from this stage: a validate before fit compiles for the fit too)
-            split = compile_split(config, sync, view.world_size)
-            patches = graph_mode_patches(sync.capacity) if graph_mode else None
-            self.report = compile_regions(module, config, split=split, inductor_patches=patches)
+            cut = plan.compile_cut
+            patches = graph_mode_patches(plan.capacity) if graph_mode else None
+            self.report = compile_regions(module, config, split=(cut.first_bytes, cut.bytes) if cut else None,
+                                          inductor_patches=patches)
             self.report.cudagraphs = cudagraphs.describe()
             capture_skips(self.report.cudagraph_skips)
             if config.optimizer and context.fitting:
@@ -155,8 +154,8 @@ class StaticCompile(StepParticipant):
     def process_dataloader(self, dataloader: object) -> None:
         # here, not in on_train_start: Lightning counts an epoch's batches (validation schedule, progress) right after
         context = self._view.context
-        if context is not None and context.training and self.report is not None and not self._view.config.compile.dynamic:
+        if context is not None and context.training and self.report is not None and not self._view.plan.compile.dynamic:
             drop_short_last_batch(dataloader)
 
     def teardown(self, failed: bool) -> None:
-        self.requested_backend = None
+        self.requested_backend, self._resolution = None, None

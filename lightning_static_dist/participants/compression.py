@@ -85,7 +85,7 @@ class CompressionState(StepParticipant):
         if self._gradients.mode != "hooks":
             return
         self._attached = True
-        config = self._view.config.compression
+        config = self._view.plan.compression
         if config.name == "auto":  # exact until the trial picks
             self.trial = compression_trial(config, self._view.root_device, self._view.dp_group)
             self._resume_trial()

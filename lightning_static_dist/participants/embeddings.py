@@ -38,15 +38,14 @@ class EmbeddingShards(StepParticipant):
         if not context.fitting:
             return
         view = self._view
-        config = view.config.embedding
+        plan = view.plan
+        config = plan.embedding
         if config.shard is False or self.sharder is not None:
             return
-        if view.reduce_scatter():
+        if not plan.shards_embeddings:
             rank_zero_info("static_dist: reduce_scatter shards every parameter's optimizer state; strategy.embedding"
-                           " sharding is off")
-            return
-        if view.world_size == 1:
-            rank_zero_info("static_dist: world size 1, strategy.embedding.shard has nothing to shard across")
+                           " sharding is off" if plan.reduce_by_scatter else
+                           "static_dist: world size 1, strategy.embedding.shard has nothing to shard across")
             return
         assert view.lightning_module is not None
         sharder = EmbeddingSharder(view.lightning_module, config, view.dp_group)
@@ -65,7 +64,7 @@ class EmbeddingShards(StepParticipant):
     # -------------------------------------------------------------------------------------------- a step
 
     def on_train_batch_start(self) -> None:
-        if self.sharder is not None and self._view.config.embedding.prefetch == "batch_start":
+        if self.sharder is not None and self._view.plan.embedding.prefetch == "batch_start":
             self.sharder.prefetch()
 
     def before_forward(self) -> None:
@@ -75,7 +74,7 @@ class EmbeddingShards(StepParticipant):
 
     def finish_gradients(self, accumulating: bool) -> None:
         sharder = self.sharder
-        if sharder is None or (accumulating and self._view.config.embedding.gather_once_per_step):
+        if sharder is None or (accumulating and self._view.plan.embedding.gather_once_per_step):
             return
         sharder.release()  # the full weight lives from the gather to the end of the (synchronised) backward
         recorder = self._recording.recorder
@@ -86,7 +85,7 @@ class EmbeddingShards(StepParticipant):
     def after_optimizer_step(self) -> None:
         if self.sharder is not None:
             self.sharder.release()  # the shards changed: any gathered weight is stale
-            if self._view.config.embedding.prefetch == "after_optimizer":
+            if self._view.plan.embedding.prefetch == "after_optimizer":
                 self.sharder.prefetch()
 
     # ------------------------------------------------------------------------------------------ checkpoints

@@ -18,30 +18,25 @@ Example (the roster builds it; ``strategy.synchronizer`` reads ``gradients.synch
 
 from __future__ import annotations
 
-import time
 from contextlib import AbstractContextManager, nullcontext
 from collections.abc import Iterable
-from typing import Any, Literal, Optional
+from typing import Optional
 
 import torch
 import torch.distributed
 from torch import Tensor
 from torch.nn import Parameter
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_static_dist.compression.auto import Candidate, CompressionTrial
-from lightning_static_dist.processes.world import nccl_options, start_up_timeout
-from lightning_static_dist.processes.faults import enter_collective, leave_collective, waiting_in
+from lightning_static_dist.processes.faults import enter_collective, leave_collective
 from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.participants.base import (
     StepContext,
     StepParticipant,
     StrategyView,
     global_step,
-    syncs_gradients,
 )
-from lightning_static_dist.participants.comm_sms import CommSmsSwitch
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.embeddings import EmbeddingShards
 from lightning_static_dist.participants.recording import PhaseRecording
@@ -50,33 +45,26 @@ from lightning_static_dist.sync import GradientSynchronizer, RoundSync
 from lightning_static_dist.sync.broadcast import broadcast_buffers
 from lightning_static_dist.sync.graph import GraphGradientSync
 from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
-from lightning_static_dist.sync.config import SyncConfig, reduce_torch_dtype
-from lightning_static_dist.sync.schedule import (
-    SMS_CANDIDATES,
-    ScheduleCandidate,
-    Transport,
-    candidate_named,
-    schedule_candidates,
-)
-
-SyncMode = Literal["hooks", "graph", "sharded"]
+from lightning_static_dist.step_plan import StepPlan, SyncMode
+from lightning_static_dist.sync.config import launches_during_backward, reduce_torch_dtype
+from lightning_static_dist.sync.schedule import ScheduleCandidate
 
 _GRAPH_COLLECTIVES = "the gradient collectives inside the compiled backward (sync.mode=graph)"
 
 
-def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], sync: SyncConfig,
+def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], plan: StepPlan,
                        group: Optional[torch.distributed.ProcessGroup]) -> GradientSynchronizer:
-    """The hook-driven synchroniser ``strategy.sync`` describes (``mode: hooks``, ``reduce: all_reduce``), exact: its
+    """The hook-driven synchroniser the plan describes (``mode: hooks``, ``reduce: all_reduce``), exact: its
     reducer's one owner, :class:`~lightning_static_dist.participants.compression.CompressionState`, installs the
     compressor ``strategy.compression`` names before the first round. Not attached yet: call ``attach()``."""
     synchronizer = GradientSynchronizer(
         named_parameters,
         group=group,
-        capacity=sync.capacity,
-        check_each_collective=sync.check == "collective",
-        reduce_dtype=reduce_torch_dtype(sync.reduce_dtype),
+        capacity=plan.capacity,
+        check_each_collective=plan.check_each_collective,
+        reduce_dtype=plan.reduce_dtype,
     )
-    synchronizer.launch_during_backward = sync.schedule != "after_backward"  # (auto: its trial switches it)
+    synchronizer.launch_during_backward = plan.launch_during_backward  # (auto: its trial switches it: reduce_as)
     return synchronizer
 
 
@@ -190,14 +178,15 @@ class GradientSynchronization(StepParticipant):
         sync = self.synchronizer
         return sync if isinstance(sync, ShardedGradientSynchronizer) and not sync.released else None
 
+    @property
+    def hook_sync(self) -> Optional[GradientSynchronizer]:
+        """The hook-driven synchroniser (``sync.mode: hooks`` with ``all_reduce``; ``None`` otherwise)."""
+        sync = self.synchronizer
+        return sync if isinstance(sync, GradientSynchronizer) else None
+
     def choose_mode(self, context: StepContext) -> Optional[SyncMode]:
         """The mode this setup averages with (``None``: nothing to average, one rank or not fitting)."""
-        view = self._view
-        if not syncs_gradients(context, view):
-            return None
-        if view.reduce_scatter():
-            return "sharded"
-        return "graph" if view.config.sync.mode == "graph" else "hooks"
+        return self._view.plan.sync_mode if context.fitting else None
 
     # ------------------------------------------------------------------------------------------------ setup
 
@@ -207,14 +196,14 @@ class GradientSynchronization(StepParticipant):
         if self.mode is None:
             return
         assert view.model is not None
+        plan = view.plan
         self.synchronizer, self.graph_sync = None, None  # (a later fit's own; the last fit's stayed readable)
-        if view.config.sync.broadcast_buffers:
+        if plan.sync.broadcast_buffers:
             self.buffers.follow(view.model, view.dp_group)
         if self.mode == "sharded":
             self.synchronizer = build_sharded_synchronizer(view)
         elif self.mode == "graph":
-            self.graph_sync = GraphGradientSync(view.model, group=view.dp_group,
-                                                reduce_dtype=reduce_torch_dtype(view.config.sync.reduce_dtype))
+            self.graph_sync = GraphGradientSync(view.model, group=view.dp_group, reduce_dtype=plan.reduce_dtype)
             self.graph_sync.attach()
             return
         else:
@@ -223,7 +212,7 @@ class GradientSynchronization(StepParticipant):
             self.synchronizer = build_synchronizer(
                 # a shard's gradient arrives averaged by its own reduce-scatter
                 [(name, p) for name, p in view.model.named_parameters() if id(p) not in sharded],
-                view.config.sync, group=view.dp_group,  # exact: CompressionState installs the compressor
+                plan, group=view.dp_group,  # exact: CompressionState installs the compressor
             )
             self.synchronizer.attach()
         self.synchronizer.recorder = self._recording.recorder
@@ -270,7 +259,7 @@ class GradientSynchronization(StepParticipant):
         elif self.graph_sync is not None:  # (every micro-batch averages in its own backward, accumulating or not)
             self.graph_sync.check_trainable()
             self.graph_sync.rounds += 1
-        policy = self._view.config.sync.nonfinite
+        policy = self._view.plan.sync.nonfinite
         if policy != "off" and not accumulating:
             self._check_nonfinite(policy)
 
@@ -299,6 +288,17 @@ class GradientSynchronization(StepParticipant):
         assert sharded is not None
         return sharded.clip_grad_norm_(max_norm, norm_type)
 
+    def reduce_as(self, candidate: ScheduleCandidate, group: Optional[torch.distributed.ProcessGroup]) -> None:
+        """Reduce as a ``sync.schedule: auto`` candidate says from the next round on (between rounds): over ``group``
+        (its SM budget's; ``None``: the group as it is), in its dtype, on its schedule. The synchroniser's own
+        settings change here only, where it is owned."""
+        synchronizer = self.hook_sync
+        assert synchronizer is not None  # (hooks: the only mode with a trial; the config refuses it with reduce_scatter)
+        if group is not None:
+            synchronizer.group = group
+        synchronizer.use_reduce_dtype(reduce_torch_dtype(candidate.reduce_dtype))
+        synchronizer.launch_during_backward = launches_during_backward(candidate.schedule)
+
     def no_sync(self) -> AbstractContextManager[None]:
         return self.synchronizer.no_sync() if self.synchronizer is not None else nullcontext()
 
@@ -320,201 +320,3 @@ class GradientSynchronization(StepParticipant):
         if self.graph_sync is not None:
             self.graph_sync.detach()
             self.graph_sync = None
-
-
-WARM_STEPS = 3
-"""``sync.schedule: auto`` on a GPU: the fit's first optimizer steps, before the trial (compilation, CUDA graphs: an
-H200 measured 141 ms for the first candidate's first timed step against 36 ms for the others, 2026-12-03)."""
-SCHEDULE_KEY = "static_dist_sync_schedule"  # sync.schedule: auto: the trial's choice and times
-
-
-def schedule_transport(view: StrategyView) -> Transport:
-    """What carries this run's gradient collectives, as ``sync.schedule: auto``'s candidates care: a simulated world
-    with an emulated link (whose SMs are switched), NCCL over a data-parallel group of the whole world (a group per SM
-    budget can be made on every rank) where this torch's NCCL options have ``max_ctas``, or anything whose SMs are
-    not switched (``"gloo"``: Gloo, a simulated world with free links, NCCL without ``max_ctas``: warned)."""
-    simulation = view.simulation
-    if simulation is not None:
-        return "simulated" if simulation.link is not None else "gloo"  # (free links hold no SMs)
-    group = view.dp_group
-    backend = torch.distributed.get_backend(group)
-    whole_world = torch.distributed.get_world_size(group) == torch.distributed.get_world_size()
-    if "nccl" not in backend or view.root_device.type != "cuda" or not whole_world:
-        return "gloo"
-    budget = next(n for n in SMS_CANDIDATES if n is not None)
-    if not nccl_options("nccl", budget, setting="strategy.sync.schedule=auto's SM budgets"):
-        return "gloo"  # (warned) every budget's group would be the default's twin: the default SMs only
-    return "nccl"
-
-
-class SyncSchedule(StepParticipant):
-    """``strategy.sync.schedule: auto``: times the candidates of :mod:`~lightning_static_dist.sync.schedule` — the
-    schedule, and with ``sync.mode: hooks`` the SMs a collective may use and (``reduce_dtype: auto``) the reduce dtype
-    — on this job's first optimizer steps, the slowest rank's time of each, and keeps the fastest on every rank. The
-    choice is printed with what the trial cost, kept in the checkpoint (a resumed run applies it without timing again)
-    and offered to the run summary. The trial's steps are real training steps: only how the collectives go changes.
-    What it switches process-wide (NCCL groups per SM budget, a simulated link's SMs) is undone at teardown, after a
-    failure too (the NCCL groups then left to the exit path); the groups not chosen are destroyed once the trial
-    decides, and a resumed run opens the chosen budget's group only. ``gradients`` owns the synchroniser it switches
-    (``sync.mode: hooks``; the sharded synchroniser has no ``auto``: the config refuses it).
-
-    Example (the roster builds it)::
-
-        schedule = SyncSchedule(strategy, gradients)
-        schedule.after_setup(context)       # the candidates, the trial (and the checkpoint's choice, if resumed)
-        schedule.on_train_batch_start()     # each batch: the candidate for this step
-    """
-
-    def __init__(self, view: StrategyView, gradients: GradientSynchronization) -> None:
-        self._view = view
-        self._gradients = gradients
-        self.trial: Optional[CompressionTrial] = None
-        """The trial (``schedule: auto`` while fitting), and once made its choice."""
-        self.candidates: list[ScheduleCandidate] = []
-        """What this fit's trial times, in order (the first is the baseline)."""
-        self.trial_steps = 0
-        """Optimizer steps the trial took (once decided)."""
-        self.trial_s: Optional[float] = None
-        """Seconds the trial took, from its first step (after the warm steps) to the batch it decided at (once
-        decided)."""
-        self._started: Optional[float] = None
-        self._first_step: Optional[int] = None
-        self._warm = 0
-        self._sms: Optional[CommSmsSwitch] = None
-        self._resume: Optional[dict[str, Any]] = None
-
-    def after_setup(self, context: StepContext) -> None:
-        view = self._view
-        mode = self._gradients.mode
-        if view.config.sync.schedule != "auto" or mode != "hooks":
-            return
-        transport = schedule_transport(view)
-        self.candidates = schedule_candidates(view.config.sync, transport)
-        known = self._saved_choice()  # (resumed with a choice: its budget alone)
-        timed = self.candidates if known is None else [known]
-        budgets = sorted({c.comm_sms for c in timed if c.comm_sms is not None}, reverse=True)
-        if budgets:  # (a collective on NCCL: every rank has the same candidates and checkpoint)
-            self._sms = CommSmsSwitch.open(transport, view.dp_group, budgets, timeout=start_up_timeout(view.config))
-        trial_candidates = [Candidate(c.name, lambda c=c: c) for c in self.candidates]
-        # (on a GPU the first steps compile the step and record its CUDA graphs: timed, they would sink the first
-        # candidate; on CPUs the first step, untimed for each candidate, is enough). Counted from the first batch
-        # this fit sees (on_train_batch_start): a resumed fit compiles again too.
-        self._warm = WARM_STEPS if view.root_device.type == "cuda" else 0
-        self.trial = CompressionTrial(trial_candidates, start_step=0,
-                                      trial_steps=view.config.sync.schedule_trial_steps,
-                                      device=view.root_device, group=view.dp_group, min_gain=0.0)
-        self.trial_steps, self.trial_s, self._started, self._first_step = 0, None, None, None
-        if self._resume is not None:
-            self._load(self._resume)
-
-    def on_train_batch_start(self) -> None:
-        trial = self.trial
-        if trial is None or trial.decided or self._gradients.synchronizer is None:
-            return
-        step = global_step(self._view)
-        if self._first_step is None:  # (the warm steps count from here, not from step 0: see after_setup)
-            self._first_step = step
-            trial.start_step = step + self._warm
-        if self._started is None and step >= trial.start_step:  # (the trial's cost: from its first step, not the warm)
-            self._started = self._now()
-        candidate = trial.before_step(step)
-        if candidate != "keep":
-            self._use(candidate.make())
-        if trial.decided:
-            self.trial_steps = len(self.candidates) * trial.trial_steps
-            self.trial_s = self._slowest_rank(self._now() - self._started)
-            rank_zero_info(f"static_dist: sync.schedule auto: {trial.describe()}; the trial took {self.trial_steps}"
-                           f" steps ({len(self.candidates)} candidates x {trial.trial_steps}), {self.trial_s:.1f} s")
-            self._keep_chosen()  # (every rank decides at this step; the device synchronised above)
-
-    def comm_groups(self) -> list[torch.distributed.ProcessGroup]:
-        """The NCCL groups this fit opened for SM budgets and has not destroyed yet (``CollectiveTimeout`` sets
-        ``strategy.timeout_s`` on them after the first optimizer step)."""
-        return self._sms.groups if self._sms is not None else []
-
-    def _keep_chosen(self) -> None:
-        """Destroy the SM groups the trial's choice does not reduce over (the synchroniser is on the chosen one)."""
-        assert self.trial is not None and self.trial.choice is not None
-        chosen = next((c for c in self.candidates if c.name == self.trial.choice), None)
-        if self._sms is not None and chosen is not None:
-            self._sms.keep(chosen.comm_sms)
-
-    def _saved_choice(self) -> Optional[ScheduleCandidate]:
-        """The candidate a checkpoint loaded before setup chose, if it is one of this run's (else ``None``: timed)."""
-        saved = self._resume
-        if saved is None or saved.get("choice") is None:
-            return None
-        return candidate_named(saved["choice"], self.candidates, self._view.config.sync)
-
-    def _now(self) -> float:
-        if self._view.root_device.type == "cuda":
-            torch.cuda.synchronize(self._view.root_device)  # the trial's cost is device time too
-        return time.perf_counter()
-
-    def _slowest_rank(self, seconds: float) -> float:
-        """The slowest rank's ``seconds`` (every rank decides at the same step: one small all-reduce there)."""
-        view = self._view
-        value = torch.tensor([seconds], dtype=torch.float64,
-                             device=view.root_device if view.root_device.type == "cuda" else "cpu")
-        with waiting_in("the all-reduce of the schedule trial's cost"):
-            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=view.dp_group)
-        return float(value.item())
-
-    def _use(self, candidate: ScheduleCandidate) -> None:
-        """Reduce as ``candidate`` says from the next round on (between rounds): its SMs, its dtype, its schedule."""
-        synchronizer = self._gradients.synchronizer
-        if isinstance(synchronizer, GradientSynchronizer):  # (hooks: the only mode with a trial)
-            if self._sms is not None:
-                synchronizer.group = self._sms.group_for(candidate.comm_sms)
-            synchronizer.use_reduce_dtype(reduce_torch_dtype(candidate.reduce_dtype))
-        self._use_schedule(candidate.schedule)
-
-    def _use_schedule(self, schedule: str) -> None:
-        """Issue the buckets as ``schedule`` says from the next round on: the one place a schedule is applied."""
-        synchronizer = self._gradients.synchronizer
-        assert synchronizer is not None
-        synchronizer.launch_during_backward = schedule == "overlap"  # type: ignore[attr-defined]
-
-    def after_optimizer_step(self) -> None:
-        if self.trial is not None:
-            self.trial.after_step()
-
-    def state_dict(self) -> dict[str, Any]:
-        if self.trial is None:
-            return {}
-        state = self.trial.state_dict()
-        if self.trial.decided and self.trial_s is not None:
-            state.update(trial_steps=self.trial_steps, trial_s=self.trial_s)
-        return {SCHEDULE_KEY: state}
-
-    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        saved = checkpoint.pop(SCHEDULE_KEY, None)
-        if saved is None:
-            return
-        if self.trial is None:
-            self._resume = saved  # Lightning loads before the strategy's setup: applied when the trial is built
-        else:
-            self._load(saved)
-
-    def _load(self, saved: dict[str, Any]) -> None:
-        self._resume = None
-        assert self.trial is not None
-        if saved.get("choice") is None:
-            return  # saved mid-trial: timed again from the start
-        chosen = candidate_named(saved["choice"], self.candidates, self._view.config.sync)
-        if chosen is None:
-            rank_zero_warn(f"static_dist: sync.schedule auto: the checkpoint chose {saved['choice']!r}, not among this"
-                           f" run's candidates ({', '.join(c.name for c in self.candidates)}); timing them again")
-            return
-        self.trial.load_state_dict({**saved, "choice": chosen.name})
-        self.trial_steps, self.trial_s = int(saved.get("trial_steps", 0)), saved.get("trial_s")
-        if self._gradients.synchronizer is not None:
-            self._use(chosen)
-        self._keep_chosen()  # (loaded after setup: every budget's group was opened; every rank loads the same)
-
-    def teardown(self, failed: bool) -> None:
-        if self._sms is not None:  # (after a failure too: the SMs of this fit are not the next one's)
-            synchronizer = self._gradients.synchronizer
-            self._sms.close(synchronizer if isinstance(synchronizer, GradientSynchronizer) else None, failed)
-            self._sms = None
-        self.trial = None

@@ -20,7 +20,8 @@ from typing import Any, Optional
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
-from lightning_static_dist.participants.gradients import GradientSynchronization, SyncSchedule
+from lightning_static_dist.participants.gradients import GradientSynchronization
+from lightning_static_dist.participants.schedule_trial import SyncSchedule
 from lightning_static_dist.sync import GradientSynchronizer
 from lightning_static_dist.sync.optimizer_overlap import (
     BucketwiseOptimizer,
@@ -50,23 +51,22 @@ class OptimizerOverlap(StepParticipant):
         self._decided: Optional[str] = None  # under sync.schedule auto: the line once its trial chose
 
     def _synchronizer(self) -> Optional[GradientSynchronizer]:
-        sync = self._gradients.synchronizer
-        return sync if isinstance(sync, GradientSynchronizer) else None
+        return self._gradients.hook_sync
 
     def after_setup(self, context: StepContext) -> None:
         self.choice, self._decided = None, None
         if self._gradients.mode is None:
             return  # one rank, or not fitting: nothing is averaged, nothing to overlap
         view = self._view
-        config = view.config
+        plan = view.plan
         module = view.lightning_module
-        hazards = config.sync.optimizer_overlap_hazards(config.compression.name, config.compile.optimizer,
-                                                        sharded=self._gradients.mode == "sharded")
+        hazards = plan.sync.optimizer_overlap_hazards(plan.compression.name, plan.compile.optimizer,
+                                                      sharded=self._gradients.mode == "sharded")
         hazards += step_hazards(context.gradient_readers,
                                 automatic_optimization=getattr(module, "automatic_optimization", True),
                                 scaler=getattr(view.precision_plugin, "scaler", None) is not None,
                                 optimizers=view.optimizers)
-        self.choice = choose_optimizer_overlap(config.sync.optimizer_overlap, hazards)  # (true + a hazard: raises)
+        self.choice = choose_optimizer_overlap(plan.sync.optimizer_overlap, hazards)  # (true + a hazard: raises)
         self.switch(self.choice.on)
         self._follow_trial()  # (a resumed fit's trial may have decided already)
         if self.announced is not None:
@@ -78,9 +78,9 @@ class OptimizerOverlap(StepParticipant):
         anything (``after_backward``, ``auto``; with ``overlap`` every bucket is waited for as backward ends). Under
         ``sync.schedule: auto`` it is on for the after_backward candidates only until the trial decides, then as the
         choice makes it (an ``overlap/...`` choice steps no bucket on its own: off)."""
-        if self.choice is None or self._view.config.sync.schedule == "overlap":
+        if self.choice is None or self._view.plan.schedule == "overlap":
             return None
-        if self._view.config.sync.schedule != "auto" or not self.choice.on:
+        if self._view.plan.schedule != "auto" or not self.choice.on:
             return self.choice.describe()
         return self._decided or f"optimizer overlap: on for sync.schedule auto's after_backward candidates" \
                                 f" ({self.choice.why})"

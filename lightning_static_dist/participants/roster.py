@@ -22,10 +22,11 @@ from lightning_static_dist.participants.base import StepParticipant, StrategyVie
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.compression import CompressionState
 from lightning_static_dist.participants.embeddings import EmbeddingShards
-from lightning_static_dist.participants.gradients import GradientSynchronization, SyncSchedule
+from lightning_static_dist.participants.gradients import GradientSynchronization
 from lightning_static_dist.participants.optimizer_overlap import OptimizerOverlap
 from lightning_static_dist.participants.recording import PhaseRecording
 from lightning_static_dist.participants.resume import LastStepSave, MidEpochResume
+from lightning_static_dist.participants.schedule_trial import SyncSchedule
 from lightning_static_dist.participants.runtime import CollectiveTimeout, PeerWatch, SigtermAgreement, SimulationMark
 from lightning_static_dist.participants.sharded import ShardedSync
 

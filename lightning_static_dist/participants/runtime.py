@@ -10,7 +10,6 @@ Example (the strategy builds these in its ``__init__``)::
 
 from __future__ import annotations
 
-from datetime import timedelta
 from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
@@ -54,7 +53,7 @@ class PeerWatch(StepParticipant):
 
 class CollectiveTimeout(StepParticipant):
     """``strategy.timeout_s`` from the first optimizer step on. The process group starts with a longer timeout
-    (``processes/world.py``'s ``start_up_timeout``): a rank waits for another while they start, set up and
+    (``step_plan.py``'s ``start_up_timeout``): a rank waits for another while they start, set up and
     compile far longer than a collective of a running job should; a value that fits a running job (seconds) would
     end the job before its first step. The default group and the host group are set once (they live for the job);
     the groups a fit opens for itself (``groups``: ``sync.schedule: auto``'s SM budgets, opened with the start-up
@@ -71,7 +70,7 @@ class CollectiveTimeout(StepParticipant):
         if self._fit_set or view.world_size == 1 or view.simulation is not None or not dist.is_initialized():
             return
         self._fit_set = True
-        timeout = timedelta(seconds=view.config.timeout_s)
+        timeout = view.plan.timeout
         if not self._set:
             self._set = True
             set_collective_timeout(timeout)

@@ -15,7 +15,7 @@ Example (the roster builds it)::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import os
 
@@ -69,12 +69,12 @@ def build_sharded_synchronizer(view: StrategyView) -> ShardedGradientSynchronize
     if getattr(view.precision_plugin, "scaler", None) is not None:
         raise ConfigError("strategy.sync.reduce='reduce_scatter': the 16-mixed gradient scaler decides per rank on"
                           " shards; use precision bf16-mixed or 32, or strategy.sync.reduce='all_reduce'")
-    sync_cfg = view.config.sync
+    plan = view.plan
     sync = ShardedGradientSynchronizer(
         view.model.named_parameters(), optimizer, shard_group=mesh.get_group(SHARD_DIM),
         replicate_group=mesh.get_group(REPLICATE_DIM), group=view.dp_group,
-        capacity=sync_cfg.capacity,
-        check_each_collective=sync_cfg.check == "collective",
+        capacity=plan.capacity,
+        check_each_collective=plan.check_each_collective,
     )
     sync.bind()
     sync.attach()
@@ -85,12 +85,25 @@ def build_sharded_synchronizer(view: StrategyView) -> ShardedGradientSynchronize
     return sync
 
 
+class ShardHolder(Protocol):
+    """Where the sharded synchroniser is read from: the gradient participant, which builds it and runs its rounds
+    (a protocol, so that this module need not import that one, which imports this).
+
+    Example::
+
+        sharded = ShardedSync(strategy, gradients, compile)   # gradients: a GradientSynchronization
+    """
+
+    @property
+    def sharded_sync(self) -> Optional[ShardedGradientSynchronizer]: ...
+
+
 class ShardedSync(StepParticipant):
     """The sharded synchroniser's own part of a step: the gathers, and the sharded optimizer state in checkpoints.
     ``gradients`` (the gradient participant, which builds the synchroniser and runs its rounds) is where it reads
     the synchroniser from; its setup runs first."""
 
-    def __init__(self, view: StrategyView, gradients: Any, compile: StaticCompile) -> None:
+    def __init__(self, view: StrategyView, gradients: ShardHolder, compile: StaticCompile) -> None:
         self._view = view
         self._gradients = gradients
         self._compile = compile
@@ -104,7 +117,7 @@ class ShardedSync(StepParticipant):
         return self._gradients.sharded_sync
 
     def _sharded_checkpoints(self) -> bool:
-        return self.sharded_sync is not None and self._view.config.checkpoint.format != "full"
+        return self.sharded_sync is not None and self._view.plan.checkpoint.format != "full"
 
     # ------------------------------------------------------------------------------------------------ setup
 
@@ -115,7 +128,7 @@ class ShardedSync(StepParticipant):
         sync = self.sharded_sync
         if sync is not None:
             self._wait_for_parameters_where_needed(sync)
-        elif view.config.checkpoint.format == "sharded":
+        elif view.plan.checkpoint.format == "sharded":
             rank_zero_warn("static_dist: strategy.checkpoint.format='sharded' has nothing to shard with"
                            " strategy.sync.reduce=all_reduce (every rank holds the whole state); checkpoints are full")
 
@@ -211,7 +224,7 @@ class ShardedSync(StepParticipant):
     def _consolidate_last_checkpoint(self) -> None:
         """``strategy.checkpoint.consolidate_at_end``: the last sharded checkpoint becomes a plain file, in place."""
         path, self._last_sharded_checkpoint = self._last_sharded_checkpoint, None
-        if path is None or not self._view.config.checkpoint.consolidate_at_end:
+        if path is None or not self._view.plan.checkpoint.consolidate_at_end:
             return
         if self._view.simulation is not None:  # only rank 0's shards were written: there is nothing whole to make
             rank_zero_info(f"static_dist: the last sharded checkpoint ({path}) holds rank 0's shards of a simulated"

@@ -55,8 +55,9 @@ from lightning_static_dist.processes.faults import (diagnose, is_collective_fail
                                                     waiting_in)
 from lightning_static_dist.processes.launcher import StaticDistLauncher, StaticDistSpawnLauncher
 from lightning_static_dist.processes.world import (check_launch_environment, check_simulation, ranks_in_world,
-                                                   resolve_for_world, start_process_group, start_up_timeout)
-from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
+                                                   resolve_for_world, start_process_group)
+from lightning_static_dist.step_plan import StepPlan
+from lightning_static_dist.mesh import build_dp_mesh, resolve_mesh_shape
 from lightning_static_dist.simulate.config import SimulateConfig
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class DataParallelProcesses(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._num_nodes = num_nodes
         self._mesh: Optional[DeviceMesh] = None
+        self._plan: Optional[StepPlan] = None
         self._host_group: Optional[torch.distributed.ProcessGroup] = None
         self._failed = False
         self._preempted = False  # the ranks' agreed SIGTERM stop (processes/sigterm.py): every rank saved, none failed
@@ -114,6 +116,13 @@ class DataParallelProcesses(ParallelStrategy):
     def config(self) -> StrategyConfig:
         """The validated strategy configuration (``strategy.config.sync.bucket_mb`` ...)."""
         return self._config
+
+    @property
+    def plan(self) -> StepPlan:
+        """The step plan of the world that started (resolved in :meth:`setup_environment`)."""
+        if self._plan is None:
+            raise RuntimeError("The step plan is resolved when the processes start: access it in or after `setup`.")
+        return self._plan
 
     @property
     def simulation(self) -> Optional[SimulateConfig]:
@@ -191,8 +200,8 @@ class DataParallelProcesses(ParallelStrategy):
         return self._host_group
 
     def reduce_scatter(self) -> bool:
-        """``strategy.sync.reduce`` resolved against the mesh that started (``auto``: reduce_scatter if dp_shard > 1)."""
-        return reduces_by_scatter(self._config.sync.reduce, self._mesh, self.world_size)
+        """``strategy.sync.reduce`` resolved against the mesh that started (the plan's ``reduce_by_scatter``)."""
+        return self.plan.reduce_by_scatter
 
     @override
     def _configure_launcher(self) -> None:
@@ -236,7 +245,7 @@ class DataParallelProcesses(ParallelStrategy):
         self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
         resolve_for_world(self)
         if self.world_size > 1 and self._host_group is None:  # once per strategy: every later stage reuses it
-            self._host_group = loop_patches.host_group(start_up_timeout(self._config))
+            self._host_group = loop_patches.host_group(self.plan.start_up_timeout)
         if self.world_size > 1 and self.simulation is None:
             # a script's uncaught exception: no traceback on top of the line on_exception printed for it
             install_excepthook(lambda error: in_chain(error, self._reported))

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import socket
 from collections.abc import Mapping
@@ -33,22 +34,11 @@ from lightning_static_dist.simulate import BACKEND as SIMULATED_BACKEND
 from lightning_static_dist.simulate import init_simulated_world, is_simulated, set_link
 from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.simulate.link import check_available as check_link_available
+from lightning_static_dist.step_plan import resolve_plan, start_up_timeout
 from lightning_static_dist.strategy_config import StrategyConfig
 
 #: backends whose communicator is created eagerly on the rank's device when the process group is bound to it
 _DEVICE_BOUND_BACKENDS = ("nccl", "xccl", "hccl")
-
-START_UP_S = 600.0
-"""Seconds the collectives may wait until the first optimizer step is over, when ``strategy.timeout_s`` is shorter:
-the ranks of a job start seconds apart (each imports torch and Lightning), and setup and the first step (a rank's
-data preparation, a compilation) keep one rank waiting for another far longer than a collective of a running job
-should. ``participants/runtime.py``'s ``CollectiveTimeout`` sets ``strategy.timeout_s`` then."""
-
-
-def start_up_timeout(config: StrategyConfig) -> timedelta:
-    """The collectives' timeout from the start until the first optimizer step is over (:data:`START_UP_S`)."""
-    return timedelta(seconds=max(config.timeout_s, START_UP_S))
-
 
 def binds_device(backend: str, device: torch.device) -> bool:
     """Whether the process group starts bound to the rank's device (``device_id``): for the accelerator's own
@@ -122,17 +112,18 @@ def start_simulated_world(simulation: SimulateConfig, comm_sms: Optional[int], d
 
 
 def resolve_for_world(strategy: Any) -> None:
-    """Either front end's config, what in it depends on the world (``sync.schedule: by_topology``) made concrete for
-    this setup's world (:meth:`StrategyConfig.resolved`), from the config as asked, so that a strategy reused in another
-    world resolves again; its line printed on rank 0, and a refusal in one line (``parse_errors_of``). At setup, once
-    the mesh is built."""
+    """Either front end's step plan for this setup's world (:func:`~lightning_static_dist.step_plan.resolve_plan`),
+    from the config as asked, so that a strategy reused in another world resolves again: ``strategy._plan``, and
+    ``strategy._config`` with ``sync.schedule: by_topology`` made concrete; the line saying what it became printed on
+    rank 0, and a refusal in one line (``parse_errors_of``). At setup, once the mesh is built."""
     asked = strategy.__dict__.setdefault("_asked_config", strategy._config)
     with parse_errors_of(strategy):
-        config, line = asked.resolved(device_type=strategy.root_device.type, num_nodes=strategy.num_nodes,
-                                      sharded=strategy.reduce_scatter())
-    if line is not None:
-        rank_zero_info(f"static_dist: {line}")
-    strategy._config = config
+        plan = resolve_plan(asked, world_size=strategy.world_size, device_type=strategy.root_device.type,
+                            num_nodes=strategy.num_nodes, mesh=strategy.device_mesh)
+    if plan.schedule_line is not None:
+        rank_zero_info(f"static_dist: {plan.schedule_line}")
+    strategy._config = asked if plan.sync is asked.sync else dataclasses.replace(asked, sync=plan.sync)
+    strategy._plan = plan
 
 
 def ranks_in_world(simulation: Optional[SimulateConfig], num_nodes: int, num_processes: int) -> int:

@@ -166,6 +166,12 @@ def resolve_schedule(sync: SyncConfig, *, device_type: str, num_nodes: int, shar
     return "after_backward" if one_node_of_gpus and sync.mode == "hooks" and not sharded else "overlap"
 
 
+def launches_during_backward(schedule: str) -> bool:
+    """Whether a schedule (``sync.schedule`` resolved, or a ``schedule: auto`` candidate's) issues each bucket as it
+    fills during backward: every one but ``after_backward`` (``auto`` starts as ``overlap``, its trial switches it)."""
+    return schedule != "after_backward"
+
+
 def reduce_torch_dtype(reduce_dtype: str) -> Optional[torch.dtype]:
     """The dtype ``sync.reduce_dtype`` (or a ``schedule: auto`` candidate's) averages in: ``bf16`` is
     ``torch.bfloat16``; ``fp32`` and ``auto`` are ``None``, the gradients' own (``auto`` starts there, its trial

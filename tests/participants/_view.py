@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import lightning as L
 
-from lightning_static_dist.mesh import reduces_by_scatter
 from lightning_static_dist.simulate.config import SimulateConfig
+from lightning_static_dist.step_plan import StepPlan, resolve_plan
 from lightning_static_dist.strategy_config import StrategyConfig
 
 
@@ -96,6 +96,11 @@ class View:
         return self._config
 
     @property
+    def plan(self) -> StepPlan:
+        # resolved as the front ends' processes resolve it, for the world of this process group and the mesh
+        return resolve_plan(self._config, world_size=self.world_size, device_type="cpu", num_nodes=1, mesh=self._mesh)
+
+    @property
     def world_size(self) -> int:
         return dist.get_world_size() if dist.is_initialized() else 1
 
@@ -160,8 +165,7 @@ class View:
         return None
 
     def reduce_scatter(self) -> bool:
-        # as the strategy resolves it (without a mesh ``auto`` never shards)
-        return reduces_by_scatter(self._config.sync.reduce, self._mesh, self.world_size)
+        return self.plan.reduce_by_scatter  # (without a mesh ``auto`` never shards)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if dist.is_initialized():

@@ -20,14 +20,10 @@ import torch.distributed as dist
 from _dist import run_ranks
 
 from lightning_static_dist.participants import comm_sms as comm_sms_module
-from lightning_static_dist.participants import gradients as gradients_module
+from lightning_static_dist.participants import schedule_trial as schedule_module
 from lightning_static_dist.participants.comm_sms import CommSmsSwitch
-from lightning_static_dist.participants.gradients import (
-    SCHEDULE_KEY,
-    GradientSynchronization,
-    SyncSchedule,
-    schedule_transport,
-)
+from lightning_static_dist.participants.gradients import GradientSynchronization
+from lightning_static_dist.participants.schedule_trial import SCHEDULE_KEY, SyncSchedule, schedule_transport
 from lightning_static_dist.participants.runtime import CollectiveTimeout
 from lightning_static_dist.simulate.config import LinkConfig, SimulateConfig
 from lightning_static_dist.simulate.group import WORLD
@@ -35,7 +31,7 @@ from lightning_static_dist.strategy_config import StrategyConfig
 
 from ._view import Context, Regression, View, gradient_participant
 
-START_UP = timedelta(seconds=600)  # processes/world.py's START_UP_S: timeout_s (60) is shorter
+START_UP = timedelta(seconds=600)  # step_plan.py's START_UP_S: timeout_s (60) is shorter
 TIMEOUT_S = 60.0
 TRIAL_STEPS = 2
 _REAL_NEW_GROUP = dist.new_group
@@ -170,7 +166,7 @@ def test_nccl_without_max_ctas_tries_the_default_sms_only(monkeypatch: pytest.Mo
     monkeypatch.setattr(torch.distributed, "ProcessGroupNCCL", None, raising=False)  # (this torch's NCCL, lacking it)
     with pytest.warns(UserWarning, match="schedule=auto's SM budgets: this torch's NCCL options have no max_ctas"):
         assert schedule_transport(_view()) == "gloo"
-    monkeypatch.setattr(gradients_module, "nccl_options", lambda backend, sms, setting=None: {"pg_options": sms})
+    monkeypatch.setattr(schedule_module, "nccl_options", lambda backend, sms, setting=None: {"pg_options": sms})
     assert schedule_transport(_view()) == "nccl"
 
 
@@ -210,7 +206,7 @@ def _as_if_nccl(asked: list[Optional[int]]) -> None:
         asked.append(pg_options)
         return _REAL_NEW_GROUP(ranks, timeout=timeout, backend="gloo")
 
-    gradients_module.schedule_transport = lambda view: "nccl"  # type: ignore[assignment]
+    schedule_module.schedule_transport = lambda view: "nccl"  # type: ignore[assignment]
     comm_sms_module.nccl_options = lambda backend, sms: {"pg_options": sms}  # type: ignore[assignment]
     dist.new_group = budget_group  # type: ignore[assignment]
 

@@ -37,8 +37,8 @@ def _participant(config: StrategyConfig, step: int = 0) -> tuple[Regression, Any
     """A model, its (unattached, exact) hook synchroniser over the default group, and the participant, at ``step``;
     the participant's ``setup`` installs the configured compressor."""
     model = Regression()
-    synchronizer = build_synchronizer(model.named_parameters(), config.sync, dist.group.WORLD)
     view = View(model, config)
+    synchronizer = build_synchronizer(model.named_parameters(), view.plan, dist.group.WORLD)
     context = view.enter(Context(global_step=step))
     return model, synchronizer, CompressionState(view, _HookGradients(synchronizer)), context
 

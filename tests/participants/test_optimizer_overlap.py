@@ -12,7 +12,7 @@ import torch
 from _dist import run_ranks
 
 from lightning_static_dist.config import ConfigError
-from lightning_static_dist.participants.gradients import SyncSchedule
+from lightning_static_dist.participants.schedule_trial import SyncSchedule
 from lightning_static_dist.participants.optimizer_overlap import OptimizerOverlap
 from lightning_static_dist.sync.optimizer_overlap import BucketwiseOptimizer
 

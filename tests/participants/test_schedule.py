@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from _dist import run_ranks
 
-from lightning_static_dist.participants.gradients import SCHEDULE_KEY, GradientSynchronization, SyncSchedule
+from lightning_static_dist.participants.gradients import GradientSynchronization
+from lightning_static_dist.participants.schedule_trial import SCHEDULE_KEY, SyncSchedule
 
 from ._view import Context, Regression, View, gradient_participant
 

@@ -36,8 +36,8 @@ from lightning_static_dist import RunSummary, StaticDistStrategy
 from lightning_static_dist.compat import all_gather_single, reduce_scatter_single
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.config.check import ConfigError
-from lightning_static_dist.participants.compilation import compile_split
-from lightning_static_dist.participants.gradients import SCHEDULE_KEY
+from lightning_static_dist.participants.schedule_trial import SCHEDULE_KEY
+from lightning_static_dist.step_plan import compile_split
 from lightning_static_dist.processes.world import nccl_options
 from lightning_static_dist.simulate import BACKEND, LinkConfig, SimulatedGroup, init_simulated_world, set_link
 from lightning_static_dist.simulate import group as simulated_group
@@ -649,9 +649,9 @@ def _schedule_auto_in_a_simulated_world(fail_at: Optional[int], as_if_linked: bo
     fit (or a fit failing mid-trial) leaves them at 16. A link needs CUDA: ``as_if_linked`` has the schedule take the
     world for one with a link (its free links would switch no SMs, and time the default SMs only)."""
     if as_if_linked:
-        from lightning_static_dist.participants import gradients
+        from lightning_static_dist.participants import schedule_trial
 
-        gradients.schedule_transport = lambda view: "simulated"  # (this fresh process's own)
+        schedule_trial.schedule_transport = lambda view: "simulated"  # (this fresh process's own)
     probe, summary = _SmsPerStep(), RunSummary(warmup_steps=0)
     strategy = StaticDistStrategy(simulate={"world_size": 2},
                                   sync={"schedule": "auto", "schedule_trial_steps": 2, "comm_sms": 16})

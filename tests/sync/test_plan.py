@@ -88,7 +88,7 @@ def test_parameters_outside_the_pieces_are_bucketed_by_capacity_and_never_join_a
 
 def test_bucket_sizes_in_mib_become_bytes_in_one_place() -> None:
     from lightning_static_dist.compile.config import CompileConfig
-    from lightning_static_dist.participants.compilation import compile_split
+    from lightning_static_dist.step_plan import compile_split
     from lightning_static_dist.sync import BucketCapacity
     from lightning_static_dist.sync.config import SyncConfig
 
@@ -96,4 +96,4 @@ def test_bucket_sizes_in_mib_become_bytes_in_one_place() -> None:
     assert sync.capacity == BucketCapacity(first_bytes=1 << 19, bytes=10 << 20)
     assert (sync.capacity.first_mib, sync.capacity.mib) == (0.5, 10.0)
     # the compiled step is cut where the synchroniser's buckets end: the same bytes
-    assert compile_split(CompileConfig(enabled=True), sync, world_size=2) == (1 << 19, 10 << 20)
+    assert compile_split(CompileConfig(enabled=True), sync, world_size=2) == BucketCapacity(1 << 19, 10 << 20)

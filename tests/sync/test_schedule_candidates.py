@@ -8,7 +8,7 @@ import pytest
 
 from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.config.check import ConfigError
-from lightning_static_dist.participants.compilation import compile_split
+from lightning_static_dist.step_plan import compile_split
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.sync.config import SyncConfig, resolve_schedule
 from lightning_static_dist.sync.schedule import ScheduleCandidate, candidate_named, schedule_candidates

@@ -1,0 +1,116 @@
+"""The step plan: the ``strategy`` block resolved once for the world that started (``resolve_plan``), on real Gloo
+ranks with real meshes; and a default changed in a config dataclass reaching the step with no other edit."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import pytest
+import torch
+from _dist import run_ranks
+
+from lightning_static_dist.mesh import MeshConfig, build_dp_mesh
+from lightning_static_dist.step_plan import StepPlan, resolve_plan
+from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.sync.config import SyncConfig
+from lightning_static_dist.sync.plan import BucketCapacity
+
+from tests.participants._view import Context, gradient_participant
+
+
+def _summary(plan: StepPlan) -> dict[str, Any]:
+    return {"mode": plan.sync_mode, "scatter": plan.reduce_by_scatter, "schedule": plan.schedule,
+            "sync.schedule": plan.sync.schedule, "launch": plan.launch_during_backward, "cut": plan.compile_cut,
+            "capacity": plan.capacity, "embeddings": plan.shards_embeddings, "line": plan.schedule_line,
+            "reduce_dtype": plan.reduce_dtype}
+
+
+def _plans(rank: int, world: int) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    replicated = build_dp_mesh("cpu", MeshConfig())  # (collective: every rank builds each mesh)
+    sharded = build_dp_mesh("cpu", MeshConfig(dp_shard=2))
+    default = StrategyConfig()
+    found["cpu"] = _summary(resolve_plan(default, world_size=world, device_type="cpu", num_nodes=1, mesh=replicated))
+    # the world's device type and nodes decide by_topology (resolved here without a GPU: nothing runs on one)
+    found["gpus"] = _summary(resolve_plan(default, world_size=world, device_type="cuda", num_nodes=1, mesh=replicated))
+    found["nodes"] = _summary(resolve_plan(default, world_size=world, device_type="cuda", num_nodes=2, mesh=replicated))
+    shard_embeddings = StrategyConfig.from_dict({"mesh": {"dp_shard": 2}, "embedding": {"shard": "auto"},
+                                                 "sync": {"reduce_dtype": "fp32"}})
+    found["sharded"] = _summary(resolve_plan(shard_embeddings, world_size=world, device_type="cpu", num_nodes=1,
+                                             mesh=sharded))
+    bf16 = StrategyConfig.from_dict({"sync": {"reduce_dtype": "bf16", "schedule": "after_backward"}})
+    found["bf16"] = _summary(resolve_plan(bf16, world_size=world, device_type="cpu", num_nodes=1, mesh=replicated))
+    found["one_rank"] = _summary(resolve_plan(default, world_size=1, device_type="cpu", num_nodes=1, mesh=None))
+    return found
+
+
+@pytest.fixture(scope="module")
+def plans() -> list[dict[str, Any]]:
+    return run_ranks(_plans, world_size=2, timeout=120)
+
+
+@pytest.mark.multiprocess
+def test_by_topology_is_resolved_for_the_world_and_never_left_to_read(plans: list[dict[str, Any]]) -> None:
+    capacity = SyncConfig().capacity
+    for r in plans:
+        assert r["cpu"] == {"mode": "hooks", "scatter": False, "schedule": "overlap", "sync.schedule": "overlap",
+                            "launch": True, "cut": capacity, "capacity": capacity, "embeddings": False,
+                            "line": "sync.schedule by_topology: overlap (CPUs of 1 node)", "reduce_dtype": None}
+        # one node of GPUs: every bucket after backward, so the compiled step is not cut
+        assert (r["gpus"]["schedule"], r["gpus"]["sync.schedule"], r["gpus"]["launch"], r["gpus"]["cut"]) == (
+            "after_backward", "after_backward", False, None)
+        assert (r["nodes"]["schedule"], r["nodes"]["launch"], r["nodes"]["cut"]) == ("overlap", True, capacity)
+        for plan in r.values():
+            assert "by_topology" not in (plan["schedule"], plan["sync.schedule"])
+
+
+@pytest.mark.multiprocess
+def test_the_mesh_decides_the_reduce_path_and_what_follows_from_it(plans: list[dict[str, Any]]) -> None:
+    for r in plans:
+        # reduce auto on a mesh with dp_shard > 1: reduce_scatter, which shards the embeddings' state already and
+        # compiles without the bucket cut (its gathers follow the blocks)
+        assert {k: r["sharded"][k] for k in ("mode", "scatter", "embeddings", "cut", "schedule")} == {
+            "mode": "sharded", "scatter": True, "embeddings": False, "cut": None, "schedule": "overlap"}
+        assert (r["bf16"]["reduce_dtype"], r["bf16"]["line"], r["bf16"]["launch"]) == (torch.bfloat16, None, False)
+        assert (r["one_rank"]["mode"], r["one_rank"]["cut"]) == (None, None)  # one rank: nothing to average or cut
+
+
+def test_the_plan_is_frozen() -> None:
+    plan = resolve_plan(StrategyConfig(), world_size=2, device_type="cpu", num_nodes=1, mesh=None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.schedule = "after_backward"  # type: ignore[misc]
+
+
+def _set_defaults(cls: type, **values: Any) -> None:
+    """``cls``'s constructor defaults changed, as an edit of the dataclass's field defaults changes them."""
+    names = [p.name for p in inspect.signature(cls.__init__).parameters.values() if p.default is not p.empty]
+    cls.__init__.__defaults__ = tuple(values.get(n, d) for n, d in zip(names, cls.__init__.__defaults__))
+
+
+def _a_fit_with_defaults(rank: int, world: int, sync_defaults: dict[str, Any]) -> dict[str, Any]:
+    _set_defaults(SyncConfig, **sync_defaults)  # (this rank's own process: nothing else is edited)
+    model, view, gradients = gradient_participant({})
+    gradients.setup(view.enter(Context()))
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+        model.training_step((x, torch.zeros(4, 1)), step).backward()
+        gradients.finish_gradients(accumulating=False)
+    sync = gradients.synchronizer
+    found = {"capacity": sync.capacity, "buckets": len(sync.plan.buckets), "launch": sync.launch_during_backward,
+             "cut": view.plan.compile_cut}
+    gradients.teardown(failed=False)
+    return found
+
+
+@pytest.mark.multiprocess
+def test_a_default_changed_in_the_config_dataclass_changes_the_step_with_no_other_edit() -> None:
+    as_shipped = run_ranks(_a_fit_with_defaults, world_size=2, args=({},), timeout=120)
+    small = {"bucket_mb": 100 / 2**20, "first_bucket_mb": 100 / 2**20, "schedule": "after_backward"}
+    changed = run_ranks(_a_fit_with_defaults, world_size=2, args=(small,), timeout=120)
+    for shipped, edited in zip(as_shipped, changed):
+        assert shipped["capacity"] == SyncConfig().capacity and shipped["buckets"] == 1  # 644 bytes of gradients
+        assert (shipped["launch"], shipped["cut"]) == (True, SyncConfig().capacity)  # by_topology on CPUs: overlap
+        assert edited["capacity"] == BucketCapacity(100, 100) and edited["buckets"] > 1
+        assert (edited["launch"], edited["cut"]) == (False, None)  # after_backward: issued once backward ends, uncut
