@@ -270,6 +270,13 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
         torch.testing.assert_close(a[key], b[key], atol=tol, rtol=tol, msg=lambda m, key=key: f"{key}: {m}")
 
 
+def assert_trained(weights: dict[str, torch.Tensor], make_model: Callable[[], L.LightningModule], seed: int = 7) -> None:
+    """Training did something: the weights differ from those ``fit``'s seed builds (seen without a launch)."""
+    L.seed_everything(seed)
+    untouched = make_model().state_dict()
+    assert any(not torch.equal(weights[k], untouched[k]) for k in weights)
+
+
 class DemoWithData(DemoModel):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(RandomDataset(32, 64), batch_size=4)
@@ -288,17 +295,13 @@ class ShuffledBoring(BoringModel):
     [
         pytest.param(BoringModel, {}, id="BoringModel"),
         pytest.param(ManualOptimBoringModel, {}, id="ManualOptimBoringModel"),
-        pytest.param(DemoWithData, {"gradient_clip_val": 0.05}, id="DemoModel-clipped"),
     ],
 )
 def test_lightning_demo_modules_end_with_the_weights_ddp_gives(make_model: Callable, extra: dict) -> None:
     ours, _ = fit(make_model, static_dist(), **extra)
     theirs, _ = fit(make_model, ddp(), **extra)
     assert_same_weights(ours, theirs)
-    # and training did something (against the weights the same seed builds: no launch needed to see them)
-    L.seed_everything(7)
-    untouched = make_model().state_dict()
-    assert any(not torch.equal(ours[k], untouched[k]) for k in ours)
+    assert_trained(ours, make_model)
 
 
 class ProcessGroupTimeout(Callback):
@@ -318,17 +321,19 @@ class ProcessGroupTimeout(Callback):
             json.dump({"timeout_s": seconds, "bucket_mb": trainer.strategy.config.sync.bucket_mb}, f)
 
 
-def test_ddps_keyword_arguments_carry_over(tmp_path: Any) -> None:
+def test_ddps_keyword_arguments_carry_over_and_the_clipped_demo_model_ends_with_ddps_weights(tmp_path: Any) -> None:
     # the constructor of a DDPStrategy(...) the user already has: DDP's timeout reaches the process group, its
-    # bucket size the plan; find_unused_parameters is accepted (nothing to do: usage is found at the first step)
+    # bucket size the plan; find_unused_parameters is accepted (nothing to do: usage is found at the first step).
+    # Lightning's DemoModel, its gradients clipped, is the run (one pair of launches for both)
     from datetime import timedelta
 
     strategy = static_dist(timeout=timedelta(seconds=37), find_unused_parameters=True, process_group_backend="gloo",
                            bucket_cap_mb=5)
     assert strategy.config.timeout_s == 37.0 and strategy.config.sync.bucket_mb == 5.0
-    ours, _ = fit(DemoWithData, strategy, callbacks=[ProcessGroupTimeout(str(tmp_path))])
-    theirs, _ = fit(DemoWithData, ddp())
+    ours, _ = fit(DemoWithData, strategy, callbacks=[ProcessGroupTimeout(str(tmp_path))], gradient_clip_val=0.05)
+    theirs, _ = fit(DemoWithData, ddp(), gradient_clip_val=0.05)
     assert_same_weights(ours, theirs)
+    assert_trained(ours, DemoWithData)
     for rank in range(2):
         with open(os.path.join(str(tmp_path), f"timeout{rank}.json")) as f:
             assert json.load(f) == {"timeout_s": 37.0, "bucket_mb": 5.0}
@@ -510,7 +515,9 @@ def test_checkpoint_round_trips_with_a_single_device_trainer(tmp_path: Any) -> N
     assert not torch.equal(resumed["layer.weight"], Steady.load_from_checkpoint(str(ckpt)).layer.weight)
 
 
-@pytest.mark.parametrize("compression", [None, {"name": "topk", "density": 0.25, "min_numel": 1}],
+# plain: the slow variant; the TopK case the default run keeps resumes the same state plus each rank's residual
+@pytest.mark.parametrize("compression", [pytest.param(None, marks=pytest.mark.slow),
+                                         {"name": "topk", "density": 0.25, "min_numel": 1}],
                          ids=["plain", "topk-residuals"])
 def test_resume_continues_exactly(tmp_path: Any, compression: Any) -> None:
     # with TopK each rank carries its own error-feedback residual: bitwise equality needs it back on the same rank
