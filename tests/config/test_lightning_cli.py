@@ -111,10 +111,14 @@ _REFUSED: list[tuple[list[str], Optional[dict[str, str]], str]] = [
      "callbacks.overlap_monitor.profiler.active=0: must be an integer >= 1"),
     ([*_STRATEGY, "--trainer.devices=2"], {"MASTER_PORT": "abc"}, "MASTER_PORT='abc': must be a TCP port number"),
     (["--config", "conf/config.yaml"], None, "strategy.compression.name='zip': unknown compressor"),
+    (["--trainer.strategy=lightning_static_dist.StaticDistStrategy", "--trainer.strategy.sync.bucket_mbb=5"], None,
+     "strategy.sync.bucket_mbb: unknown key; did you mean 'bucket_mb'?"),
+    (["--trainer.strategy=lightning_static_dist.StaticDistStrategy", "--trainer.strategy.sync.bucket_mb=abc"], None,
+     "strategy.sync.bucket_mb='abc': expected float"),
 ]
 _REFUSED_IDS = ["range", "choice", "literal", "class-path", "within-a-section", "across-sections", "nested-section",
                 "strategy-argument", "ddp-argument", "against-the-world", "callback-option", "callback-nested-option",
-                "environment", "yaml-file"]
+                "environment", "yaml-file", "misspelt-field", "invalid-field"]
 
 
 def test_a_refused_value_under_lightning_cli_is_one_line_and_status_2(tmp_path: Any) -> None:
