@@ -399,6 +399,7 @@ def test_a_sigterm_inside_an_accumulation_window_stops_at_its_end(tmp_path: Any)
     assert progress["total"]["completed"] == 4 * step, progress  # whole windows only, each one optimizer step
 
 
+@pytest.mark.slow  # two jobs; the default run's SIGTERM on rank 0 saves (a full checkpoint) and resumes the same way
 def test_a_sigterm_with_sharded_checkpoints_saves_once_and_resumes(tmp_path: Any) -> None:
     # reduce_scatter's sharded checkpoint is written at the stop; the end-of-fit gather and consolidation are not
     # run after it (a second, full write inside the scheduler's grace period), and the sharded one resumes
