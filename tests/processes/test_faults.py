@@ -64,6 +64,7 @@ def failure_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("static_dist: rank ")]
 
 
+@pytest.mark.slow  # the default run's rank killed while its peer is blocked asserts this line and more
 def test_a_killed_rank_stops_the_survivor_with_one_line(tmp_path: Any) -> None:
     code, err, seconds = lsd_train(tmp_path, "model.fault=kill", "model.fault_rank=1", "model.fault_step=3")
     assert code == 1
@@ -139,7 +140,8 @@ def ranks_left_when_it_returns(tmp: Any, *overrides: str, timeout: float = 120) 
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("fault, status", [("slow_end", 0), ("fail_at_end", 1)])
+# the failing end by default (the worst status and no rank left); the good run's slow end with -m slow
+@pytest.mark.parametrize("fault, status", [pytest.param("slow_end", 0, marks=pytest.mark.slow), ("fail_at_end", 1)])
 def test_lsd_train_returns_once_every_rank_ended_with_the_worst_status(tmp_path: Any, fault: str, status: int) -> None:
     # the launching process (rank 0) waits for the ranks it started. Before (issue 37), an exception in on_train_end
     # on rank 1, after the last collective, left lsd-train returning 0 while rank 1's traceback came after it; and a
@@ -424,7 +426,8 @@ def test_a_sigterm_during_validation_stops_every_rank_after_it(tmp_path: Any) ->
     assert seconds < 60
 
 
-@pytest.mark.parametrize("policy", ["skip", "error"])
+# skip by default (every rank skips, and the run goes on); error, one more job, with -m slow
+@pytest.mark.parametrize("policy", ["skip", pytest.param("error", marks=pytest.mark.slow)])
 def test_a_nan_gradient_on_one_rank_is_skipped_or_named_on_every_rank(tmp_path: Any, policy: str) -> None:
     code, err, _ = lsd_train(tmp_path, "model.fault=nan", "model.fault_rank=1", "model.fault_step=3", "model.save_every=12",
                              f"strategy.sync.nonfinite={policy}")
