@@ -347,8 +347,10 @@ L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=F
 """
 
 
+# (the typo, one more 2-rank job, with -m slow)
 @pytest.mark.parametrize(("backend", "expected"), [("lsd_vendor", "BACKEND 1 lsd_vendor"),
-                                                    ("lsd_vendr", "process_group_backend='lsd_vendr': allowed:")],
+                                                    pytest.param("lsd_vendr", "process_group_backend='lsd_vendr': allowed:",
+                                                                 marks=pytest.mark.slow)],
                          ids=["registered-after-the-strategy", "typo"])
 def test_a_backend_registered_after_the_strategy_is_built_runs_the_process_group(tmp_path: Any, backend: str,
                                                                                   expected: str) -> None:
