@@ -86,6 +86,90 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), tim
     return [results[r] for r in range(world_size)]
 
 
+def _pool_worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        while (job := inbox.get()) is not None:
+            fn, args = job
+            try:
+                outbox.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
+            except BaseException:
+                outbox.put((rank, "error", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` ranks joined by one real Gloo group, kept for several functions: one start-up for a module's cases.
+
+    ``pool.run(fn, args)`` is :func:`run_ranks` on ranks that already exist: each rank runs ``fn(rank, world_size,
+    *args)`` in the default group and hands back its result. A rank that raises or hangs fails the call as in
+    :func:`run_ranks` and ends the ranks (the others may be blocked in a collective); the next call starts new ones.
+    Only for functions that leave the default group as they found it.
+
+        @pytest.fixture(scope="module")
+        def ranks() -> Iterator[RankPool]:
+            with RankPool(2) as pool:
+                yield pool
+    """
+
+    def __init__(self, world_size: int = 2) -> None:
+        self.world_size = world_size
+        self._procs: list[Any] = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [ctx.Process(target=_pool_worker, args=(r, self.world_size, port, self._inboxes[r], self._outbox))
+                       for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), timeout: float = 120.0) -> list[Any]:
+        """Run ``fn(rank, world_size, *args)`` on every rank; return the results ordered by rank."""
+        if not self._procs:
+            self._start()
+        for inbox in self._inboxes:
+            inbox.put((fn, args))
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        try:
+            for _ in range(self.world_size):
+                rank, status, value = self._outbox.get(timeout=timeout)
+                if status == "ok":
+                    results[rank] = pickle.loads(value)
+                else:
+                    errors.append(f"rank {rank} failed:\n{value}")
+                    break
+        except Exception as err:  # queue.Empty: a rank hung or died without reporting
+            missing = sorted(set(range(self.world_size)) - set(results))
+            errors.append(f"no result from ranks {missing} within {timeout}s ({err!r})")
+        if errors:
+            self.close(grace=0.5)
+            raise AssertionError("\n".join(errors))
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self, grace: float = 5.0) -> None:
+        for inbox, p in zip(self._inboxes if self._procs else [], self._procs):
+            if grace > 1 and p.is_alive():
+                inbox.put(None)
+        for p in self._procs:
+            p.join(timeout=grace)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs = []
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class ReferenceDDP(DDPStrategy):
     """Lightning's own ``DDPStrategy`` — the reference the tests compare against — started with ``spawn``.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from _mesh_fit import fit, static
 from tests.processes.test_faults import ROOT, failure_lines, lsd_train
 from tests.test_resume import summaries
 
-from lightning_static_dist.checkpoint import consolidate, is_sharded_checkpoint
+from lightning_static_dist.checkpoint import check_lightning_checkpoint, consolidate, is_sharded_checkpoint
 
 pytestmark = pytest.mark.multiprocess
 
@@ -59,7 +60,7 @@ def assert_every_rank_says(err: str, *parts: str) -> list[str]:
 
 @pytest.mark.parametrize(("how", "rank", "fmt", "error"), [
     ("efbig", 0, (), "[Errno 27] File too large"),
-    ("enospc", 0, (), "[Errno 28] No space left on device"),
+    pytest.param("enospc", 0, (), "[Errno 28] No space left on device", marks=pytest.mark.slow),  # efbig's path
     ("eacces", 0, (), "[Errno 13] Permission denied"),
     ("efbig", 1, SHARDED, "[Errno 27] File too large"),
 ], ids=["full-efbig", "full-enospc", "full-eacces", "sharded-efbig"])
@@ -125,20 +126,35 @@ def test_ckpt_path_last_resumes_from_the_old_checkpoint_a_crash_between_the_rena
 # ------------------------------------------------------------------------------ a damaged checkpoint on resume
 
 
+_SAVED_FORMATS = {  # name: the overrides of the run that writes it
+    "full": (),
+    "sharded": (*SHARDED, "strategy.checkpoint.consolidate_at_end=false"),
+    "simulated": (*SHARDED, "strategy.checkpoint.consolidate_at_end=false", "strategy.simulate.world_size=4",
+                  "trainer.devices=1", "strategy.mesh.dp_shard=4"),
+}
+
+
+class _Saved:
+    """Checkpoints of the tiny model at step 4, each written by one ``lsd-train`` run the first time a case asks for
+    it: full, sharded (kept sharded: no consolidation at the end), and sharded in a simulated world of 4 ranks (one
+    process: only rank 0's pieces)."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self._factory = factory
+        self._made: dict[str, Path] = {}
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in self._made:
+            root = self._factory.mktemp(name)
+            code, err, _ = lsd_train(root, "trainer.max_steps=4", "model.save_every=4", *_SAVED_FORMATS[name])
+            assert code == 0, err[-4000:]
+            self._made[name] = root / "ckpt" / "last.ckpt"
+        return self._made[name]
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A full and a sharded checkpoint of the tiny model at step 4 (kept sharded: no consolidation at the end), and
-    a sharded one written in a simulated world of 4 ranks (one process: only rank 0's pieces)."""
-    made = {}
-    sharded = (*SHARDED, "strategy.checkpoint.consolidate_at_end=false")
-    for name, fmt in (("full", ()), ("sharded", sharded),
-                      ("simulated", (*sharded, "strategy.simulate.world_size=4", "trainer.devices=1",
-                                     "strategy.mesh.dp_shard=4"))):
-        root = tmp_path_factory.mktemp(name)
-        code, err, _ = lsd_train(root, "trainer.max_steps=4", "model.save_every=4", *fmt)
-        assert code == 0, err[-4000:]
-        made[name] = root / "ckpt" / "last.ckpt"
-    return made
+def saved(tmp_path_factory: pytest.TempPathFactory) -> _Saved:
+    return _Saved(tmp_path_factory)
 
 
 def _truncate(path: Path) -> None:
@@ -157,8 +173,13 @@ DAMAGES = {  # name: (the checkpoint it starts from, what is done to it, the res
 }
 
 
-@pytest.mark.parametrize("damage", list(DAMAGES))
-def test_a_damaged_checkpoint_ends_every_rank_with_one_line_naming_it(tmp_path: Path, saved: dict[str, Path],
+# the default run keeps one damage of each format; the others, each one more job, run with `-m slow`
+_DAMAGES_KEPT = ("truncated", "no-distcp")
+
+
+@pytest.mark.parametrize("damage", [d if d in _DAMAGES_KEPT else pytest.param(d, marks=pytest.mark.slow)
+                                    for d in DAMAGES])
+def test_a_damaged_checkpoint_ends_every_rank_with_one_line_naming_it(tmp_path: Path, saved: _Saved,
                                                                       damage: str) -> None:
     # before: a traceback (torch's, DCP's or load_state_dict's) on each rank, DCP's as a BaseException past
     # lsd-train's handler
@@ -182,7 +203,15 @@ NOT_LIGHTNING = {  # name: (what the torch file holds, the words; issue 37: Ligh
 }
 
 
-@pytest.mark.parametrize("held", list(NOT_LIGHTNING))
+def test_each_torch_file_that_is_not_a_lightning_checkpoint_is_named_for_what_it_holds() -> None:
+    # the words of every case below, without a job (the default run starts one job, for a tensor)
+    for make, words in NOT_LIGHTNING.values():
+        with pytest.raises(Exception, match=re.escape(words)):
+            check_lightning_checkpoint(make())
+
+
+@pytest.mark.parametrize("held", [h if h == "a-tensor" else pytest.param(h, marks=pytest.mark.slow)
+                                  for h in NOT_LIGHTNING])
 def test_a_torch_file_that_is_not_a_lightning_checkpoint_ends_every_rank_with_one_line(tmp_path: Path,
                                                                                       held: str) -> None:
     # before: KeyError 'pytorch-lightning_version' (a 27-line traceback per rank), "'Tensor' object has no
@@ -246,7 +275,7 @@ def _plant(ckpt: Path, where: str, marker: Path) -> None:
 
 
 @pytest.mark.parametrize("where", ["meta", "index"])
-def test_a_planted_pickle_in_a_sharded_checkpoint_does_not_run_on_resume(tmp_path: Path, saved: dict[str, Path],
+def test_a_planted_pickle_in_a_sharded_checkpoint_does_not_run_on_resume(tmp_path: Path, saved: _Saved,
                                                                          where: str) -> None:
     # lsd-train resumes through Trainer.fit(ckpt_path=...): the strategy read lightning_meta.pt with
     # weights_only=False and DCP reads .metadata with pickle.load; either ran the planted code on every rank
@@ -262,7 +291,7 @@ def test_a_planted_pickle_in_a_sharded_checkpoint_does_not_run_on_resume(tmp_pat
 
 
 @pytest.mark.parametrize("where", ["meta", "index"])
-def test_a_planted_pickle_does_not_run_in_lsd_consolidate(tmp_path: Path, saved: dict[str, Path], where: str) -> None:
+def test_a_planted_pickle_does_not_run_in_lsd_consolidate(tmp_path: Path, saved: _Saved, where: str) -> None:
     ckpt, marker = tmp_path / "planted.ckpt", tmp_path / "marker"
     shutil.copytree(saved["sharded"], ckpt)
     _plant(ckpt, where, marker)

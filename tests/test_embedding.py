@@ -79,19 +79,29 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4, msg=key)
 
 
-def test_sharded_training_equals_unsharded_tied_and_untied(tmp_path: Any) -> None:
+@pytest.fixture(scope="module")
+def sharded_tied(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], Any]:
+    """The default sharded run (tied, 10 steps): its weights, and the folder its ranks' memory records are in (one
+    launch shared by the two cases that read it)."""
+    directory = tmp_path_factory.mktemp("sharded_tied")
+    return fit(str(directory), True), directory
+
+
+def test_sharded_training_equals_unsharded_tied_and_untied(tmp_path: Any,
+                                                           sharded_tied: tuple[dict[str, torch.Tensor], Any]) -> None:
     for tied in (True, False):
         plain = fit(str(tmp_path), False, tied)
-        sharded = fit(str(tmp_path), True, tied)
+        sharded = sharded_tied[0] if tied else fit(str(tmp_path), True, tied)
         assert_same(sharded, plain)  # same names too: the model is whole again after fit
     assert not torch.equal(plain["wte.weight"], tiny_gpt(False).state_dict()["wte.weight"])  # it trained
 
 
-def test_each_rank_holds_half_of_the_embedding_weight_grad_and_optimizer_state(tmp_path: Any) -> None:
-    fit(str(tmp_path), True)
+def test_each_rank_holds_half_of_the_embedding_weight_grad_and_optimizer_state(
+        sharded_tied: tuple[dict[str, torch.Tensor], Any]) -> None:
+    directory = sharded_tied[1]
     full = VOCAB * 32 * 4
     for rank in (0, 1):
-        record = torch.load(str(tmp_path / f"memory_rank{rank}.pt"))
+        record = torch.load(str(directory / f"memory_rank{rank}.pt"))
         assert record["weight"] == record["grad"] == 151 * 32 * 4  # ceil(301 / 2) rows
         assert record["optimizer"] == 2 * 151 * 32 * 4  # AdamW's exp_avg and exp_avg_sq
         assert abs(record["weight"] / (full / 2) - 1) <= 0.05

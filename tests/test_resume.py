@@ -58,8 +58,8 @@ def test_ckpt_path_last_resumes_from_the_newest_checkpoint_of_any_version_folder
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("interval", "written"), [
     ((), {"step=6.ckpt": 6}),
-    (("callbacks.model_checkpoint.every_n_train_steps=4", "callbacks.model_checkpoint.save_last=true"),
-     {"step=6.ckpt": 6, "last.ckpt": 6}),
+    pytest.param(("callbacks.model_checkpoint.every_n_train_steps=4", "callbacks.model_checkpoint.save_last=true"),
+                 {"step=6.ckpt": 6, "last.ckpt": 6}, marks=pytest.mark.slow),  # (an interval inside the run: -m slow)
 ], ids=["longer-than-the-run", "every-4-steps-with-save-last"])
 def test_the_end_of_fit_saves_its_last_step_whatever_the_interval(tmp_path: Path, interval: tuple[str, ...],
                                                                   written: dict[str, int]) -> None:

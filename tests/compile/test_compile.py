@@ -60,7 +60,8 @@ def test_regions_are_the_whole_step_or_the_repeated_blocks() -> None:
         find_regions(flat, True)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+# inductor's C++ build, on a fresh machine, with `-m slow`; the default run's inductor case is the 2-rank one vs ddp
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_blocks_train_like_eager(backend: str) -> None:
     eager = tiny_gpt()
     compiled = copy.deepcopy(eager)
@@ -351,13 +352,20 @@ def _fit_charlm(tmp: str, compile_cfg: Any, user_compiled: bool = False, steps: 
 
 
 @pytest.mark.multiprocess
-def test_static_dist_compiled_equals_eager_and_accepts_torch_compile(tmp_path: Any) -> None:
+def test_static_dist_accepts_torch_compile(tmp_path: Any) -> None:
     eager = _fit_charlm(str(tmp_path), None)
-    compiled = _fit_charlm(str(tmp_path), {"enabled": True, "backend": "aot_eager"})
     user = _fit_charlm(str(tmp_path), None, user_compiled=True)
     for key in eager:
-        torch.testing.assert_close(compiled[key], eager[key], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(user[key], eager[key], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # the default run's compiled steps end with ddp's weights (below), and ddp's with eager's
+def test_static_dist_compiled_equals_eager(tmp_path: Any) -> None:
+    eager = _fit_charlm(str(tmp_path), None)
+    compiled = _fit_charlm(str(tmp_path), {"enabled": True, "backend": "aot_eager"})
+    for key in eager:
+        torch.testing.assert_close(compiled[key], eager[key], atol=1e-4, rtol=1e-4)
 
 
 # ------------------------------------------------------------------ the default compile and graph mode vs ddp

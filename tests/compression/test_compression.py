@@ -9,6 +9,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import lightning as L
-from _dist import run_ranks
+from _dist import RankPool, run_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_static_dist.compression import (
     CompressingReducer,
@@ -34,6 +35,13 @@ from lightning_static_dist.config import ConfigError
 from lightning_static_dist.offer import offer_of
 
 pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[RankPool]:
+    """Two Gloo ranks shared by the cases whose functions leave the default group as they found it (one start-up)."""
+    with RankPool(2) as pool:
+        yield pool
 
 
 def _run_phases(compressor: Any, grads: list[torch.Tensor]) -> int:
@@ -93,8 +101,8 @@ def _reconstruction(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_each_compressor_reconstructs_within_its_bound_and_counts_its_bytes() -> None:
-    for r in run_ranks(_reconstruction, 2):
+def test_each_compressor_reconstructs_within_its_bound_and_counts_its_bytes(ranks: RankPool) -> None:
+    for r in ranks.run(_reconstruction):
         assert r["powersgd_r2"][0] < 1e-4, r  # rank <= 2: exact up to fp32 round-off
         assert r["bf16"][0] < 2**-7 and r["fp16"][0] < 2**-10, r  # one rounding to 8 / 11 significant bits
         assert r["topk_full"][0] < 1e-6, r
@@ -152,9 +160,9 @@ def _train(rank: int, world: int, names: list[str], steps: int) -> dict[str, Any
     return results
 
 
-def test_the_char_gpt_converges_with_every_compressor_and_sends_fewer_bytes() -> None:
+def test_the_char_gpt_converges_with_every_compressor_and_sends_fewer_bytes(ranks: RankPool) -> None:
     names = ["none", "bf16", "powersgd", "topk", "qsgd"]
-    for r in run_ranks(_train, 2, args=(names, 100), timeout=300):
+    for r in ranks.run(_train, args=(names, 100), timeout=300):
         base = r["none"]
         assert base["bytes"] == base["dense"]
         for name in names:
@@ -279,8 +287,6 @@ def _fit_twice_in_one_process(rank: int, world: int, tmp: str) -> tuple[int, int
 def test_a_second_fit_of_the_same_strategy_resumes_the_checkpoint_s_compressor_state(tmp_path: Any) -> None:
     # Lightning restores a checkpoint before the strategy's setup: the state must reach the second fit's new
     # reducer, not the first fit's (which it used to, leaving the new one at zero rounds)
-    from _dist import run_ranks
-
     for saved, resumed in run_ranks(_fit_twice_in_one_process, 2, args=(str(tmp_path),), timeout=300):
         assert saved == 4 and resumed == 4, (saved, resumed)
 
@@ -316,8 +322,8 @@ def _nonfinite(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
-def test_a_nonfinite_gradient_reaches_every_rank_and_leaves_the_residual_alone() -> None:
-    for r in run_ranks(_nonfinite, 2):
+def test_a_nonfinite_gradient_reaches_every_rank_and_leaves_the_residual_alone(ranks: RankPool) -> None:
+    for r in ranks.run(_nonfinite):
         assert r[0]["finite"] and not r[1]["finite"] and r[2]["finite"]  # NaN reaches Lightning on every rank
         assert r["nonfinite_buckets"] == 1  # both ranks: the rank without a local NaN reached the same verdict
         assert torch.equal(r[1]["residual"], r[0]["residual"])  # step 1 did not touch it
@@ -467,8 +473,8 @@ def _phase_timing(rank: int, world: int) -> list[float]:
     return fractions[2:]
 
 
-def test_powersgd_second_phase_starts_while_backward_is_still_running() -> None:
-    for fractions in run_ranks(_phase_timing, 2):
+def test_powersgd_second_phase_starts_while_backward_is_still_running(ranks: RankPool) -> None:
+    for fractions in ranks.run(_phase_timing):
         # the first bucket's Q all-reduce goes out from a later gradient hook, well before backward ends
         assert statistics.median(fractions) < 0.6, fractions
 

@@ -1,13 +1,16 @@
 """Every value the package refuses under LightningCLI ends a user's script in one line on stderr with status 2.
 
-Each case runs a user's own ``LightningCLI(BoringModel)`` script in a subprocess, as a user runs it: one case per kind
-of check the package makes (a range, a choice, a class path, a check across a section's fields or across sections, a
-nested section, the strategy's and DDP's arguments, a callback's options, the world the Trainer gives, the
-environment, a YAML file), and the checks that can only run once the ranks exist.
+A user's own ``LightningCLI(BoringModel)`` script runs in a subprocess, as a user runs it: one case per kind of check
+the package makes (a range, a choice, a class path, a check across a section's fields or across sections, a nested
+section, the strategy's and DDP's arguments, a callback's options, the world the Trainer gives, the environment, a
+YAML file), and the checks that can only run once the ranks exist. The checks made before any rank starts share one
+interpreter (one start-up instead of fourteen), each case a fresh ``LightningCLI`` with its own argv and environment;
+one of them also runs alone, to see the process end with status 2.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from typing import Any, Optional
@@ -40,16 +43,48 @@ trainer:
 """
 
 
-def _run(tmp_path: Any, args: list[str], env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+def _write_files(tmp_path: Any) -> None:
     (tmp_path / "main.py").write_text(_SCRIPT)
     (tmp_path / "conf").mkdir(exist_ok=True)  # (LightningCLI saves the parsed config as ./config.yaml)
     (tmp_path / "conf" / "config.yaml").write_text(_YAML)
+
+
+def _run(tmp_path: Any, args: list[str], env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+    _write_files(tmp_path)
     return subprocess.run([sys.executable, "main.py", "fit", "--trainer.accelerator=cpu", "--trainer.logger=false",
                            *args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**fresh_job_env(), **(env or {})})
 
 
-@pytest.mark.parametrize(("args", "env", "named"), [
+# Each case as its own script would meet it: argv, environment and stderr its own; what the process's exit would show
+# (the SystemExit status, an escaping exception's traceback) recorded instead, one JSON line per case.
+_CASES_SCRIPT = """
+import contextlib, io, json, os, sys, traceback
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+if __name__ == "__main__":
+    base = dict(os.environ)
+    for args, env in json.loads(sys.argv[1]):
+        os.environ.clear()
+        os.environ.update({**base, **(env or {})})
+        sys.argv = ["main.py", "fit", "--trainer.accelerator=cpu", "--trainer.logger=false", *args]
+        err, code, built = io.StringIO(), 0, False
+        with contextlib.redirect_stderr(err):
+            try:
+                LightningCLI(BoringModel)
+                built = True
+            except SystemExit as stop:
+                code = stop.code
+            except BaseException:
+                code = 1
+                traceback.print_exc()
+        print("CASE " + json.dumps({"code": code, "stderr": err.getvalue(), "built": built}), flush=True)
+"""
+
+
+# (arguments, environment, what the one line names): one case per kind of check made before any rank starts
+_REFUSED: list[tuple[list[str], Optional[dict[str, str]], str]] = [
     ([*_STRATEGY, "--trainer.strategy.sync.bucket_mb=-1"], None,
      "strategy.sync.bucket_mb=-1.0: must be a number of MiB in (0, 4096]"),
     ([*_STRATEGY, "--trainer.strategy.compression.name=zip"], None,
@@ -76,12 +111,35 @@ def _run(tmp_path: Any, args: list[str], env: Optional[dict[str, str]] = None) -
      "callbacks.overlap_monitor.profiler.active=0: must be an integer >= 1"),
     ([*_STRATEGY, "--trainer.devices=2"], {"MASTER_PORT": "abc"}, "MASTER_PORT='abc': must be a TCP port number"),
     (["--config", "conf/config.yaml"], None, "strategy.compression.name='zip': unknown compressor"),
-], ids=["range", "choice", "literal", "class-path", "within-a-section", "across-sections", "nested-section",
-        "strategy-argument", "ddp-argument", "against-the-world", "callback-option", "callback-nested-option",
-        "environment", "yaml-file"])
-def test_a_refused_value_under_lightning_cli_is_one_line_and_status_2(tmp_path: Any, args: list[str],
-                                                                       env: Optional[dict[str, str]],
-                                                                       named: str) -> None:
+    (["--trainer.strategy=lightning_static_dist.StaticDistStrategy", "--trainer.strategy.sync.bucket_mbb=5"], None,
+     "strategy.sync.bucket_mbb: unknown key; did you mean 'bucket_mb'?"),
+    (["--trainer.strategy=lightning_static_dist.StaticDistStrategy", "--trainer.strategy.sync.bucket_mb=abc"], None,
+     "strategy.sync.bucket_mb='abc': expected float"),
+]
+_REFUSED_IDS = ["range", "choice", "literal", "class-path", "within-a-section", "across-sections", "nested-section",
+                "strategy-argument", "ddp-argument", "against-the-world", "callback-option", "callback-nested-option",
+                "environment", "yaml-file", "misspelt-field", "invalid-field"]
+
+
+def test_a_refused_value_under_lightning_cli_is_one_line_and_status_2(tmp_path: Any) -> None:
+    _write_files(tmp_path)
+    (tmp_path / "cases.py").write_text(_CASES_SCRIPT)
+    done = subprocess.run([sys.executable, "cases.py", json.dumps([[args, env] for args, env, _ in _REFUSED])],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=fresh_job_env())
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    results = [json.loads(line[len("CASE "):]) for line in done.stdout.splitlines() if line.startswith("CASE ")]
+    assert len(results) == len(_REFUSED), done.stdout[-3000:]
+    for case_id, (_, _, named), result in zip(_REFUSED_IDS, _REFUSED, results):
+        lines = result["stderr"].strip().splitlines()
+        assert result["code"] == 2, (case_id, result["stderr"][-3000:])
+        assert len(lines) <= 4 and "Traceback" not in result["stderr"], (case_id, result["stderr"][-3000:])
+        assert lines[-1].startswith("main.py: error: ") and named in lines[-1], (case_id, lines)
+        assert not result["built"], case_id
+
+
+def test_a_refused_value_ends_the_users_script_with_status_2(tmp_path: Any) -> None:
+    # the interpreter's own end, which the shared run above stands in for: status 2, one line, no traceback
+    args, env, named = _REFUSED[0]
     done = _run(tmp_path, args, env)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr[-3000:]

@@ -5,6 +5,7 @@ check, and two trainable models set up one after the other (a GAN's loop). Each 
 
 from __future__ import annotations
 
+import functools
 import pickle
 from typing import Any
 
@@ -103,12 +104,26 @@ def launch(strategy: Any, fn: Any, *args: Any) -> dict[str, Any]:
     return pickle.loads(fabric.launch(fn, *args))
 
 
+# Launched once and shared by the cases that read the same run (a launch is two process start-ups); the results are
+# only read, never changed.
+@functools.cache
+def fabric_ddp(fn: Any, *args: Any) -> dict[str, Any]:
+    """Fabric ``ddp``'s results of ``fn(fabric, *args)``: the reference."""
+    return launch(_ReferenceDDP(), fn, *args)
+
+
+@functools.cache
+def default_static_dist(fn: Any, *args: Any) -> dict[str, Any]:
+    """``static_dist``'s results of ``fn(fabric, *args)`` with every option at its default."""
+    return launch(static_dist(), fn, *args)
+
+
 @pytest.mark.parametrize(("tokens", "kwargs", "mode"), [
     (False, {"mesh": {"dp_shard": 2}, "sync": {"reduce": "reduce_scatter"}}, "sharded"),
     (True, {"embedding": {"shard": True, "min_rows": 1}}, "hooks"),
 ], ids=["reduce_scatter", "embedding_shard"])
 def test_a_sharded_run_ends_with_fabric_ddps_weights_and_losses(tokens: bool, kwargs: dict, mode: str) -> None:
-    reference = launch(_ReferenceDDP(), _one_model, tokens)
+    reference = fabric_ddp(_one_model, tokens)
     ours = launch(static_dist(**kwargs), _one_model, tokens)
     assert ours["mode"] == mode and ours["sharded_embeddings"] is tokens
     assert_same_weights(ours["state"], reference["state"], tol=1e-5)
@@ -116,7 +131,7 @@ def test_a_sharded_run_ends_with_fabric_ddps_weights_and_losses(tokens: bool, kw
 
 
 def test_graph_mode_with_the_nonfinite_check_ends_with_fabric_ddps_weights() -> None:
-    reference = launch(_ReferenceDDP(), _one_model, False)
+    reference = fabric_ddp(_one_model, False)
     ours = launch(static_dist(sync={"mode": "graph", "nonfinite": "error"},
                               compile={"enabled": True, "backend": "aot_eager"}), _one_model, False)
     assert ours["mode"] == "graph"
@@ -124,8 +139,8 @@ def test_graph_mode_with_the_nonfinite_check_ends_with_fabric_ddps_weights() -> 
 
 
 def test_two_trainable_models_set_up_one_after_the_other_each_average_their_own_gradients() -> None:
-    reference = launch(_ReferenceDDP(), _gan)
-    ours = launch(static_dist(), _gan)
+    reference = fabric_ddp(_gan)
+    ours = default_static_dist(_gan)
     assert_same_weights(ours["state"], reference["state"], tol=1e-6)
     # each model's own figures: the generator's under static_dist/, the critic's (set up second) under model1/ (the
     # last round of each: the generator's loss, whose backward reaches every parameter of both; each model's fp32
@@ -204,7 +219,7 @@ def test_the_nonfinite_check_of_a_second_model_sees_the_backwards_gradients() ->
 def test_each_model_synchronises_in_the_backward_passes_that_give_it_gradients() -> None:
     # as DDP: the critic in both backward passes of a step (its loss, and the generator's, which reaches it), the
     # generator in its own only (the critic's loss reads a detached fake)
-    figures = launch(static_dist(), _gan)["metrics"]
+    figures = default_static_dist(_gan)["metrics"]
     assert figures["static_dist/sync_rounds"] == STEPS, figures
     assert figures["static_dist/model1/sync_rounds"] == 2 * STEPS, figures
 
@@ -241,12 +256,19 @@ def _gan_steps(fabric: L.Fabric, first: int, last: int, load: Any = None, save: 
     return pickle.dumps({"state": weights, "remainder": None if remainder is None else sorted(remainder)})
 
 
-@pytest.mark.parametrize("load_before_setup", [False, True], ids=["after_setup", "before_setup"])
-def test_two_compressed_models_saved_and_loaded_each_get_their_own_state_back(tmp_path: Any,
-                                                                               load_before_setup: bool) -> None:
-    path = tmp_path / "gan.ckpt"
+@pytest.fixture(scope="module")
+def gan_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Any]:
+    """The uninterrupted 4-step TopK GAN run, and the checkpoint of its first 2 steps (shared by both ways to load)."""
+    path = tmp_path_factory.mktemp("gan") / "gan.ckpt"
     straight = launch(static_dist(compression=TOPK), _gan_steps, 0, 4)
     launch(static_dist(compression=TOPK), _gan_steps, 0, 2, None, path)
+    return straight, path
+
+
+@pytest.mark.parametrize("load_before_setup", [False, True], ids=["after_setup", "before_setup"])
+def test_two_compressed_models_saved_and_loaded_each_get_their_own_state_back(gan_saved: tuple[dict[str, Any], Any],
+                                                                               load_before_setup: bool) -> None:
+    straight, path = gan_saved
     saved = torch.load(path, weights_only=True)
     assert sorted(k for k in saved if k.startswith("static_dist")) == [
         "static_dist_compression", "static_dist_model1/static_dist_compression"]

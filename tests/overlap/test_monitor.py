@@ -50,14 +50,14 @@ class Stack(L.LightningModule):
         return DataLoader(TensorDataset(self.data), batch_size=256)  # backward compute well above bucket packing
 
 
-def fit(tmp_path: Any, compile_cfg: Any, steps: int = 12, **monitor: Any) -> list[dict[str, float]]:
-    """Fit on 2 ranks (spawn); return the rows of metrics.csv."""
+def fit(tmp_path: Any, compile_cfg: Any, steps: int = 12, checkpoint: Any = None, **monitor: Any) -> list[dict[str, float]]:
+    """Fit on 2 ranks (spawn); return the rows of metrics.csv. ``checkpoint``: a ``ModelCheckpoint`` to add."""
     L.seed_everything(0)
     strategy = StaticDistStrategy(start_method="spawn", compile=compile_cfg, sync={"first_bucket_mb": 0.6, "bucket_mb": 1.2})
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, log_every_n_steps=1,
-        logger=CSVLogger(str(tmp_path)), callbacks=[OverlapMonitor(**monitor)], enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        logger=CSVLogger(str(tmp_path)), callbacks=[OverlapMonitor(**monitor), *([checkpoint] if checkpoint else [])],
+        enable_checkpointing=checkpoint is not None, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(Stack())
     return metrics_rows(tmp_path)
@@ -86,8 +86,18 @@ def test_plain_static_dist_logs_no_metric_of_its_own(tmp_path: Any) -> None:
     assert logged == [] and not any(isinstance(c, OverlapMonitor) for c in trainer.callbacks)
 
 
-def test_every_metric_is_logged_with_finite_values_and_a_timeline_is_drawn(tmp_path: Any) -> None:
-    rows = fit(tmp_path, None, steps=6, timeline_every_n_steps=5)
+def test_every_metric_is_logged_with_finite_values_and_a_timeline_is_drawn_and_a_checkpoint_callback_can_monitor_one(
+        tmp_path: Any) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    # every static_dist/* figure a logger gets is also in trainer.callback_metrics, where Lightning's callbacks look
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="static_dist/hidden_comm_fraction",
+                                 mode="max", every_n_train_steps=2)
+    rows = fit(tmp_path, None, steps=6, checkpoint=checkpoint, timeline_every_n_steps=5)
+    saved = sorted(os.listdir(str(tmp_path / "ckpt")))
+    # (last.ckpt: the end of fit saves its last step when the top-k kept none of it, issue 37)
+    assert saved and all("step=" in name for name in saved if name != "last.ckpt"), saved
+    assert os.path.basename(checkpoint.best_model_path) in saved  # (spawn hands the best path back, not its score)
     for name in METRICS:
         for key in (f"static_dist/{name}", f"static_dist/{name}_max"):
             if key == "static_dist/trigger_delay_worst_bucket_ms_max" or "embed_gather" in key:
@@ -129,25 +139,6 @@ def test_the_monitor_tells_an_uncut_whole_step_from_the_default_cut_one(tmp_path
     assert start["whole"] > max(start["eager"], start["cut"]) + 0.3, (start, hidden)
     assert start["eager"] < 0.5 and start["cut"] < 0.5, (start, hidden)
     assert hidden["whole"] < min(hidden["eager"], hidden["cut"]), (start, hidden)
-
-
-def test_a_checkpoint_callback_can_monitor_the_overlap_metrics(tmp_path: Any) -> None:
-    # every static_dist/* figure a logger gets is also in trainer.callback_metrics, where Lightning's callbacks look
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    L.seed_everything(0)
-    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="static_dist/hidden_comm_fraction",
-                                 mode="max", every_n_train_steps=2)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=StaticDistStrategy(start_method="spawn"), max_steps=4,
-        log_every_n_steps=1, logger=False, callbacks=[OverlapMonitor(), checkpoint], enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(Stack())
-    saved = sorted(os.listdir(str(tmp_path / "ckpt")))
-    # (last.ckpt: the end of fit saves its last step when the top-k kept none of it, issue 37)
-    assert saved and all("step=" in name for name in saved if name != "last.ckpt"), saved
-    assert os.path.basename(checkpoint.best_model_path) in saved  # (spawn hands the best path back, not its score)
 
 
 def _aggregate(rank: int, world: int) -> list[float]:

@@ -29,7 +29,9 @@ def _run(scenario: str, out: Any) -> tuple[int, str]:
     return proc.returncode, proc.stderr
 
 
-@pytest.mark.parametrize("scenario, runs", [("environment", 2), ("fit", 1)])
+# an abort at exit is intermittent: `-m slow` repeats the environment scenario, the default run makes each once
+@pytest.mark.parametrize("scenario, runs", [("environment", 1), pytest.param("environment", 2, marks=pytest.mark.slow),
+                                            ("fit", 1)])
 def test_nothing_of_ours_outlives_a_run_under_lightnings_spawn_launcher(tmp_path: Any, scenario: str,
                                                                       runs: int) -> None:
     for attempt in range(runs):

@@ -38,12 +38,17 @@ def _launch(how: str, tmp: Any, env: dict[str, str]) -> tuple[int, str]:
     return proc.returncode, proc.stderr
 
 
-@pytest.mark.parametrize("how", ["lsd-train", "script"])
-@pytest.mark.parametrize("variable, value, says", [
+_CASES = [  # variable, value, what the line says
     ("MASTER_PORT", "abc", "MASTER_PORT='abc': must be a TCP port number"),
     ("WORLD_SIZE", "0", "WORLD_SIZE='0': must be an integer >= 1"),
     ("MASTER_PORT", "busy", "the port is already in use on this machine"),
-])
+]
+
+
+# every case through lsd-train; through a plain script the first by default, the others (one job each) with -m slow
+@pytest.mark.parametrize("variable, value, says, how", [
+    pytest.param(*case, how, marks=[pytest.mark.slow] if how == "script" and i else [])
+    for i, case in enumerate(_CASES) for how in ("lsd-train", "script")])
 def test_a_bad_launch_variable_is_one_line_naming_it_before_any_rank_starts(tmp_path: Any, request: Any, how: str,
                                                                          variable: str, value: str, says: str) -> None:
     if value == "busy":

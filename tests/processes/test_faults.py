@@ -64,6 +64,7 @@ def failure_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("static_dist: rank ")]
 
 
+@pytest.mark.slow  # the default run's rank killed while its peer is blocked asserts this line and more
 def test_a_killed_rank_stops_the_survivor_with_one_line(tmp_path: Any) -> None:
     code, err, seconds = lsd_train(tmp_path, "model.fault=kill", "model.fault_rank=1", "model.fault_step=3")
     assert code == 1
@@ -91,10 +92,12 @@ def test_a_rank_killed_while_its_peer_is_blocked_ends_the_job_with_one_line(tmp_
     assert seconds < 60
 
 
+# one job each; the default run keeps the first, `-m slow` adds a backend's words and rank 0 (the store's host)
 @pytest.mark.parametrize("fault, rank, error", [
     ("raise_timeout", 1, "RuntimeError: timeout while waiting for the data server"),
-    ("raise_peer_words", 1, "RuntimeError: Timed out waiting for the data server: Connection reset by peer"),
-    ("raise_oom", 0, "torch.OutOfMemoryError: CUDA out of memory"),
+    pytest.param("raise_peer_words", 1, "RuntimeError: Timed out waiting for the data server: Connection reset by peer",
+                 marks=pytest.mark.slow),
+    pytest.param("raise_oom", 0, "torch.OutOfMemoryError: CUDA out of memory", marks=pytest.mark.slow),
 ])
 def test_an_exception_on_one_rank_prints_its_traceback_once_and_ends_the_job(tmp_path: Any, fault: str, rank: int,
                                                                            error: str) -> None:
@@ -137,7 +140,8 @@ def ranks_left_when_it_returns(tmp: Any, *overrides: str, timeout: float = 120) 
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("fault, status", [("slow_end", 0), ("fail_at_end", 1)])
+# the failing end by default (the worst status and no rank left); the good run's slow end with -m slow
+@pytest.mark.parametrize("fault, status", [pytest.param("slow_end", 0, marks=pytest.mark.slow), ("fail_at_end", 1)])
 def test_lsd_train_returns_once_every_rank_ended_with_the_worst_status(tmp_path: Any, fault: str, status: int) -> None:
     # the launching process (rank 0) waits for the ranks it started. Before (issue 37), an exception in on_train_end
     # on rank 1, after the last collective, left lsd-train returning 0 while rank 1's traceback came after it; and a
@@ -397,6 +401,7 @@ def test_a_sigterm_inside_an_accumulation_window_stops_at_its_end(tmp_path: Any)
     assert progress["total"]["completed"] == 4 * step, progress  # whole windows only, each one optimizer step
 
 
+@pytest.mark.slow  # two jobs; the default run's SIGTERM on rank 0 saves (a full checkpoint) and resumes the same way
 def test_a_sigterm_with_sharded_checkpoints_saves_once_and_resumes(tmp_path: Any) -> None:
     # reduce_scatter's sharded checkpoint is written at the stop; the end-of-fit gather and consolidation are not
     # run after it (a second, full write inside the scheduler's grace period), and the sharded one resumes
@@ -421,7 +426,8 @@ def test_a_sigterm_during_validation_stops_every_rank_after_it(tmp_path: Any) ->
     assert seconds < 60
 
 
-@pytest.mark.parametrize("policy", ["skip", "error"])
+# skip by default (every rank skips, and the run goes on); error, one more job, with -m slow
+@pytest.mark.parametrize("policy", ["skip", pytest.param("error", marks=pytest.mark.slow)])
 def test_a_nan_gradient_on_one_rank_is_skipped_or_named_on_every_rank(tmp_path: Any, policy: str) -> None:
     code, err, _ = lsd_train(tmp_path, "model.fault=nan", "model.fault_rank=1", "model.fault_step=3", "model.save_every=12",
                              f"strategy.sync.nonfinite={policy}")

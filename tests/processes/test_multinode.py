@@ -141,7 +141,8 @@ def failure_lines(output: str) -> list[str]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("launch", list(LAUNCHES))
+# SLURM's two processes by default; torchrun's (its agents too) with -m slow: how each names nodes is checked above
+@pytest.mark.parametrize("launch", [pytest.param("torchrun", marks=pytest.mark.slow), "slurm"])
 def test_a_killed_nodes_process_is_named_by_node_and_rank_on_the_survivor(tmp_path: Path, launch: str) -> None:
     """Node 1's process is SIGKILLed at step 3: node 0's ends with one line naming rank 1 on node 1, and itself."""
     fault = ["model.class_path=tests.faulty.FaultyCharGPT", "model.fault=kill", "model.fault_rank=1",

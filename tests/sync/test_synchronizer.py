@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,11 +13,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from _dist import run_ranks
+from _dist import RankPool, run_ranks
 from lightning_static_dist.sync import BucketCapacity, GradientSynchronizer
 from lightning_static_dist.sync.broadcast import broadcast_tensors
 
 pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[RankPool]:
+    """Two Gloo ranks shared by the cases that leave the default group as they found it (one start-up)."""
+    with RankPool(2) as pool:
+        yield pool
 
 
 class Zoo(nn.Module):
@@ -90,8 +98,8 @@ def _ours_vs_ddp(rank: int, world: int, schedule: list[list[bool]], first_bucket
     }
 
 
-def test_gradients_equal_ddp_with_tied_unused_frozen_and_batchnorm() -> None:
-    results = run_ranks(_ours_vs_ddp, 2, args=([[False, False]] * 3, 1.0, 25.0))
+def test_gradients_equal_ddp_with_tied_unused_frozen_and_batchnorm(ranks: RankPool) -> None:
+    results = ranks.run(_ours_vs_ddp, args=([[False, False]] * 3, 1.0, 25.0))
     for r in results:
         assert r["mismatches"] == []
         for name, w in r["weights"].items():
@@ -104,18 +112,18 @@ def test_gradients_equal_ddp_with_tied_unused_frozen_and_batchnorm() -> None:
     assert results[0]["stats"].rounds == 3 and results[0]["stats"].plan_rebuilds == 0
 
 
-def test_many_small_buckets_launch_in_order_and_still_match_ddp() -> None:
+def test_many_small_buckets_launch_in_order_and_still_match_ddp(ranks: RankPool) -> None:
     # ~0.1 KB buckets: every parameter its own collective; hooks fire in an order plan order must tame
-    results = run_ranks(_ours_vs_ddp, 2, args=([[False, False]] * 2, 1e-4, 1e-4))
+    results = ranks.run(_ours_vs_ddp, args=([[False, False]] * 2, 1e-4, 1e-4))
     assert results[0]["mismatches"] == [] and results[1]["mismatches"] == []
     assert results[0]["buckets"] >= 6
 
 
-def test_usage_that_differs_between_ranks_and_changes_over_time() -> None:
+def test_usage_that_differs_between_ranks_and_changes_over_time(ranks: RankPool) -> None:
     # steps 0-1: nobody uses the branch (left out of the plan); step 2: only rank 1 does (plan rebuilt);
     # step 3: only rank 0; step 4: nobody (planned but unused: grads stay None like DDP's)
     schedule = [[False, False], [False, False], [False, True], [True, False], [False, False]]
-    results = run_ranks(_ours_vs_ddp, 2, args=(schedule, 1.0, 25.0))
+    results = ranks.run(_ours_vs_ddp, args=(schedule, 1.0, 25.0))
     for r in results:
         assert r["mismatches"] == []
         assert "branch.weight" in r["planned"]
@@ -153,8 +161,8 @@ def _accumulate(rank: int, world: int, micro_batches: int) -> dict:
     }
 
 
-def test_accumulation_communicates_only_on_the_boundary() -> None:
-    results = run_ranks(_accumulate, 2, args=(4,))
+def test_accumulation_communicates_only_on_the_boundary(ranks: RankPool) -> None:
+    results = ranks.run(_accumulate, args=(4,))
     for r in results:
         # no collective during the 3 accumulation micro-batches; the boundary round reduces the sums
         assert r["counts"][:3] == [0, 0, 0]
@@ -180,8 +188,8 @@ def _mixed_dtypes(rank: int, world: int) -> dict:
     }
 
 
-def test_each_dtype_gets_its_own_bucket_and_the_mean_is_right() -> None:
-    r0, r1 = run_ranks(_mixed_dtypes, 2)
+def test_each_dtype_gets_its_own_bucket_and_the_mean_is_right(ranks: RankPool) -> None:
+    r0, r1 = ranks.run(_mixed_dtypes)
     assert sorted(map(str, r0["bucket_dtypes"])) == ["torch.bfloat16", "torch.float32"]
     assert r0["dtypes"] == [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
     for g0, g1, l0, l1 in zip(r0["grads"], r1["grads"], r0["local"], r1["local"]):
@@ -215,8 +223,8 @@ def _plan_order(rank: int, world: int) -> dict:
     return {"first_bucket": first, "plan": sync.plan.describe()}
 
 
-def test_buckets_follow_the_observed_gradient_order_on_every_rank() -> None:
-    r0, r1 = run_ranks(_plan_order, 2)
+def test_buckets_follow_the_observed_gradient_order_on_every_rank(ranks: RankPool) -> None:
+    r0, r1 = ranks.run(_plan_order)
     # reverse registration order would have put body.3 first and head last
     assert r0["first_bucket"] == ["head.bias", "head.weight"] or r0["first_bucket"] == ["head.weight", "head.bias"]
     assert r0["plan"] == r1["plan"]
@@ -267,8 +275,9 @@ def _round_check(rank: int, world: int, passes: list[int]) -> Any:
 def test_the_round_check_flags_every_rank_of_a_desynchronised_world_even_one_at_the_mean() -> None:
     # three ranks at passes 1, 2 and 3: rank 1 is at the mean, but sum(p)^2 = 36 != 3 * sum(p^2) = 42 on every rank;
     # in step (all at pass 70): nothing. Integer sums: exact on any number of ranks
-    assert run_ranks(_round_check, 3, args=([1, 2, 3],)) == [(6, 14)] * 3
-    assert run_ranks(_round_check, 3, args=([70, 70, 70],)) == [None] * 3
+    with RankPool(3) as three:
+        assert three.run(_round_check, args=([1, 2, 3],)) == [(6, 14)] * 3
+        assert three.run(_round_check, args=([70, 70, 70],)) == [None] * 3
 
 
 # ------------------------------------------------------------------ the contracts, on a one-rank Gloo group
