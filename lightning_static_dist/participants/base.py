@@ -2,11 +2,12 @@
 
 The strategy (:class:`~lightning_static_dist.strategy.StaticDistStrategy`) owns Lightning's lifecycle; each feature
 (gradient sync, the sharded embeddings, compilation, the recorder ...) owns its part of every hook as a
-:class:`StepParticipant`. A strategy hook calls one phase on every participant, in the strategy's one fixed order;
-a participant that has nothing to do in a phase inherits the no-op. A feature that is off (its config says so, or
+:class:`StepParticipant`. A front end's hook calls one method of :class:`~.phases.StepPhases`, which runs the phase
+on every participant in the one fixed order, and checks that the step may be in it; a participant that has nothing
+to do in a phase inherits the no-op. A feature that is off (its config says so, or
 the world has one rank) stays in the list and does nothing: the hooks never ask which features are on.
 
-Phases, as the strategy calls them (a phase returning a value is read as the method's docstring says)::
+Phases, as the Trainer strategy's hooks reach them (a phase returning a value is read as the method's docstring says)::
 
     setup_distributed     the process group and the mesh exist
     before_optimizers     setup: the model is on the device, the same on every rank; no optimizer yet
