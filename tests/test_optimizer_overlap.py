@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning_static_dist.offer import offer_of
-from lightning_static_dist.strategy import TrainerContext
+from lightning_static_dist.trainer_context import TrainerContext
 from tests.test_strategy import assert_same_weights, ddp, fit, static_dist
 
 pytestmark = pytest.mark.multiprocess

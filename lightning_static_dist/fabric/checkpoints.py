@@ -83,7 +83,7 @@ class FabricCheckpoints(FabricProcesses):
         self._models.append(model)
         entries = self._unclaimed.pop(len(self._models) - 1, None)
         if entries:
-            model.each("load_state_dict", entries)
+            model.phases.load_state_dict(entries)
 
     @override
     def _steps_taken(self) -> int:
@@ -100,7 +100,7 @@ class FabricCheckpoints(FabricProcesses):
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
         entries: dict[str, Any] = {}
         for index, model in enumerate(self._models):
-            model.each("check_in_step")  # no checkpoint of a step whose ranks were out of step
+            model.phases.check_in_step()  # no checkpoint of a step whose ranks were out of step
             entries.update(entries_as_saved(index, model.parts.state_dict()))  # every rank is here; rank 0 writes
         super().save_checkpoint(path, {**state, **entries}, storage_options=storage_options, filter=filter)
 
@@ -109,8 +109,7 @@ class FabricCheckpoints(FabricProcesses):
         model = self._model_of(module)
         if model is None:
             return super().get_module_state_dict(module)
-        model.each("before_reading_parameters")
-        return model.parts.model_state_dict(module.state_dict())
+        return model.phases.model_state_dict(module.state_dict())
 
     @override
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
@@ -118,7 +117,7 @@ class FabricCheckpoints(FabricProcesses):
         if model is None:
             return super().load_module_state_dict(module, state_dict, strict)
         module.load_state_dict(model.parts.model_state_to_load(state_dict), strict=strict)
-        model.each("after_model_loaded")
+        model.phases.after_model_loaded()
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -154,7 +153,7 @@ class FabricCheckpoints(FabricProcesses):
         self._unclaimed.update(take_entries(remainder))
         for index, model in enumerate(self._models):
             entries = self._unclaimed.pop(index, {})
-            model.each("load_state_dict", entries)  # each participant takes its own out
+            model.phases.load_state_dict(entries)  # each participant takes its own out
             remainder.update(entries_as_saved(index, entries))  # (what none took is the caller's)
         return remainder
 

@@ -16,11 +16,11 @@ Example (what ``StaticDistFabricStrategy.setup_module_and_optimizers`` does)::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from typing import Any, Callable, Optional
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -29,8 +29,15 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.overlap.recorder import StepRecorder
-from lightning_static_dist.participants import Participants
+from lightning_static_dist.participants import Participants, StepPhases
+from lightning_static_dist.participants.phases import run_backward as phases_run_backward
+from lightning_static_dist.participants.phases import teardown_all
 from lightning_static_dist.processes.fingerprint import RankMismatchError
+from lightning_static_dist.simulate.config import SimulateConfig
+from lightning_static_dist.step_plan import StepPlan
+
+if TYPE_CHECKING:
+    from lightning_static_dist.fabric.processes import FabricProcesses
 
 
 class FabricContext:
@@ -77,17 +84,60 @@ class FabricContext:
 
 
 class ModelView:
-    """The strategy as one module's participants read it (:class:`~lightning_static_dist.participants.StrategyView`):
-    the strategy's configuration, ranks and groups, this module and its optimizers."""
+    """The strategy as one module's participants read it (:class:`~lightning_static_dist.participants.StrategyView`,
+    member by member): the strategy's configuration, ranks and groups; this module and its optimizers.
 
-    def __init__(self, strategy: Any, module: Module, optimizers: list[Optimizer]) -> None:
+    Example::
+
+        view = ModelView(strategy, module, [optimizer])
+        view.model is module, view.world_size    # (True, 2) on two ranks
+    """
+
+    def __init__(self, strategy: FabricProcesses, module: Module, optimizers: list[Optimizer]) -> None:
         self._strategy = strategy
         self._module = module
         self.optimizers = optimizers
         self.context: Optional[FabricContext] = None
 
-    def __getattr__(self, name: str) -> Any:  # config, world_size, ranks, device, mesh, groups, simulation ...
-        return getattr(self._strategy, name)
+    @property
+    def plan(self) -> StepPlan:
+        return self._strategy.plan
+
+    @property
+    def world_size(self) -> int:
+        return self._strategy.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self._strategy.global_rank
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self._strategy.is_global_zero
+
+    @property
+    def root_device(self) -> torch.device:
+        return self._strategy.root_device
+
+    @property
+    def device_mesh(self) -> Any:
+        return self._strategy.device_mesh
+
+    @property
+    def simulation(self) -> Optional[SimulateConfig]:
+        return self._strategy.simulation
+
+    @property
+    def dp_group(self) -> Optional[dist.ProcessGroup]:
+        return self._strategy.dp_group
+
+    @property
+    def host_group(self) -> Optional[dist.ProcessGroup]:
+        return self._strategy.host_group
+
+    @property
+    def preempted(self) -> bool:
+        return False  # (Fabric's loop is the user's: no agreed SIGTERM stop)
 
     @property
     def lightning_module(self) -> Module:
@@ -101,9 +151,8 @@ class ModelView:
     def precision_plugin(self) -> Any:
         return self._strategy.precision
 
-    @property
-    def preempted(self) -> bool:
-        return False  # (Fabric's loop is the user's: no agreed SIGTERM stop)
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._strategy.barrier(*args, **kwargs)
 
 
 def repoint_optimizer(optimizer: Optimizer, new: dict[int, torch.Tensor]) -> None:
@@ -127,19 +176,18 @@ def repoint_optimizer(optimizer: Optimizer, new: dict[int, torch.Tensor]) -> Non
 
 
 class SynchronisedModel:
-    """One trainable module's step under Fabric, driven from the user's calls::
+    """One trainable module's step under Fabric: its participants, driven through their
+    :class:`~lightning_static_dist.participants.StepPhases` from the user's calls::
 
-        fabric.setup(module, optimizer)   before_optimizers, setup, after_setup (the optimizer set up with it, or
-                                          the first one later set up over its parameters; else the first forward)
+        fabric.setup(module, optimizer)   the setup phases (the optimizer set up with it, or the first one later set
+                                          up over its parameters; else the first training forward)
         module(x), in training            first forward since a step: on_train_batch_start; then before_forward,
                                           after_forward (a forward pre/post hook; evaluation forwards: nothing)
-        fabric.backward(loss)             before_backward (every model whose training forward ran since its step),
-                                          the backward, after_backward; then, for the models whose parameters got
-                                          a gradient in it: finish_gradients, before_optimizer_step
+        fabric.backward(loss)             ``run_backward`` over the models whose training forward ran since their step
         optimizer.step()                  after_optimizer_step
-        fabric.no_backward_sync(module)   no_sync, and finish_gradients told it is accumulating
+        fabric.no_backward_sync(module)   the phases' no_sync
         fabric.save / fabric.load         check_in_step; the participants' state entries and state-dict forms
-        teardown                          check_in_step (unless failed), teardown(failed)
+        teardown                          ``teardown_models``
 
     Args:
         strategy: the Fabric strategy (the view reads its configuration, ranks and groups).
@@ -149,26 +197,18 @@ class SynchronisedModel:
         monitor_every: record every this many optimizer steps.
     """
 
-    def __init__(self, strategy: Any, module: Module, optimizers: list[Optimizer],
+    def __init__(self, strategy: FabricProcesses, module: Module, optimizers: list[Optimizer],
                  recorder: Optional[StepRecorder] = None, monitor_every: int = 1,
                  failed: Callable[[], bool] = lambda: False) -> None:
         self.module = module
         self.view = ModelView(strategy, module, list(optimizers))
         self.context = FabricContext(module)
-        self.parts = Participants(self.view, failed=failed)  # type: ignore[arg-type]
+        self.parts = Participants(self.view, failed=failed)
+        self.phases = StepPhases(self.parts)
         self._recorder = recorder
         self._monitor_every = monitor_every
-        self.is_set_up = False
-        self.accumulating = False
-        self.step_open = False  # a training forward ran since the last optimizer step
-        self.got_gradients = False  # a parameter's gradient was accumulated since the last before_backward
         self._hooks = [module.register_forward_pre_hook(self._before_forward),
                        module.register_forward_hook(self._after_forward)]
-
-    def each(self, phase: str, *args: Any) -> None:
-        """Call ``phase`` on every participant, in their order."""
-        for participant in self.parts.ordered:
-            getattr(participant, phase)(*args)
 
     # ------------------------------------------------------------------------------------------------ setup
 
@@ -185,7 +225,7 @@ class SynchronisedModel:
         counted (``reduce_scatter``: exactly one) and repointed the optimizers they had."""
         if any(optimizer is o for o in self.view.optimizers):
             return
-        if self.is_set_up:
+        if self.phases.is_set_up:
             raise ConfigError("fabric.setup_optimizers: an optimizer over a model whose step is set up already (with"
                               " an optimizer, or at its first forward); allowed: set the model up with all its"
                               " optimizers at once, fabric.setup(model, optimizer1, optimizer2)")
@@ -194,28 +234,26 @@ class SynchronisedModel:
 
     def set_up(self) -> None:
         """The setup phases (once): the embeddings sharded and the synchroniser built, the module compiled."""
-        if self.is_set_up:
+        if self.phases.is_set_up:
             return
-        self.is_set_up = True
         self.view.context = self.context
         before = dict(self.module.named_parameters(remove_duplicate=False))
-        self.each("before_optimizers", self.context)
-        sharder = self.parts.embeddings.sharder
-        if sharder is not None:  # the shards are new parameters: the user's optimizer, built before setup, must hold them
+
+        def repoint_optimizers() -> None:
+            sharder = self.parts.embeddings.sharder
+            if sharder is None:
+                return
+            # the shards are new parameters: the user's optimizer, built before setup, must hold them
             replaced = {id(before[name]): w.shard for w in sharder.weights for name in w.names if name in before}
             for optimizer in self.view.optimizers:
                 repoint_optimizer(optimizer, replaced)
-        self.each("setup", self.context)
-        self.each("after_setup", self.context)
-        if self._recorder is not None:
-            self.each("attach_recorder", self._recorder)
-        # which backward passes reach this model: a flag per model, set by any of its parameters (after setup: the
-        # embeddings' shards are the parameters now). What DDP reads from its own gradient hooks.
-        self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient)
-                        for p in self.module.parameters() if p.requires_grad]
 
-    def _on_gradient(self, param: torch.Tensor) -> None:
-        self.got_gradients = True
+        self.phases.set_up(self.context, repoint_optimizers, prepare=lambda: None)
+        if self._recorder is not None:
+            self.phases.attach_recorder(self._recorder)
+        # which backward passes reach this model (after setup: the embeddings' shards are the parameters now)
+        self._hooks += [p.register_post_accumulate_grad_hook(self.phases.note_gradient)
+                        for p in self.module.parameters() if p.requires_grad]
 
     # -------------------------------------------------------------------------------------------- one step
 
@@ -224,102 +262,53 @@ class SynchronisedModel:
         if not (module.training and torch.is_grad_enabled()):
             return  # an evaluation forward: no buffers from rank 0, nothing recorded
         self.set_up()
-        if not self.step_open:  # the first forward since the last optimizer step: a batch starts
-            self.step_open = True
+        if not self.phases.batch_open:  # the first forward since the last optimizer step: a batch starts
             if self._recorder is not None and self.context.fitting:
                 self._recorder.active = self.context.steps % self._monitor_every == 0
                 self._recorder.begin_step(self.context.steps, self.view.global_rank)
-            self.each("on_train_batch_start")
-        self.each("before_forward")
+            self.phases.on_train_batch_start()
+        self.phases.before_forward()
 
     @torch.compiler.disable
     def _after_forward(self, module: Module, args: Any, output: Any) -> None:
         if module.training and torch.is_grad_enabled():
-            self.each("after_forward")
+            self.phases.after_forward()
 
-    def before_backward(self) -> None:
-        self.got_gradients = False
-        self.each("before_backward")
-
-    def finish_gradients(self) -> None:
-        """After a backward that gave this model's parameters gradients: its round, the checks, the step's last
-        phase before clipping and ``optimizer.step()``."""
-        self.each("finish_gradients", self.accumulating)
-        if self.accumulating:  # a micro-batch synchronised nothing: its timeline is not kept
-            if self._recorder is not None:
-                self._recorder.end_step(keep=False)
-            self.step_open = False
-            return
-        self.each("before_optimizer_step")
+    def after_backward(self) -> None:
+        """A backward ended (``run_backward``): where it reached this model in a micro-batch that accumulates, the
+        micro-batch synchronised nothing, and its timeline is not kept."""
+        if self._recorder is not None and self.phases.got_gradients and self.phases.accumulating:
+            self._recorder.end_step(keep=False)
 
     def after_optimizer_step(self) -> Any:
         """``optimizer.step()`` returned: the step's last phase; the recorded timeline (or ``None``)."""
         self.context.steps += 1
-        self.each("after_optimizer_step")
-        timeline = None
-        if self._recorder is not None and self.step_open:
-            timeline = self._recorder.end_step(keep=True)  # on CUDA the step before this one (its events are done)
-        self.step_open = False
-        return timeline
+        recorded = self._recorder is not None and self.phases.batch_open
+        self.phases.after_optimizer_step()
+        return self._recorder.end_step(keep=True) if recorded else None  # (CUDA: the step before, its events done)
 
-    @contextmanager
-    def accumulate_locally(self) -> Iterator[None]:
-        """``fabric.no_backward_sync(module)``: the gradients accumulate locally."""
-        self.accumulating = True
-        try:
-            with ExitStack() as stack:
-                for participant in self.parts.ordered:
-                    stack.enter_context(participant.no_sync())
-                yield
-        finally:
-            self.accumulating = False
-
-    # -------------------------------------------------------------------------------------------- the end
-
-    def teardown(self, failed: bool) -> None:
-        """The participants' teardown (``failed``: no collective), then this model's hooks removed, whatever raised."""
-        try:
-            self.each("teardown", failed)
-        finally:
-            for hook in self._hooks:
-                hook.remove()
-            self._hooks = []
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
 
 def run_backward(models: list[SynchronisedModel], run: Callable[[], None]) -> None:
-    """``fabric.backward(loss)`` over ``models`` (those whose training forward ran since their last step): every
-    model's pre-phases before ``run`` (the backward itself), every model's ``after_backward`` after it, then the
-    rounds and checks of the models whose parameters got a gradient in it, in the order they were set up.
-
-    A model a backward does not reach (a GAN's generator under the critic's loss of a detached fake) runs no round,
-    as DDP's reducer, fired by its gradient hooks, runs none; so each rank must give a model gradients in the same
-    backward passes (as under DDP: a rank whose model got none where a peer's did leaves that peer waiting).
-    """
+    """``fabric.backward(loss)`` over ``models``: :func:`~lightning_static_dist.participants.phases.run_backward`
+    over their phases, then the recorder told of a micro-batch that accumulated."""
+    phases_run_backward([m.phases for m in models], run)
     for model in models:
-        model.before_backward()
-    run()
-    for model in models:
-        model.each("after_backward")  # (the recorder's backward ends before any round's waits)
-    for model in models:
-        if model.got_gradients:
-            model.finish_gradients()
+        model.after_backward()
 
 
 def teardown_models(models: list[SynchronisedModel], failed: bool) -> Optional[RankMismatchError]:
-    """Every model's ``check_in_step`` (unless ``failed``), then every model's teardown, each also when another's
-    raised; ``failed`` or out of step: with no collective (a peer may be gone). As the Trainer strategy's teardown,
-    the ranks' mismatch is returned, to be raised once the strategy's own teardown is done."""
-    mismatch: Optional[RankMismatchError] = None
-    if not failed:
-        try:  # (no collective: the last rounds' verdicts, read from what they recorded)
-            for model in models:
-                model.each("check_in_step")
-        except RankMismatchError as err:
-            mismatch = err
-    with ExitStack() as stack:
+    """:func:`~lightning_static_dist.participants.phases.teardown_all` over the models' phases (the ranks' mismatch
+    returned, as under the Trainer), then every model's hooks removed, whatever raised."""
+    try:
+        return teardown_all([m.phases for m in models], failed)
+    finally:
         for model in models:
-            stack.callback(model.teardown, failed or mismatch is not None)
-    return mismatch
+            model.remove_hooks()
 
 
 class LocalAccumulation(_BackwardSyncControl):
@@ -332,4 +321,4 @@ class LocalAccumulation(_BackwardSyncControl):
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
         model = self._models(module)
-        return model.accumulate_locally() if enabled and model is not None else nullcontext()
+        return model.phases.no_sync() if enabled and model is not None else nullcontext()

@@ -135,7 +135,7 @@ class StaticDistFabricStrategy(FabricCheckpoints):
             self._add_model(SynchronisedModel(self, module, optimizers or [], recorder, self._monitor_every,
                                               failed=self.has_failed))
             if len(self._models) == 1:  # once per process (the peer watchdog): the process group is up since launch
-                self._models[0].each("setup_distributed")
+                self._models[0].phases.setup_distributed()
             if optimizers:
                 self._models[-1].set_up()
         return module
@@ -150,14 +150,14 @@ class StaticDistFabricStrategy(FabricCheckpoints):
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
         for model in self._models:  # (a loader set up before its model is left as it is)
-            model.each("process_dataloader", dataloader)
+            model.phases.process_dataloader(dataloader)
         return dataloader
 
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
         # the models whose training forward ran since their last step (and ``model=``'s); those the backward gives
         # gradients synchronise (``run_backward``)
-        models = [m for m in self._models if m.step_open or (module is not None and m.module is module)]
+        models = [m for m in self._models if m.phases.batch_open or (module is not None and m.module is module)]
         run_backward(models, lambda: super(StaticDistFabricStrategy, self).backward(tensor, module, *args, **kwargs))
 
     @override

@@ -1,7 +1,8 @@
 """The step participants: each feature's part of the strategy's hooks (:mod:`.base` says what a phase is).
 
-The strategy calls every phase on all of them in one fixed order (:class:`~.roster.Participants` lists it and says
-why): a new feature is a new participant in that list, not an edit of each hook.
+Both front ends call every phase through one typed :class:`~.phases.StepPhases`, which runs it on all of them in
+one fixed order (:class:`~.roster.Participants` lists it and says why): a new feature is a new participant in that
+list, not an edit of each hook.
 """
 
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
@@ -11,6 +12,7 @@ from lightning_static_dist.participants.embeddings import EmbeddingShards
 from lightning_static_dist.participants.gradients import GradientSynchronization
 from lightning_static_dist.participants.recording import PhaseRecording
 from lightning_static_dist.participants.roster import Participants
+from lightning_static_dist.participants.phases import StepPhases, StepState
 from lightning_static_dist.participants.schedule_trial import SyncSchedule
 from lightning_static_dist.participants.runtime import PeerWatch, SigtermAgreement
 from lightning_static_dist.participants.sharded import ShardedSync
@@ -27,6 +29,8 @@ __all__ = [
     "StaticCompile",
     "StepContext",
     "StepParticipant",
+    "StepPhases",
+    "StepState",
     "StrategyView",
     "SyncSchedule",
 ]

@@ -2,11 +2,12 @@
 
 The strategy (:class:`~lightning_static_dist.strategy.StaticDistStrategy`) owns Lightning's lifecycle; each feature
 (gradient sync, the sharded embeddings, compilation, the recorder ...) owns its part of every hook as a
-:class:`StepParticipant`. A strategy hook calls one phase on every participant, in the strategy's one fixed order;
-a participant that has nothing to do in a phase inherits the no-op. A feature that is off (its config says so, or
+:class:`StepParticipant`. A front end's hook calls one method of :class:`~.phases.StepPhases`, which runs the phase
+on every participant in the one fixed order, and checks that the step may be in it; a participant that has nothing
+to do in a phase inherits the no-op. A feature that is off (its config says so, or
 the world has one rank) stays in the list and does nothing: the hooks never ask which features are on.
 
-Phases, as the strategy calls them (a phase returning a value is read as the method's docstring says)::
+Phases, as the Trainer strategy's hooks reach them (a phase returning a value is read as the method's docstring says)::
 
     setup_distributed     the process group and the mesh exist
     before_optimizers     setup: the model is on the device, the same on every rank; no optimizer yet
@@ -52,7 +53,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.step_plan import StepPlan
-from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.overlap.recorder import StepRecorder
 
 
@@ -107,11 +107,8 @@ class StepContext(Protocol):
 
 
 class StrategyView(Protocol):
-    """What a participant reads of the strategy: the run's configuration, ranks, device, groups and model. A
+    """What a participant reads of the strategy: the run's plan (its configuration, resolved once), ranks, device, groups and model. A
     participant never imports the strategy (it sits a layer above); it is handed the strategy as this view."""
-
-    @property
-    def config(self) -> StrategyConfig: ...
 
     @property
     def plan(self) -> StepPlan:
@@ -165,8 +162,6 @@ class StrategyView(Protocol):
 
     @property
     def precision_plugin(self) -> Any: ...
-
-    def reduce_scatter(self) -> bool: ...
 
     def barrier(self, *args: Any, **kwargs: Any) -> None: ...
 

@@ -1,16 +1,15 @@
 """One strategy's step participants, built in their one order, and how their answers to a phase combine.
 
-The strategy's hooks call a phase on every participant in :attr:`Participants.ordered`. Most phases only act; the
-checkpoint phases answer, and the answers combine here (each participant folds the state the one before it
-returned; the first participant to claim a file or an optimizer's state wins), so that the strategy reads as
-Lightning's lifecycle and nothing else.
+The front ends' hooks call a phase on every participant in :attr:`Participants.ordered` through
+:class:`~lightning_static_dist.participants.phases.StepPhases`. Most phases only act; the checkpoint phases answer, and
+the answers combine here (each participant folds the state the one before it returned; the first participant to
+claim a file or an optimizer's state wins), so that the strategy reads as Lightning's lifecycle and nothing else.
 
 Example (what ``StaticDistStrategy.__init__`` does)::
 
     participants = Participants(strategy, failed=strategy.has_failed)
-    for participant in participants.ordered:
-        participant.before_forward()
-    state = participants.model_state_dict(state)
+    phases = StepPhases(participants)
+    state = participants.optimizer_state(optimizer, lightning_state)
 """
 
 from __future__ import annotations

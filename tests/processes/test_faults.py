@@ -243,7 +243,7 @@ def test_a_save_on_exception_is_refused_before_it_can_hang_the_job(tmp_path: Any
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_static_dist.config import ConfigError
-    from lightning_static_dist.strategy import refuse_saves_on_exception
+    from lightning_static_dist.trainer_context import refuse_saves_on_exception
 
     code, err, seconds = lsd_train(tmp_path, "callbacks.model_checkpoint.enabled=true",
                                    "callbacks.model_checkpoint.save_on_exception=true")
