@@ -29,7 +29,7 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning_static_dist.compat import mark_run_failed
 from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.ddp_arguments import check_process_group_backend
-from lightning_static_dist.mesh import build_dp_mesh, resolve_mesh_shape
+from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
 from lightning_static_dist.processes.ending import install_excepthook
 from lightning_static_dist.processes.faults import collective_failed, diagnose, is_collective_failure, post_own_failure
 from lightning_static_dist.processes.world import (
@@ -140,8 +140,11 @@ class FabricProcesses(DDPStrategy):
         return True
 
     def reduce_scatter(self) -> bool:
-        """``sync.reduce`` resolved against the mesh that started (the plan's ``reduce_by_scatter``)."""
-        return self.plan.reduce_by_scatter
+        """``sync.reduce`` resolved against the mesh (the plan's ``reduce_by_scatter`` once the processes started;
+        before, from the config and whatever mesh exists, as it was answered before the plan)."""
+        if self._plan is None:
+            return reduces_by_scatter(self._config.sync.reduce, self._mesh, self.world_size)
+        return self._plan.reduce_by_scatter
 
     @override
     def _configure_launcher(self) -> None:

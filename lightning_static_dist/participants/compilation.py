@@ -108,6 +108,9 @@ class StaticCompile(StepParticipant):
         except ConfigError:
             return []
 
+    def before_optimizers(self, context: StepContext) -> None:
+        self._resolution = None  # a stage resolves its own (a previous stage's teardown may have stopped early)
+
     def setup(self, context: StepContext) -> None:
         """Compile the LightningModule as ``strategy.compile`` says (or as a ``torch.compile``-d model asked)."""
         view = self._view

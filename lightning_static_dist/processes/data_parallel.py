@@ -57,7 +57,7 @@ from lightning_static_dist.processes.launcher import StaticDistLauncher, StaticD
 from lightning_static_dist.processes.world import (check_launch_environment, check_simulation, ranks_in_world,
                                                    resolve_for_world, start_process_group)
 from lightning_static_dist.step_plan import StepPlan
-from lightning_static_dist.mesh import build_dp_mesh, resolve_mesh_shape
+from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
 from lightning_static_dist.simulate.config import SimulateConfig
 
 log = logging.getLogger(__name__)
@@ -200,8 +200,11 @@ class DataParallelProcesses(ParallelStrategy):
         return self._host_group
 
     def reduce_scatter(self) -> bool:
-        """``strategy.sync.reduce`` resolved against the mesh that started (the plan's ``reduce_by_scatter``)."""
-        return self.plan.reduce_by_scatter
+        """``sync.reduce`` resolved against the mesh (the plan's ``reduce_by_scatter`` once the processes started;
+        before, from the config and whatever mesh exists, as it was answered before the plan)."""
+        if self._plan is None:
+            return reduces_by_scatter(self._config.sync.reduce, self._mesh, self.world_size)
+        return self._plan.reduce_by_scatter
 
     @override
     def _configure_launcher(self) -> None:

@@ -80,6 +80,7 @@ class View:
                  simulation: Optional[SimulateConfig] = None, mesh: Optional[DeviceMesh] = None) -> None:
         self._module = module
         self._mesh = mesh
+        self._plan: Optional[StepPlan] = None
         self._config = config if config is not None else StrategyConfig()
         self._optimizers = list(optimizers or [])
         self.synchronizer_built = synchronizer
@@ -97,8 +98,11 @@ class View:
 
     @property
     def plan(self) -> StepPlan:
-        # resolved as the front ends' processes resolve it, for the world of this process group and the mesh
-        return resolve_plan(self._config, world_size=self.world_size, device_type="cpu", num_nodes=1, mesh=self._mesh)
+        # resolved once, as the front ends' processes resolve it, for the world of this process group and the mesh
+        if self._plan is None:
+            self._plan = resolve_plan(self._config, world_size=self.world_size, device_type=self.root_device.type,
+                                      num_nodes=1, mesh=self._mesh)
+        return self._plan
 
     @property
     def world_size(self) -> int:
