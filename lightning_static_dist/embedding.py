@@ -337,7 +337,3 @@ class EmbeddingSharder:
             hook.remove()
         self._hooks = []
         self.weights = []
-
-    def local_bytes(self) -> int:
-        """Bytes of the shards held here (weights only)."""
-        return sum(w.shard.numel() * w.shard.element_size() for w in self.weights)

@@ -127,21 +127,6 @@ def format_value(value: float, unit: Optional[str], decimals: Optional[int] = No
     return _with_suffix(_digits(value / factor, decimals), suffix)
 
 
-def human_bytes(nbytes: float) -> str:
-    """``3.37 MB``: decimal units, as a network's throughput is counted."""
-    return format_value(nbytes, "bytes")
-
-
-def human_ms(ms: float) -> str:
-    """``12.5 ms``, or ``1.5 s`` from 1000 ms on."""
-    return format_value(ms, "ms")
-
-
-def percent(fraction: float) -> str:
-    """``91%`` for 0.91."""
-    return format_value(fraction, "fraction")
-
-
 def tick_labels(locs: Sequence[float], unit: Optional[str]) -> list[str]:
     """The labels of a y axis's ticks: one unit for all of them, and the fewest decimals that show every tick exactly.
 

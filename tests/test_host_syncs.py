@@ -130,7 +130,7 @@ def test_a_parameter_no_rank_uses_costs_one_blocking_usage_check_per_step(tmp_pa
     # the one read that waits for the device, and only where that decision exists
     for counts in _count(tmp_path, _static(), nested_gpt()):
         assert counts == {**OURS_SIGTERM, "ours:_RoundCheck.sums": 1,
-                          "ours:GradientSynchronizer._reduce_usage_of_unplanned": 1}, counts
+                          "ours:PlanMembership.reduce_usage": 1}, counts
 
 
 def _sigterm_on_one_rank(rank: int, world: int, signalled: int) -> tuple[str, list[bool], bool]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import os
 import warnings
-from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -18,17 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.demos.boring_classes import BoringModel
-from torch import nn
 
 from _dist import run_ranks
+from tests.participants._view import Context, gradient_participant
 from lightning_static_dist.callbacks import GraphReport, RunSummary
 from lightning_static_dist.compression import CompressionGuard, LowPrecisionCompressor
-from lightning_static_dist.participants.gradients import build_synchronizer
 from lightning_static_dist.offer import StaticDistOffer, offer_of
 from lightning_static_dist.overlap.monitor import OverlapMonitor
 from lightning_static_dist.participants.compression import CompressionState
-from lightning_static_dist.step_plan import resolve_plan
-from lightning_static_dist.strategy_config import StrategyConfig
 
 
 def test_callbacks_under_another_strategy_get_no_offer_and_say_so_naming_it(tmp_path: Any) -> None:
@@ -85,23 +81,21 @@ def test_the_callbacks_read_and_swap_through_the_offer_on_two_ranks(tmp_path: An
 
 
 def _swapped_rounds(rank: int, world: int) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = nn.Linear(64, 32)
+    # the real gradient participant builds the synchroniser on a real view of this rank; its owner installs bf16
+    model, view, gradients = gradient_participant({"compression": {"name": "bf16"}})
     reference = copy.deepcopy(model)
-    config = StrategyConfig(compression={"name": "bf16"})
-    plan = resolve_plan(config, world_size=world, device_type="cpu", num_nodes=1, mesh=None)
-    sync = build_synchronizer(model.named_parameters(), plan, group=None)  # exact: the owner installs
-    view = SimpleNamespace(config=config, plan=plan, root_device=torch.device("cpu"), dp_group=None, global_rank=rank,
-                           world_size=world)
-    owner = CompressionState(view, SimpleNamespace(mode="hooks", synchronizer=sync))  # type: ignore[arg-type]
-    owner.setup(SimpleNamespace(fitting=True, global_step=0))  # type: ignore[arg-type]
-    sync.attach()
+    owner = CompressionState(view, gradients)
+    context = view.enter(Context())
+    for phase in (gradients.setup, gradients.after_setup, owner.setup):  # (the strategy's setup, in its order)
+        phase(context)
+    sync = gradients.synchronizer
+    assert sync is not None
     rounds = []
     for step, change in enumerate([None, lambda: owner.swap(None),
                                    lambda: owner.use(LowPrecisionCompressor(torch.bfloat16))]):
         if change is not None:
             change()
-        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(10 * step + rank))
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(10 * step + rank))
         for m in (model, reference):
             m.zero_grad(set_to_none=True)
             m(x).square().mean().backward()
@@ -113,6 +107,7 @@ def _swapped_rounds(rank: int, world: int) -> dict[str, Any]:
         rounds.append({"reducer": type(sync.reducer).__name__, "bytes": sync.stats.last_round_bytes,
                        "dense": sync.stats.last_round_dense_bytes,
                        "error": max(float((p.grad - g).abs().max()) for p, g in zip(model.parameters(), exact))})
+    gradients.teardown(failed=False)
     return {"rounds": rounds}
 
 

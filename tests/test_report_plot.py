@@ -13,9 +13,6 @@ from matplotlib.image import imread
 from lightning_static_dist.cli import report
 from lightning_static_dist.report_plot import (
     format_value,
-    human_bytes,
-    human_ms,
-    percent,
     plan_sections,
     plot_curves,
     tick_labels,
@@ -145,26 +142,26 @@ def test_a_run_of_only_constant_series_still_gets_its_picture(tmp_path: Path) ->
 
 
 def test_bytes_read_in_decimal_units() -> None:
-    assert human_bytes(512) == "512 B"
-    assert human_bytes(1_500) == "1.5 kB"
-    assert human_bytes(3_370_192) == "3.37 MB"
-    assert human_bytes(2.5e9) == "2.5 GB"
-    assert human_bytes(0) == "0 B"
+    assert format_value(512, "bytes") == "512 B"
+    assert format_value(1_500, "bytes") == "1.5 kB"
+    assert format_value(3_370_192, "bytes") == "3.37 MB"
+    assert format_value(2.5e9, "bytes") == "2.5 GB"
+    assert format_value(0, "bytes") == "0 B"
 
 
 def test_milliseconds_turn_into_seconds_from_1000() -> None:
-    assert human_ms(0.25) == "0.25 ms"
-    assert human_ms(12.5) == "12.5 ms"
-    assert human_ms(466.2246) == "466 ms"
-    assert human_ms(1_500) == "1.5 s"
+    assert format_value(0.25, "ms") == "0.25 ms"
+    assert format_value(12.5, "ms") == "12.5 ms"
+    assert format_value(466.2246, "ms") == "466 ms"
+    assert format_value(1_500, "ms") == "1.5 s"
     assert format_value(0.5, "s") == "500 ms"
 
 
 def test_fractions_read_as_percent() -> None:
-    assert percent(0.91) == "91%"
-    assert percent(0.0336) == "3.36%"
-    assert percent(1.0) == "100%"
-    assert percent(float("nan")) == "nan"
+    assert format_value(0.91, "fraction") == "91%"
+    assert format_value(0.0336, "fraction") == "3.36%"
+    assert format_value(1.0, "fraction") == "100%"
+    assert format_value(float("nan"), "fraction") == "nan"
 
 
 def test_plain_numbers_never_use_scientific_notation() -> None:

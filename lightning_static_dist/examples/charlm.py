@@ -9,17 +9,15 @@ the same Python version reads the same bytes (the file list is sorted, not left 
 The model follows nanoGPT (pre-LN blocks, tied input/output embeddings, scaled init of residual
 projections); the data is cut into non-overlapping windows so that an epoch has a well-defined length that
 a ``DistributedSampler`` can split evenly across ranks. Its training loader keeps its place in the epoch in the
-checkpoint (:class:`ResumableLoader`), so a run resumed from a mid-epoch checkpoint sees the batches the uninterrupted
-run would have seen.
+checkpoint, so a run resumed from a mid-epoch checkpoint sees the batches the uninterrupted run would have seen
+(:mod:`~lightning_static_dist.examples.bytedata`).
 """
 
 import math
 import os
-import sys
 import sysconfig
 from pathlib import Path
-from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -28,8 +26,20 @@ import torchmetrics
 from lightning import LightningDataModule, LightningModule
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader
 from typing_extensions import override
+
+from lightning_static_dist.examples.bytedata import (
+    CORPUS_SUFFIXES,
+    SKIPPED_STDLIB_DIRS,
+    ByteWindows,
+    ResumableLoader,
+    ResumableSampler,
+    read_bytes,
+    text_files,
+)
+
+__all__ = ["ByteWindows", "CharDataModule", "CharGPT", "ResumableLoader", "ResumableSampler"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -209,137 +219,6 @@ class CharGPT(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-class ByteWindows(Dataset):
-    """Non-overlapping windows of a byte tensor: sample ``i`` is ``data[i*T : i*T+T]`` and the same slice
-    shifted by one byte as its target.
-
-    Example::
-
-        ds = ByteWindows(torch.tensor(list(b"hello world"), dtype=torch.uint8), block_size=4)
-        x, y = ds[0]  # b"hell", b"ello" as int64
-    """
-
-    def __init__(self, data: Tensor, block_size: int) -> None:
-        self.data = data
-        self.block_size = block_size
-
-    def __len__(self) -> int:
-        # the last window needs one byte past its end for the target
-        return max(0, (len(self.data) - 1) // self.block_size)
-
-    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
-        if not 0 <= i < len(self):
-            raise IndexError(f"ByteWindows: index {i} out of range for {len(self)} windows")
-        start = i * self.block_size
-        chunk = self.data[start : start + self.block_size + 1].long()
-        return chunk[:-1], chunk[1:]
-
-
-class ResumableSampler(DistributedSampler):
-    """Lightning's own choice of sampler (a ``DistributedSampler`` of this rank's share, reshuffled every epoch from
-    the run's seed), which can begin its next epoch a number of samples in: where a resumed epoch picks up.
-
-    Example::
-
-        sampler = ResumableSampler(ds, num_replicas=2, rank=0, seed=1234)
-        sampler.set_epoch(3)
-        sampler.start_at(64)   # the next iteration skips this rank's first 64 samples of epoch 3, once
-    """
-
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
-        self._start = 0
-
-    def start_at(self, samples: int) -> None:
-        """Skip ``samples`` of this rank's share in the next iteration only."""
-        self._start = samples
-
-    @override
-    def __iter__(self) -> Iterator[int]:
-        start, self._start = self._start, 0
-        # __len__ stays the whole epoch's: Lightning counts the epoch's batches before it restores the position,
-        # and expects the resumed iterator to give only the batches left (it adds those done to its own count)
-        return iter(list(super().__iter__())[start:])
-
-
-class ResumableLoader(DataLoader):
-    """A ``DataLoader`` over a :class:`ResumableSampler` whose position in the epoch is part of its state: Lightning's
-    fit loop saves a loader's ``state_dict`` in every checkpoint and hands it back to ``load_state_dict`` when a fit
-    resumes, before the loader's first iteration.
-
-    The position is counted in batches the loader gave out (with ``num_workers > 0`` its workers read ahead from the
-    sampler; what they read ahead was not trained on). The state holds no rank's own data, only the epoch and the
-    batch: the checkpoint keeps rank 0's, and every rank resumes from it.
-
-    Example::
-
-        loader = ResumableLoader(ds, batch_size=8, sampler=ResumableSampler(ds, 2, 0, seed=0), drop_last=True)
-        loader.load_state_dict({"epoch": 0, "batches": 5})
-        next(iter(loader))  # this rank's sixth batch of epoch 0
-    """
-
-    sampler: ResumableSampler
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._epoch, self._batches = 0, 0
-        self._resume: Optional[tuple[int, int]] = None
-
-    def state_dict(self) -> dict[str, int]:
-        # the geometry too: a position in batches means the same samples only at the same world size and batch size
-        return {"epoch": self._epoch, "batches": self._batches, "num_replicas": self.sampler.num_replicas,
-                "batch_size": self.batch_size or 1}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        saved = (state.get("num_replicas", self.sampler.num_replicas), state.get("batch_size", self.batch_size or 1))
-        if saved != (self.sampler.num_replicas, self.batch_size or 1):
-            if self.sampler.rank == 0 and state["batches"]:
-                print(f"static_dist: resumed mid-epoch at another world size or batch size ({saved[0]} x {saved[1]}"
-                      f" then, {self.sampler.num_replicas} x {self.batch_size} now): epoch {state['epoch']} starts"
-                      " again from its first batch, so the run does not continue bit for bit", file=sys.stderr)
-            return
-        self._resume = (state["epoch"], state["batches"])
-
-    @override
-    def __iter__(self) -> Iterator[Any]:
-        # a generator: its body runs at the first batch, after Lightning's set_epoch (which follows its iter())
-        resume, self._resume = self._resume, None
-        self._epoch, self._batches = self.sampler.epoch, 0
-        # a checkpoint written as an epoch ended resumes at the next epoch's start
-        if resume is not None and resume[0] == self._epoch and 0 < resume[1] < len(self):
-            self._batches = resume[1]
-            self.sampler.start_at(self._batches * self.batch_size)
-        for batch in super().__iter__():
-            self._batches += 1
-            yield batch
-
-
-_CORPUS_SUFFIXES = (".py", ".txt", ".md")
-# test suites are full of deliberately odd bytes; idlelib/lib2to3 are large and unrepresentative
-_SKIPPED_STDLIB_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"}
-
-
-def _text_files(root: Path, suffixes: tuple[str, ...], skipped_dirs: set[str]) -> list[Path]:
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        # prune in place so os.walk never descends into them; hidden dirs are .git, .venv and the like
-        dirnames[:] = [d for d in dirnames if d not in skipped_dirs and not d.startswith(".") and d != "__pycache__"]
-        files.extend(Path(dirpath, f) for f in filenames if f.endswith(suffixes))
-    # sorted by path, not walk order, so every rank and every machine concatenates the same bytes
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def _read_bytes(files: list[Path], max_bytes: int) -> bytes:
-    chunks, total = [], 0
-    for f in files:
-        if total >= max_bytes:
-            break
-        chunk = f.read_bytes()
-        chunks.append(chunk)
-        total += len(chunk)
-    return b"".join(chunks)[:max_bytes]
-
-
 class CharDataModule(LightningDataModule):
     """Bytes of a text file, a folder of text files, or (by default) the Python standard library's sources. Under a
     Trainer its training loader is a :class:`ResumableLoader`: a fit resumed from a mid-epoch checkpoint goes on with
@@ -383,10 +262,10 @@ class CharDataModule(LightningDataModule):
     def _read_corpus(self) -> tuple[bytes, str]:
         if self.path is None:
             stdlib = Path(sysconfig.get_paths()["stdlib"])
-            return _read_bytes(_text_files(stdlib, (".py",), _SKIPPED_STDLIB_DIRS), self.max_bytes), str(stdlib)
+            return read_bytes(text_files(stdlib, (".py",), SKIPPED_STDLIB_DIRS), self.max_bytes), str(stdlib)
         path = Path(self.path).expanduser()
-        files = [path] if path.is_file() else _text_files(path, _CORPUS_SUFFIXES, set())
-        return _read_bytes(files, self.max_bytes), str(path)
+        files = [path] if path.is_file() else text_files(path, CORPUS_SUFFIXES, set())
+        return read_bytes(files, self.max_bytes), str(path)
 
     @override
     def setup(self, stage: str) -> None:

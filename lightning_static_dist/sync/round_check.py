@@ -8,12 +8,14 @@ every bucket's collective before it is issued, a debugging aid that waits on eac
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_static_dist.processes.faults import waiting_in
 from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.sync.buffer import BucketBuffer
 from lightning_static_dist.wording import counted
@@ -65,6 +67,36 @@ class _RoundCheck:  # (private to sync/; the host-read tests key on this qualifi
             self._event.synchronize()
         total, total_sq = self._host.tolist()
         return None if self._world * total_sq == total * total else (total, total_sq)
+
+
+class StepChecks:
+    """The step checks of the rounds whose verdicts have not been read yet, oldest first.
+
+    Example::
+
+        checks = StepChecks()
+        checks.append(check)                         # once the round's check has settled
+        mismatch = checks.read(keep=1, group=group)  # every verdict but the newest; the error to raise, if any
+    """
+
+    def __init__(self) -> None:
+        self._checks: deque[_RoundCheck] = deque()
+
+    def append(self, check: _RoundCheck) -> None:
+        self._checks.append(check)
+
+    def clear(self) -> None:
+        self._checks.clear()
+
+    def read(self, keep: int, group: Optional[dist.ProcessGroup]) -> Optional[RankMismatchError]:
+        """Read every verdict but the newest ``keep``, stopping at the first mismatch: the error naming it."""
+        while len(self._checks) > keep:
+            check = self._checks.popleft()
+            with waiting_in("the ranks' backward-pass check"):
+                sums = check.sums()
+            if sums is not None:
+                return desynchronised(*sums, check.own_pass, group)
+        return None
 
 
 def desynchronised(total: int, total_sq: int, own_pass: int,

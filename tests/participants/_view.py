@@ -76,14 +76,13 @@ class View:
     is its data-parallel mesh."""
 
     def __init__(self, module: Optional[nn.Module], config: Optional[StrategyConfig] = None,
-                 optimizers: Optional[list[Any]] = None, synchronizer: Any = None,
+                 optimizers: Optional[list[Any]] = None,
                  simulation: Optional[SimulateConfig] = None, mesh: Optional[DeviceMesh] = None) -> None:
         self._module = module
         self._mesh = mesh
         self._plan: Optional[StepPlan] = None
         self._config = config if config is not None else StrategyConfig()
         self._optimizers = list(optimizers or [])
-        self.synchronizer_built = synchronizer
         self._simulation = simulation
         self._context: Optional[Context] = None
 
@@ -135,10 +134,6 @@ class View:
     @property
     def host_group(self) -> Optional[dist.ProcessGroup]:
         return dist.group.WORLD if dist.is_initialized() else None
-
-    @property
-    def synchronizer(self) -> Any:
-        return self.synchronizer_built
 
     @property
     def preempted(self) -> bool:

@@ -388,3 +388,28 @@ def test_the_sharded_synchroniser_hands_the_pieces_the_average_and_keeps_no_full
         sync.finish_if_pending()
     sync.release()
     assert sync.buffers == () and sync.shards == []
+
+
+def test_a_pass_moves_through_one_round_state(one_rank_gloo: None) -> None:
+    # the first hook starts the pass, the engine ends it and finishes its round, finish_if_pending closes it; under
+    # no_sync the engine ends the pass and finishes nothing, and finish_if_pending counts the skipped round
+    from lightning_static_dist.sync.round_state import RoundState
+
+    model = nn.Linear(4, 2)
+    sync = GradientSynchronizer(model.named_parameters())
+    sync.attach()
+    during: list[RoundState] = []
+    model.bias.register_post_accumulate_grad_hook(lambda _: during.append(sync.state))  # (after the synchroniser's)
+    states = [sync.state]
+    model(torch.ones(3, 4)).sum().backward()
+    states.append(sync.state)
+    sync.finish_if_pending()
+    states.append(sync.state)
+    with sync.no_sync():
+        model(torch.ones(3, 4)).sum().backward()
+        states.append(sync.state)
+        sync.finish_if_pending()
+    states.append(sync.state)
+    assert during == [RoundState.BACKWARD, RoundState.BACKWARD]
+    assert states == [RoundState.IDLE, RoundState.FINISHED, RoundState.IDLE, RoundState.PASS_ENDED, RoundState.IDLE]
+    assert (sync.backward_passes, sync.stats.rounds, sync.stats.skipped_rounds) == (2, 1, 1)
