@@ -23,13 +23,13 @@ Defined here
     ``torch.compile`` context (``model._compiler_ctx``) and takes the compiled model apart
     (``lightning.pytorch.utilities.compile.to_uncompiled``) before a spawn launcher pickles it. Every other strategy
     gets Lightning's check unchanged. A strategy attribute in Lightning that declares compile support would retire it.
-:data:`all_gather_single`, :data:`reduce_scatter_single` (used by ``embedding.py``, ``sync/sharded.py``,
+:data:`all_gather_single`, :data:`reduce_scatter_single` (used by ``embedding.py``, ``sync/sharded_synchronizer.py``,
 ``compression/base.py`` and ``benchmarks/cost_model.py``)
     torch 2.13 renamed ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` to these names
     (pytorch/pytorch#186123). The old names still work there, but they warn (``FutureWarning``) on every call, and a
     torch older than 2.13 has only the old names. Retired when the oldest supported torch (``pyproject.toml``) is 2.13:
     call ``torch.distributed``'s functions directly.
-:func:`unwrap_optimizer` (used by ``participants/sharded.py``, ``participants/embeddings.py`` and
+:func:`unwrap_optimizer` (used by ``participants/parameter_shards.py``, ``participants/embeddings.py`` and
 ``compile/regions.py``)
     This reads ``LightningOptimizer._optimizer``, which is the torch optimizer that Lightning's step wrapper holds.
     The strategy checks the optimizer's type and re-points it at shards, and the compiled optimizer step replaces the
@@ -83,12 +83,11 @@ Left where they are (so that this list is the whole inventory)
 --------------------------------------------------------------
 ``strategy.py``
     ``_StrategyRegistry`` (the type behind ``register_strategies``), ``_optimizers_to_device`` (optimizer state
-    follows the model, as in ``DDPStrategy``; ``participants/sharded.py`` too) and ``_PATH`` (a type alias). A
+    follows the model, as in ``DDPStrategy``; ``participants/parameter_shards.py`` too) and ``_PATH`` (a type alias). A
     public Lightning toolkit for third-party strategies would retire these.
 ``processes/data_parallel.py`` (the strategy's base: what ``DDPStrategy`` holds beside the step)
-    - From ``lightning.fabric.utilities.distributed``: ``_init_dist_connection``,
-      ``_get_default_process_group_backend_for_device``, ``_distributed_is_initialized`` and
-      ``_sync_ddp_if_available``. With these, setup and ``reduce`` do what ``DDPStrategy`` does, including its
+    - From ``lightning.fabric.utilities.distributed``: ``_get_default_process_group_backend_for_device``,
+      ``_distributed_is_initialized`` and ``_sync_ddp_if_available``. With these, setup and ``reduce`` do what ``DDPStrategy`` does, including its
       environment variables and its rank-zero messages. A public Lightning toolkit for third-party strategies would
       retire these.
     - ``_SubprocessScriptLauncher`` in ``on_exception``: after a collective failure, the launcher that started the
@@ -98,7 +97,7 @@ Left where they are (so that this list is the whole inventory)
       ``self.device_mesh`` works inside the module (``mesh.py`` too). A public setter would retire it.
 ``participants/gradients.py``
     ``torch._foreach_norm``: one multi-tensor launch for the non-finite check. The same private ``_foreach`` ops are
-    ``torch._foreach_mul_`` in ``sync/sharded.py`` (clipping), ``torch._foreach_copy_`` in
+    ``torch._foreach_mul_`` in ``sync/sharded_synchronizer.py`` (clipping), ``torch._foreach_copy_`` in
     ``compression/compressors.py`` and, behind a ``getattr`` guard, in ``sync/buffer.py``. ``torch.optim`` and
     ``clip_grad_norm_`` are built on them. Public multi-tensor ops would retire them.
 ``processes/launcher.py``
@@ -109,11 +108,15 @@ Left where they are (so that this list is the whole inventory)
     subclassed in the same way (``FabricSpawnLauncher``). ``_StrategyRegistry`` is the type ``register_names``
     takes. A grace period in Lightning's observer would retire the first group, and a launcher hook that runs when a
     rank finishes would retire the second.
+``processes/world.py`` (how both front ends start the process group)
+    ``_init_dist_connection`` from ``lightning.fabric.utilities.distributed``: the process group starts with
+    ``DDPStrategy``'s environment variables and rank-zero messages. A public Lightning toolkit for third-party
+    strategies would retire it.
 ``fabric/``
     ``_StrategyRegistry`` (``strategy.py``), ``_BackwardSyncControl`` (subclassed in ``model.py``, for
     ``no_backward_sync``), ``_PATH`` (``checkpoints.py``) and the ``_configure_launcher`` override
     (``processes.py``). In ``processes.py`` also Fabric ``DDPStrategy``'s ``_setup_distributed`` (overridden: the
-    process group starts as the Trainer strategy's, ``processes/data_parallel.py``'s ``start_process_group``, for
+    process group starts as the Trainer strategy's, ``processes/world.py``'s ``start_process_group``, for
     ``simulate`` and ``sync.comm_sms``), with the ``_set_world_ranks`` and ``_get_process_group_backend`` it calls.
     A public hook in Fabric's ``DDPStrategy`` for how the process group starts would retire these.
 ``processes/sigterm.py``

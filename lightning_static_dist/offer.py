@@ -8,7 +8,7 @@ Trainer runs another strategy, so that a callback can say in one line that it do
 The offer names what a callback may read by its shape (:class:`CompileFacts`, :class:`CompressionCheck` ...), not
 by the classes that hold it: this module is a leaf, so that every callback can import it, the overlap monitor in
 the leaf layer too, and a leaf imports no feature (``tests/test_architecture.py``). The features' own classes
-(``CompileReport``, ``CompressingReducer``, ``CompressionTrial``) have these shapes.
+(``CompileReport``, ``CompressingReducer``, ``StepTrial``) have these shapes.
 
 Example::
 

@@ -35,7 +35,7 @@ from lightning_static_dist.compat import allow_compiled_models_in_trainer
 from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.compile import CompileReport
 from lightning_static_dist.compile.config import CompileConfig
-from lightning_static_dist.compression.auto import CompressionTrial
+from lightning_static_dist.trial import StepTrial
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.ddp_arguments import DDPArguments, yield_to
 from lightning_static_dist.embedding import EmbeddingConfig, EmbeddingSharder
@@ -44,16 +44,16 @@ from lightning_static_dist.processes.launcher import register_names
 from lightning_static_dist.mesh import MeshConfig
 from lightning_static_dist.offer import StaticDistOffer
 from lightning_static_dist.participants import Participants, StepPhases
-from lightning_static_dist.participants.offer import ParticipantsOffer
+from lightning_static_dist.participants.roster_offer import RosterOffer
 from lightning_static_dist.processes.data_parallel import DataParallelProcesses
 from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.trainer_context import TrainerContext, refuse_saves_on_exception
-from lightning_static_dist.sync import RoundSync
+from lightning_static_dist.sync import RoundSynchronizer
 from lightning_static_dist.sync.broadcast import start_from_rank_zero
 from lightning_static_dist.sync.config import SyncConfig
 from lightning_static_dist.sync.optimizer_overlap import OverlapChoice
-from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
+from lightning_static_dist.sync.sharded_synchronizer import ShardedSynchronizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -132,7 +132,7 @@ class StaticDistStrategy(DataParallelProcesses):
         self._resuming_from: Optional[str] = None  # the checkpoint being loaded, for the line a damaged one gets
         self._parts = Participants(self, failed=self.has_failed)
         self._phases = StepPhases(self._parts)
-        self._offer = ParticipantsOffer(self._parts, self, host_max=self.host_max)
+        self._offer = RosterOffer(self._parts, self, host_max=self.host_max)
         self._context: Optional[TrainerContext] = None
         self._layers_synced = False  # ``Trainer(sync_batchnorm=True)`` applied to the model in setup
         log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
@@ -163,13 +163,13 @@ class StaticDistStrategy(DataParallelProcesses):
         return self._offer
 
     @property
-    def synchronizer(self) -> Optional[RoundSync]:
+    def synchronizer(self) -> Optional[RoundSynchronizer]:
         """The gradient synchroniser whose rounds run after each backward while fitting (with ``reduce_scatter`` the
         sharded one; ``None`` before ``setup``, outside ``fit``, on one rank and with ``sync.mode: graph``)."""
         return self._parts.gradients.synchronizer
 
     @property
-    def sharded_sync(self) -> Optional[ShardedGradientSynchronizer]:
+    def sharded_sync(self) -> Optional[ShardedSynchronizer]:
         """With ``sync.reduce: reduce_scatter`` while fitting: the synchroniser holding this rank's shards."""
         return self._parts.gradients.sharded_sync
 
@@ -184,7 +184,7 @@ class StaticDistStrategy(DataParallelProcesses):
         return self._parts.overlap.choice
 
     @property
-    def schedule_trial(self) -> Optional[CompressionTrial]:
+    def schedule_trial(self) -> Optional[StepTrial]:
         """``strategy.sync.schedule: auto``: the trial of the two schedules and, once made, its choice."""
         return self._parts.schedule.trial
 
@@ -319,7 +319,7 @@ class StaticDistStrategy(DataParallelProcesses):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self._phases.model_state_dict(super().lightning_module_state_dict())
+        return self._phases.model_state_dict(super().lightning_module_state_dict)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -378,7 +378,7 @@ class StaticDistStrategy(DataParallelProcesses):
         log.debug(f"{self.__class__.__name__}: tearing down strategy")
         mismatch: Optional[RankMismatchError] = None
         try:  # out of step: no collective in the participants' teardown, then the mismatch raised at the end
-            mismatch = self._phases.teardown(self._failed)
+            mismatch = self._phases.teardown(self._failed, on_mismatch=self._mark_out_of_step)
         finally:  # (also when the last checkpoint's consolidation fails)
             self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # the plugin's own clipping again
             if self._layers_synced and self._layer_sync is not None and self.model is not None:
@@ -386,11 +386,13 @@ class StaticDistStrategy(DataParallelProcesses):
                 # Trainer must not find SyncBatchNorm (a collective in every forward) in the model
                 self.model = self._layer_sync.revert(self.model)
                 self._layers_synced = False
-        self._failed = self._failed or mismatch is not None
         super().teardown()  # (the processes' part reads whether this rank failed)
         self._failed = False
         if mismatch is not None:
             raise mismatch
+
+    def _mark_out_of_step(self) -> None:
+        self._failed = True  # the ranks' last steps disagreed: no collective from here on
 
     @classmethod
     @override

@@ -1,6 +1,6 @@
 """The Trainer strategy's checkpoint files: how a full checkpoint is written on rank 0, read on every rank, and how
 its optimizer states reach Lightning. Functions the strategy's checkpoint hooks call; the agreement of the ranks on
-each outcome stays in those hooks (``lightning_static_dist/checkpoint.py``'s ``agree_on``).
+each outcome stays in those hooks (``lightning_static_dist/checkpoint/agreement.py``'s ``agree_on``).
 
 Example::
 

@@ -34,7 +34,7 @@ LAYERS: dict[str, int] = {
     "overlap": 4, "offer": 4, "checkpoint": 4, "config": 4, "ddp_arguments": 4, "compat": 4,
     # (the process package's own __init__ imports nothing; its two leaves serve the features below the strategy)
     "processes": 4, "processes.faults": 4, "processes.fingerprint": 4,
-    "simulate": 4,
+    "simulate": 4, "trial": 4,
     "examples": 4, "wording": 4,
 }
 

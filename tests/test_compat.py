@@ -104,13 +104,13 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     # Lightning
     ("lightning.fabric.strategies", "_StrategyRegistry", "strategy.py: register_strategies' registry type"),
     ("lightning.fabric.strategies.registry", "_StrategyRegistry", "processes/launcher.py, fabric/strategy.py: the registry type"),
-    ("lightning.fabric.utilities.distributed", "_init_dist_connection", "processes/data_parallel.py: DDPStrategy's group setup"),
+    ("lightning.fabric.utilities.distributed", "_init_dist_connection", "processes/world.py: DDPStrategy's group setup"),
     ("lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device",
      "processes/data_parallel.py: the default backend"),
     ("lightning.fabric.utilities.distributed", "_distributed_is_initialized", "processes/data_parallel.py: guard clauses"),
     ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available", "processes/data_parallel.py: reduce as DDPStrategy does"),
     ("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed", "processes/launcher.py: launch as Lightning does"),
-    ("lightning.fabric.utilities.optimizer", "_optimizers_to_device", "strategy.py, participants/sharded.py: optimizer state follows the model"),
+    ("lightning.fabric.utilities.optimizer", "_optimizers_to_device", "strategy.py, participants/parameter_shards.py: optimizer state follows the model"),
     ("lightning.fabric.utilities.types", "_PATH", "strategy.py, fabric/checkpoints.py: a type alias"),
     ("lightning.fabric.strategies.strategy", "_BackwardSyncControl", "fabric/model.py: no_backward_sync"),
     ("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher._call_children_scripts",
@@ -147,7 +147,7 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
      "compat.py: set_collective_timeout, strategy.timeout_s from the first step on"),
     ("torch.autograd", "Variable._execution_engine.queue_callback", "sync/synchronizer.py: finish at end of backward"),
     ("torch", "_foreach_norm", "participants/gradients.py: the non-finite check in one launch"),
-    ("torch", "_foreach_mul_", "sync/sharded.py: clipping in one launch"),
+    ("torch", "_foreach_mul_", "sync/sharded_synchronizer.py: clipping in one launch"),
     ("torch", "_foreach_copy_", "compression/compressors.py: copies in one launch"),
     ("torch.distributed._functional_collectives", "all_reduce", "sync/graph.py: traceable collectives"),
     ("torch._dynamo", "lookup_backend", "compile/backends.py: the user's backend by name"),
@@ -215,7 +215,7 @@ def inventory_sections() -> dict[str, str]:
 
 def listed_under(path: str, names: tuple[str, ...], sections: dict[str, str]) -> bool:
     """Whether the inventory lists one of ``names`` under ``path``'s heading (or its folder's), or, where ``path``
-    has no heading of its own, beside a mention of ``path`` ("``participants/sharded.py`` too")."""
+    has no heading of its own, beside a mention of ``path`` ("``participants/parameter_shards.py`` too")."""
     own = [text for heading, text in sections.items() if heading == path or (heading.endswith("/")
                                                                               and path.startswith(heading))]
     if own:

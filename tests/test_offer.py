@@ -24,7 +24,7 @@ from lightning_static_dist.callbacks import GraphReport, RunSummary
 from lightning_static_dist.compression import CompressionGuard, LowPrecisionCompressor
 from lightning_static_dist.offer import StaticDistOffer, offer_of
 from lightning_static_dist.overlap.monitor import OverlapMonitor
-from lightning_static_dist.participants.compression import CompressionState
+from lightning_static_dist.participants.compression_state import CompressionState
 
 
 def test_callbacks_under_another_strategy_get_no_offer_and_say_so_naming_it(tmp_path: Any) -> None:

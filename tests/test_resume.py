@@ -134,7 +134,7 @@ def test_a_run_finished_by_its_epochs_says_so_too(tmp_path: Path) -> None:
     assert finished_already(by_epochs, str(ckpt), ["charlm_cpu", "trainer.max_epochs=2"]) == (
         f"lsd-train: nothing to train: {ckpt} is at 2 epochs done, and trainer.max_epochs is 2; to continue the run,"
         " raise it: lsd-train charlm_cpu trainer.max_epochs=3")
-    # a sharded checkpoint's folder keeps Lightning's dict under "lightning" in its meta file (participants/sharded.py)
+    # a sharded checkpoint's folder keeps Lightning's dict under "lightning" in its meta file (participants/parameter_shards.py)
     sharded = tmp_path / "sharded"
     sharded.mkdir()
     rest = {k: v for k, v in torch.load(ckpt, weights_only=False).items() if k != "state_dict"}

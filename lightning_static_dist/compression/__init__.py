@@ -15,7 +15,7 @@ from lightning_static_dist.compression.compressors import (
     TopKCompressor,
 )
 from lightning_static_dist.compression.guard import CompressionGuard
-from lightning_static_dist.compression.reducer import CompressingReducer, PhasedReduction
+from lightning_static_dist.compression.compressing_reducer import CompressingReducer, PhasedReduction
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.config import ConfigError, import_object
 

@@ -38,7 +38,7 @@ class CompressionConfig:
     name: str = "none"
     """``none``, ``fp16``, ``bf16``, ``powersgd``, ``qsgd``, ``topk``, ``auto`` (after ``start_step``, time exact,
     bf16 and PowerSGD at ``rank`` for ``trial_steps`` steps each and keep the fastest:
-    :mod:`lightning_static_dist.compression.auto`), or the class path of a user compressor (``my_pkg.MyCompressor``,
+    :mod:`lightning_static_dist.trial`), or the class path of a user compressor (``my_pkg.MyCompressor``,
     built without arguments, implementing :class:`~lightning_static_dist.compression.base.Compressor`)."""
     rank: int = 4
     """PowerSGD: rank of the low-rank approximation."""

@@ -26,7 +26,7 @@ from typing_extensions import override
 from lightning.fabric.utilities.types import _PATH
 
 from lightning_static_dist.config import ConfigError
-from lightning_static_dist.fabric.model import SynchronisedModel
+from lightning_static_dist.fabric.model import FabricModel
 from lightning_static_dist.fabric.processes import FabricProcesses
 from lightning_static_dist.strategy_config import StrategyConfig
 
@@ -74,10 +74,10 @@ class FabricCheckpoints(FabricProcesses):
 
     def __init__(self, config: StrategyConfig, **kwargs: Any) -> None:
         super().__init__(one_file_checkpoints(config), **kwargs)
-        self._models: list[SynchronisedModel] = []
+        self._models: list[FabricModel] = []
         self._unclaimed: dict[int, dict[str, Any]] = {}  # entries loaded for models not set up yet, by index
 
-    def _add_model(self, model: SynchronisedModel) -> None:
+    def _add_model(self, model: FabricModel) -> None:
         """A trainable model set up: it takes the entries a checkpoint loaded before held for it (its participants
         keep them until their setup restores them, as under the Trainer: ``CompressionState.load_state_dict``)."""
         self._models.append(model)
@@ -89,10 +89,10 @@ class FabricCheckpoints(FabricProcesses):
     def _steps_taken(self) -> int:
         return self._models[0].context.steps if self._models else 0
 
-    def _model_of(self, module: Optional[Module]) -> Optional[SynchronisedModel]:
+    def _model_of(self, module: Optional[Module]) -> Optional[FabricModel]:
         return next((m for m in self._models if m.module is module), None)
 
-    def _model_stepped_by(self, optimizer: Optimizer) -> Optional[SynchronisedModel]:
+    def _model_stepped_by(self, optimizer: Optimizer) -> Optional[FabricModel]:
         return next((m for m in self._models if m.owns(optimizer)), None)
 
     @override
@@ -109,7 +109,7 @@ class FabricCheckpoints(FabricProcesses):
         model = self._model_of(module)
         if model is None:
             return super().get_module_state_dict(module)
-        return model.phases.model_state_dict(module.state_dict())
+        return model.phases.model_state_dict(module.state_dict)
 
     @override
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:

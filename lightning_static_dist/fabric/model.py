@@ -1,13 +1,13 @@
 """One trainable module set up under Fabric, with the step participants the Trainer strategy runs.
 
-Fabric hands the loop to the user, so the phases are driven from what the user calls (:class:`SynchronisedModel`
+Fabric hands the loop to the user, so the phases are driven from what the user calls (:class:`FabricModel`
 says which call drives which phase). Each trainable module set up gets its own participants, its own view of the
 strategy (:class:`ModelView`: that module, its optimizers) and its own step count (:class:`FabricContext`): two models
 trained one after the other, as in a GAN loop, each average their own gradients.
 
 Example (what ``StaticDistFabricStrategy.setup_module_and_optimizers`` does)::
 
-    model = SynchronisedModel(strategy, module, [optimizer])
+    model = FabricModel(strategy, module, [optimizer])
     model.set_up()                 # before_optimizers, setup, after_setup
     module(x)                      # its forward hooks: on_train_batch_start, before_forward, after_forward
     run_backward([model], loss.backward)   # before_backward; the backward; after_backward, finish_gradients ...
@@ -175,7 +175,7 @@ def repoint_optimizer(optimizer: Optimizer, new: dict[int, torch.Tensor]) -> Non
         group["params"] = [new.get(id(p), p) for p in group["params"]]
 
 
-class SynchronisedModel:
+class FabricModel:
     """One trainable module's step under Fabric: its participants, driven through their
     :class:`~lightning_static_dist.participants.StepPhases` from the user's calls::
 
@@ -293,7 +293,7 @@ class SynchronisedModel:
         self._hooks = []
 
 
-def run_backward(models: list[SynchronisedModel], run: Callable[[], None]) -> None:
+def run_backward(models: list[FabricModel], run: Callable[[], None]) -> None:
     """``fabric.backward(loss)`` over ``models``: :func:`~lightning_static_dist.participants.phases.run_backward`
     over their phases, then the recorder told of a micro-batch that accumulated."""
     phases_run_backward([m.phases for m in models], run)
@@ -301,7 +301,7 @@ def run_backward(models: list[SynchronisedModel], run: Callable[[], None]) -> No
         model.after_backward()
 
 
-def teardown_models(models: list[SynchronisedModel], failed: bool) -> Optional[RankMismatchError]:
+def teardown_models(models: list[FabricModel], failed: bool) -> Optional[RankMismatchError]:
     """:func:`~lightning_static_dist.participants.phases.teardown_all` over the models' phases (the ranks' mismatch
     returned, as under the Trainer), then every model's hooks removed, whatever raised."""
     try:
@@ -315,7 +315,7 @@ class LocalAccumulation(_BackwardSyncControl):
     """``fabric.no_backward_sync(module)``: that module's gradients accumulate locally (a module set up without
     trainable parameters has nothing to hold back)."""
 
-    def __init__(self, models: Callable[[Module], Optional[SynchronisedModel]]) -> None:
+    def __init__(self, models: Callable[[Module], Optional[FabricModel]]) -> None:
         self._models = models
 
     @override

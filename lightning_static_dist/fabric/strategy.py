@@ -24,12 +24,12 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_static_dist.compile import CompileReport
 from lightning_static_dist.compression import CompressingReducer
-from lightning_static_dist.compression.state import compressing_reducer_of
+from lightning_static_dist.compression.reducer_state import compressing_reducer_of
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.ddp_arguments import DDPArguments, yield_to
 from lightning_static_dist.fabric.metrics import StepFigures
 from lightning_static_dist.fabric.checkpoints import FabricCheckpoints
-from lightning_static_dist.fabric.model import LocalAccumulation, SynchronisedModel, run_backward, teardown_models
+from lightning_static_dist.fabric.model import LocalAccumulation, FabricModel, run_backward, teardown_models
 from lightning_static_dist.processes.launcher import register_names
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.strategy_config import StrategyConfig
@@ -132,7 +132,7 @@ class StaticDistFabricStrategy(FabricCheckpoints):
         start_from_rank_zero(module, self.dp_group)
         if any(p.requires_grad for p in module.parameters()) and self._model_of(module) is None:
             recorder = StepRecorder(self.root_device) if self._monitor_every and not self._models else None
-            self._add_model(SynchronisedModel(self, module, optimizers or [], recorder, self._monitor_every,
+            self._add_model(FabricModel(self, module, optimizers or [], recorder, self._monitor_every,
                                               failed=self.has_failed))
             if len(self._models) == 1:  # once per process (the peer watchdog): the process group is up since launch
                 self._models[0].phases.setup_distributed()

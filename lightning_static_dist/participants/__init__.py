@@ -7,24 +7,24 @@ list, not an edit of each hook.
 
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
 from lightning_static_dist.participants.compilation import StaticCompile
-from lightning_static_dist.participants.compression import CompressionState
+from lightning_static_dist.participants.compression_state import CompressionState
 from lightning_static_dist.participants.embeddings import EmbeddingShards
-from lightning_static_dist.participants.gradients import GradientSynchronization
+from lightning_static_dist.participants.gradients import GradientAveraging
 from lightning_static_dist.participants.recording import PhaseRecording
 from lightning_static_dist.participants.roster import Participants
 from lightning_static_dist.participants.phases import StepPhases, StepState
-from lightning_static_dist.participants.schedule_trial import SyncSchedule
+from lightning_static_dist.participants.schedule_trial import ScheduleTrial
 from lightning_static_dist.participants.runtime import PeerWatch, SigtermAgreement
-from lightning_static_dist.participants.sharded import ShardedSync
+from lightning_static_dist.participants.parameter_shards import ParameterShards
 
 __all__ = [
     "CompressionState",
     "EmbeddingShards",
-    "GradientSynchronization",
+    "GradientAveraging",
     "Participants",
     "PeerWatch",
     "PhaseRecording",
-    "ShardedSync",
+    "ParameterShards",
     "SigtermAgreement",
     "StaticCompile",
     "StepContext",
@@ -32,5 +32,5 @@ __all__ = [
     "StepPhases",
     "StepState",
     "StrategyView",
-    "SyncSchedule",
+    "ScheduleTrial",
 ]

@@ -13,7 +13,7 @@ world the SMs an emulated link holds are one process-wide setting (``simulate.gr
 and the value found at setup put back at teardown, after a failure too. Gloo has no such knob (its candidates have
 the default SMs only).
 
-Example (what :class:`~lightning_static_dist.participants.schedule_trial.SyncSchedule` does)::
+Example (what :class:`~lightning_static_dist.participants.schedule_trial.ScheduleTrial` does)::
 
     switch = CommSmsSwitch.open("nccl", dp_group, budgets=[8, 4, 2], timeout=start_up_timeout(config))
     synchronizer.group = switch.group_for(4)     # between rounds

@@ -1,8 +1,8 @@
 """The gradient-sync participant: the one owner of the synchroniser a fit averages its gradients with.
 
-:class:`GradientSynchronization` chooses, once at setup, from the config and the mesh, how the gradients are averaged
+:class:`GradientAveraging` chooses, once at setup, from the config and the mesh, how the gradients are averaged
 and builds that synchroniser: ``sync.reduce: reduce_scatter`` (``"sharded"``: each rank keeps a shard,
-:func:`~lightning_static_dist.participants.sharded.build_sharded_synchronizer`), else ``sync.mode: graph``
+:func:`~lightning_static_dist.participants.parameter_shards.build_sharded_synchronizer`), else ``sync.mode: graph``
 (``"graph"``: an averaging identity, the collectives inside the compiled backward), else ``sync.mode: hooks``
 (``"hooks"``: buckets filled from gradient hooks). Two parts of averaging are composed inside it: the broadcast of
 rank 0's buffers before each training forward (:class:`BufferBroadcast`) and the non-finite check of the averaged
@@ -11,7 +11,7 @@ compression state, the schedule trial) are handed this participant when they are
 
 Example (the roster builds it; ``strategy.synchronizer`` reads ``gradients.synchronizer``)::
 
-    gradients = GradientSynchronization(strategy, compile, embeddings, recording)
+    gradients = GradientAveraging(strategy, compile, embeddings, recording)
     gradients.setup(context)                        # gradients.mode: "hooks", "graph", "sharded" or None
     gradients.finish_gradients(accumulating=False)  # post_backward: launch the rest, make the stream wait
 """
@@ -40,11 +40,11 @@ from lightning_static_dist.participants.base import (
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.embeddings import EmbeddingShards
 from lightning_static_dist.participants.recording import PhaseRecording
-from lightning_static_dist.participants.sharded import build_sharded_synchronizer
-from lightning_static_dist.sync import GradientSynchronizer, RoundSync
+from lightning_static_dist.participants.parameter_shards import build_sharded_synchronizer
+from lightning_static_dist.sync import GradientSynchronizer, RoundSynchronizer
 from lightning_static_dist.sync.broadcast import broadcast_buffers
-from lightning_static_dist.sync.graph import GraphGradientSync
-from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
+from lightning_static_dist.sync.graph import GraphSynchronizer
+from lightning_static_dist.sync.sharded_synchronizer import ShardedSynchronizer
 from lightning_static_dist.step_plan import StepPlan, SyncMode
 from lightning_static_dist.sync.config import launches_during_backward, reduce_torch_dtype
 from lightning_static_dist.sync.schedule import ScheduleCandidate
@@ -55,7 +55,7 @@ _GRAPH_COLLECTIVES = "the gradient collectives inside the compiled backward (syn
 def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], plan: StepPlan,
                        group: Optional[torch.distributed.ProcessGroup]) -> GradientSynchronizer:
     """The hook-driven synchroniser the plan describes (``mode: hooks``, ``reduce: all_reduce``), exact: its
-    reducer's one owner, :class:`~lightning_static_dist.participants.compression.CompressionState`, installs the
+    reducer's one owner, :class:`~lightning_static_dist.participants.compression_state.CompressionState`, installs the
     compressor ``strategy.compression`` names before the first round. Not attached yet: call ``attach()``."""
     synchronizer = GradientSynchronizer(
         named_parameters,
@@ -70,7 +70,7 @@ def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], plan: 
 
 class BufferBroadcast:
     """``strategy.sync.broadcast_buffers``: rank 0's module buffers (BatchNorm statistics ...) to every rank before
-    each training forward, as DDP does. A part of :class:`GradientSynchronization`.
+    each training forward, as DDP does. A part of :class:`GradientAveraging`.
 
     Example::
 
@@ -97,7 +97,7 @@ class BufferBroadcast:
 
 class NonfiniteCheck:
     """``strategy.sync.nonfinite``: after the gradients are averaged, one collective flag, so every rank warns,
-    skips or raises together. A part of :class:`GradientSynchronization`.
+    skips or raises together. A part of :class:`GradientAveraging`.
 
     Example::
 
@@ -141,7 +141,7 @@ class NonfiniteCheck:
         )
 
 
-class GradientSynchronization(StepParticipant):
+class GradientAveraging(StepParticipant):
     """The gradient averaging of a fit: chooses its mode once at setup (:attr:`mode`), builds and owns the
     synchroniser, and ends its rounds after each backward; broadcasts rank 0's buffers before each training forward
     and checks the averaged gradients (``sync.nonfinite``). Hook and sharded rounds fill buckets from
@@ -164,19 +164,19 @@ class GradientSynchronization(StepParticipant):
         self._recording = recording
         self.mode: Optional[SyncMode] = None
         """How this fit averages: ``"hooks"``, ``"graph"`` or ``"sharded"``; ``None`` outside a multi-rank fit."""
-        self.synchronizer: Optional[RoundSync] = None
+        self.synchronizer: Optional[RoundSynchronizer] = None
         """The synchroniser whose rounds run after each backward (hooks or sharded; kept after teardown: its plan and
         counters stay readable)."""
-        self.graph_sync: Optional[GraphGradientSync] = None
+        self.graph_sync: Optional[GraphSynchronizer] = None
         """``sync.mode: graph`` while fitting: the averaging identity the parameters are read through."""
         self.buffers = BufferBroadcast()
         self.nonfinite = NonfiniteCheck(view)
 
     @property
-    def sharded_sync(self) -> Optional[ShardedGradientSynchronizer]:
+    def sharded_sync(self) -> Optional[ShardedSynchronizer]:
         """The synchroniser holding this rank's shards (``reduce_scatter`` while fitting; ``None`` once released)."""
         sync = self.synchronizer
-        return sync if isinstance(sync, ShardedGradientSynchronizer) and not sync.released else None
+        return sync if isinstance(sync, ShardedSynchronizer) and not sync.released else None
 
     @property
     def hook_sync(self) -> Optional[GradientSynchronizer]:
@@ -203,7 +203,7 @@ class GradientSynchronization(StepParticipant):
         if self.mode == "sharded":
             self.synchronizer = build_sharded_synchronizer(view)
         elif self.mode == "graph":
-            self.graph_sync = GraphGradientSync(view.model, group=view.dp_group, reduce_dtype=plan.reduce_dtype)
+            self.graph_sync = GraphSynchronizer(view.model, group=view.dp_group, reduce_dtype=plan.reduce_dtype)
             self.graph_sync.attach()
             return
         else:

@@ -20,8 +20,8 @@ from typing import Any, Optional
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
-from lightning_static_dist.participants.gradients import GradientSynchronization
-from lightning_static_dist.participants.schedule_trial import SyncSchedule
+from lightning_static_dist.participants.gradients import GradientAveraging
+from lightning_static_dist.participants.schedule_trial import ScheduleTrial
 from lightning_static_dist.sync import GradientSynchronizer
 from lightning_static_dist.sync.optimizer_overlap import (
     BucketwiseOptimizer,
@@ -41,8 +41,8 @@ class OptimizerOverlap(StepParticipant):
     training batch, its forward, and anything that reads the parameters: never by the next backward, whose first
     gradient would already be in ``param.grad`` (the synchroniser refuses that backward)."""
 
-    def __init__(self, view: StrategyView, gradients: GradientSynchronization,
-                 schedule: Optional[SyncSchedule] = None) -> None:
+    def __init__(self, view: StrategyView, gradients: GradientAveraging,
+                 schedule: Optional[ScheduleTrial] = None) -> None:
         self._view = view
         self._gradients = gradients
         self._schedule = schedule

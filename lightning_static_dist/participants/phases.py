@@ -151,7 +151,8 @@ class StepPhases:
     def finish_gradients(self) -> None:
         """After a backward that gave these parameters gradients: the round (or, inside :meth:`no_sync`, the local
         accumulation), the checks, then ``before_optimizer_step`` where a step follows."""
-        self._expect("finish_gradients", StepState.BACKWARD_ENDED)
+        if self.is_set_up:
+            self._expect("finish_gradients", StepState.BACKWARD_ENDED)
         accumulating = self.accumulating
         for participant in self.participants.ordered:
             participant.finish_gradients(accumulating)
@@ -205,9 +206,9 @@ class StepPhases:
         for participant in self.participants.ordered:
             participant.check_in_step()
 
-    def teardown(self, failed: bool) -> Optional[RankMismatchError]:
+    def teardown(self, failed: bool, on_mismatch: Callable[[], None] = lambda: None) -> Optional[RankMismatchError]:
         """:func:`teardown_all` of this roster alone."""
-        return teardown_all([self], failed)
+        return teardown_all([self], failed, on_mismatch)
 
     # ------------------------------------------------------------------------------------------- checkpoints
 
@@ -219,10 +220,12 @@ class StepPhases:
         for participant in self.participants.ordered:
             participant.after_model_loaded()
 
-    def model_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The model's state dict as saved, its parameters read first (a collective where weights are gathered)."""
+    def model_state_dict(self, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The model's state dict as saved: ``read()`` (the front end's state dict) once the parameters may be read
+        (a module whose ``state_dict`` copies must not copy a shard's gather in flight), then the participants' forms
+        (a collective where weights are gathered)."""
         self.before_reading_parameters()
-        return self.participants.model_state_dict(state)
+        return self.participants.model_state_dict(read())
 
 
 def run_backward(rosters: Sequence[StepPhases], run: Callable[[], None]) -> None:
@@ -240,7 +243,8 @@ def run_backward(rosters: Sequence[StepPhases], run: Callable[[], None]) -> None
             roster.finish_gradients()
 
 
-def teardown_all(rosters: Iterable[StepPhases], failed: bool) -> Optional[RankMismatchError]:
+def teardown_all(rosters: Iterable[StepPhases], failed: bool,
+                 on_mismatch: Callable[[], None] = lambda: None) -> Optional[RankMismatchError]:
     """Every roster's ``check_in_step`` (unless ``failed``), then every participant's ``teardown``, each also when
     another raised (the first error is raised once all ran). ``failed`` or out of step: with no collective (a peer may
     be gone). The ranks' mismatch is returned, for the front end to raise once its own teardown is done."""
@@ -252,8 +256,9 @@ def teardown_all(rosters: Iterable[StepPhases], failed: bool) -> Optional[RankMi
                 roster.check_in_step()
         except RankMismatchError as err:
             mismatch = err
+            on_mismatch()  # (the front end marks this rank failed before anything tears down: its watchdog reads it)
     error: Optional[BaseException] = None
-    for roster in rosters:
+    for roster in reversed(rosters):  # the last set up first
         roster.state, roster.accumulating, roster.batch_open = StepState.NOT_SET_UP, False, False
         for participant in roster.participants.ordered:
             try:

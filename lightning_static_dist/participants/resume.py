@@ -8,7 +8,7 @@ write that step when the fit ends, as Lightning's ``save_last`` does for its ``l
 
 Lightning's fit loop saves a training loader's position only when the loader has ``state_dict`` and
 ``load_state_dict`` (``torchdata``'s ``StatefulDataLoader``, or
-:class:`~lightning_static_dist.examples.charlm.ResumableLoader`). A plain ``DataLoader`` resumed from a mid-epoch
+:class:`~lightning_static_dist.examples.bytedata.ResumableLoader`). A plain ``DataLoader`` resumed from a mid-epoch
 checkpoint starts its epoch again from the first batch: the weights are restored exactly, the data that follows is
 not the uninterrupted run's, and the curves part.
 

@@ -19,15 +19,15 @@ from typing import Any, Callable
 
 from lightning_static_dist.participants.base import StepParticipant, StrategyView
 from lightning_static_dist.participants.compilation import StaticCompile
-from lightning_static_dist.participants.compression import CompressionState
+from lightning_static_dist.participants.compression_state import CompressionState
 from lightning_static_dist.participants.embeddings import EmbeddingShards
-from lightning_static_dist.participants.gradients import GradientSynchronization
+from lightning_static_dist.participants.gradients import GradientAveraging
 from lightning_static_dist.participants.optimizer_overlap import OptimizerOverlap
 from lightning_static_dist.participants.recording import PhaseRecording
 from lightning_static_dist.participants.resume import LastStepSave, MidEpochResume
-from lightning_static_dist.participants.schedule_trial import SyncSchedule
+from lightning_static_dist.participants.schedule_trial import ScheduleTrial
 from lightning_static_dist.participants.runtime import CollectiveTimeout, PeerWatch, SigtermAgreement, SimulationMark
-from lightning_static_dist.participants.sharded import ShardedSync
+from lightning_static_dist.participants.parameter_shards import ParameterShards
 
 
 class Participants:
@@ -35,16 +35,16 @@ class Participants:
     ``participants.gradients.synchronizer``) and in the one order every hook calls them (a participant whose feature
     is off does nothing)::
 
-        GradientSynchronization  sync: chooses hooks, graph or sharded averaging once at setup and owns that
+        GradientAveraging  sync: chooses hooks, graph or sharded averaging once at setup and owns that
                                  synchroniser; rank 0's buffers before each training forward; the non-finite check
-        ShardedSync       sync.reduce=reduce_scatter: the gathers; sharded optimizer state and checkpoints
+        ParameterShards       sync.reduce=reduce_scatter: the gathers; sharded optimizer state and checkpoints
         StaticCompile     compile: compiles at setup (after the synchroniser: its plan follows the graph's pieces)
         EmbeddingShards   embedding: shard, prefetch, gather before forward, release after backward and step
         SigtermAgreement  Lightning's SIGTERM check over the host group (processes/sigterm.py)
         PeerWatch         the peer watchdog
         CollectiveTimeout strategy.timeout_s from the first optimizer step on (start-up waits longer)
         CompressionState  compression: the auto trial, and the compressor's state in checkpoints
-        SyncSchedule      sync.schedule=auto: the trial of the two schedules, and its choice in checkpoints
+        ScheduleTrial      sync.schedule=auto: the trial of the two schedules, and its choice in checkpoints
         OptimizerOverlap  sync.optimizer_overlap: the optimizer steps each bucket as its average lands
         SimulationMark    strategy.simulate: checkpoints say they were written in a simulated world
         MidEpochResume    a fit resumed mid-epoch with a loader that keeps no position: one line saying so
@@ -68,10 +68,10 @@ class Participants:
         self.recording = PhaseRecording()
         self.compile = StaticCompile(view)
         self.embeddings = EmbeddingShards(view, self.recording)
-        self.gradients = GradientSynchronization(view, self.compile, self.embeddings, self.recording)
-        self.sharded = ShardedSync(view, self.gradients, self.compile)
+        self.gradients = GradientAveraging(view, self.compile, self.embeddings, self.recording)
+        self.sharded = ParameterShards(view, self.gradients, self.compile)
         self.compression = CompressionState(view, self.gradients)
-        self.schedule = SyncSchedule(view, self.gradients)
+        self.schedule = ScheduleTrial(view, self.gradients)
         self.overlap = OptimizerOverlap(view, self.gradients, self.schedule)
         # (CollectiveTimeout reads the SM groups through a bound method, not a lambda: the spawn launcher pickles this)
         self.ordered: tuple[StepParticipant, ...] = (

@@ -1,9 +1,9 @@
 """``strategy.sync.schedule: auto``: the trial that times the schedules on this job's first steps and keeps the
-fastest (:class:`SyncSchedule`).
+fastest (:class:`ScheduleTrial`).
 
 Example (the roster builds it)::
 
-    schedule = SyncSchedule(strategy, gradients)
+    schedule = ScheduleTrial(strategy, gradients)
     schedule.after_setup(context)       # the candidates, the trial (and the checkpoint's choice, if resumed)
 """
 
@@ -17,12 +17,12 @@ import torch.distributed
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_static_dist.compression.auto import Candidate, CompressionTrial
+from lightning_static_dist.trial import Candidate, StepTrial
 from lightning_static_dist.processes.faults import waiting_in
 from lightning_static_dist.processes.world import nccl_options
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView, global_step
 from lightning_static_dist.participants.comm_sms import CommSmsSwitch
-from lightning_static_dist.participants.gradients import GradientSynchronization
+from lightning_static_dist.participants.gradients import GradientAveraging
 from lightning_static_dist.sync.schedule import (
     SMS_CANDIDATES,
     ScheduleCandidate,
@@ -56,7 +56,7 @@ def schedule_transport(view: StrategyView) -> Transport:
     return "nccl"
 
 
-class SyncSchedule(StepParticipant):
+class ScheduleTrial(StepParticipant):
     """``strategy.sync.schedule: auto``: times the candidates of :mod:`~lightning_static_dist.sync.schedule` — the
     schedule, and with ``sync.mode: hooks`` the SMs a collective may use and (``reduce_dtype: auto``) the reduce dtype
     — on this job's first optimizer steps, the slowest rank's time of each, and keeps the fastest on every rank. The
@@ -69,15 +69,15 @@ class SyncSchedule(StepParticipant):
 
     Example (the roster builds it)::
 
-        schedule = SyncSchedule(strategy, gradients)
+        schedule = ScheduleTrial(strategy, gradients)
         schedule.after_setup(context)       # the candidates, the trial (and the checkpoint's choice, if resumed)
         schedule.on_train_batch_start()     # each batch: the candidate for this step
     """
 
-    def __init__(self, view: StrategyView, gradients: GradientSynchronization) -> None:
+    def __init__(self, view: StrategyView, gradients: GradientAveraging) -> None:
         self._view = view
         self._gradients = gradients
-        self.trial: Optional[CompressionTrial] = None
+        self.trial: Optional[StepTrial] = None
         """The trial (``schedule: auto`` while fitting), and once made its choice."""
         self.candidates: list[ScheduleCandidate] = []
         """What this fit's trial times, in order (the first is the baseline)."""
@@ -109,7 +109,7 @@ class SyncSchedule(StepParticipant):
         # candidate; on CPUs the first step, untimed for each candidate, is enough). Counted from the first batch
         # this fit sees (on_train_batch_start): a resumed fit compiles again too.
         self._warm = WARM_STEPS if view.root_device.type == "cuda" else 0
-        self.trial = CompressionTrial(trial_candidates, start_step=0,
+        self.trial = StepTrial(trial_candidates, start_step=0,
                                       trial_steps=plan.sync.schedule_trial_steps,
                                       device=view.root_device, group=view.dp_group, min_gain=0.0)
         self.trial_steps, self.trial_s, self._started, self._first_step = 0, None, None, None

@@ -1,9 +1,9 @@
 """Gradient synchronisation: bucket planning (pure), the pluggable collective, the hook-driven synchroniser, and the
 contracts the synchronisers share (:mod:`~lightning_static_dist.sync.contracts`)."""
 
-from lightning_static_dist.sync.contracts import BucketLayout, GradientSync, RoundSync, SyncObserver, SyncStats
+from lightning_static_dist.sync.contracts import BucketLayout, Synchronizer, RoundSynchronizer, SyncObserver, SyncStats
 from lightning_static_dist.sync.plan import BucketCapacity, BucketPlan, GradBucket, ParamSpec, plan_buckets
-from lightning_static_dist.sync.reducer import BucketReducer, MeanAllReduce, PendingReduction
+from lightning_static_dist.sync.bucket_reducer import BucketReducer, MeanAllReduce, PendingReduction
 from lightning_static_dist.sync.synchronizer import GradientSynchronizer
 
 __all__ = [
@@ -12,12 +12,12 @@ __all__ = [
     "BucketPlan",
     "BucketReducer",
     "GradBucket",
-    "GradientSync",
+    "Synchronizer",
     "GradientSynchronizer",
     "MeanAllReduce",
     "ParamSpec",
     "PendingReduction",
-    "RoundSync",
+    "RoundSynchronizer",
     "SyncObserver",
     "SyncStats",
     "plan_buckets",

@@ -17,7 +17,7 @@ from torch.nn import Parameter
 
 from lightning_static_dist.processes.faults import waiting_in
 from lightning_static_dist.sync.plan import BucketCapacity, BucketPlan, param_specs, plan_buckets
-from lightning_static_dist.sync.reducer import all_reduce_sum
+from lightning_static_dist.sync.bucket_reducer import all_reduce_sum
 
 
 class PlanMembership:

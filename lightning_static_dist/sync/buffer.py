@@ -1,6 +1,6 @@
 """A bucket's flat buffer: the gradients of one bucket side by side, then one usage flag per parameter.
 
-The synchroniser reduces this buffer with one collective per bucket (:mod:`~lightning_static_dist.sync.reducer`).
+The synchroniser reduces this buffer with one collective per bucket (:mod:`~lightning_static_dist.sync.bucket_reducer`).
 Each parameter's slot is a view into it, made once per plan, so filling a bucket is one multi-tensor copy and —
 when the gradients are in the bucket's own dtype — the averages land in place: ``param.grad`` *is* the slot.
 The usage flags travel with the gradients so that a parameter no rank used keeps ``grad = None``.

@@ -1,10 +1,10 @@
 """What the synchronisers promise the rest of the package, and what they expect of it, as protocols.
 
 Three synchronisers average gradients: :class:`~lightning_static_dist.sync.synchronizer.GradientSynchronizer`
-(buckets filled from gradient hooks), :class:`~lightning_static_dist.sync.sharded.ShardedGradientSynchronizer`
-(the same rounds, reduce-scattered into shards) and :class:`~lightning_static_dist.sync.graph.GraphGradientSync`
-(collectives inside the compiled backward). All of them are put in place and taken out (:class:`GradientSync`); the
-first two run *rounds* that a step participant ends after each backward (:class:`RoundSync`). A synchroniser reports
+(buckets filled from gradient hooks), :class:`~lightning_static_dist.sync.sharded_synchronizer.ShardedSynchronizer`
+(the same rounds, reduce-scattered into shards) and :class:`~lightning_static_dist.sync.graph.GraphSynchronizer`
+(collectives inside the compiled backward). All of them are put in place and taken out (:class:`Synchronizer`); the
+first two run *rounds* that a step participant ends after each backward (:class:`RoundSynchronizer`). A synchroniser reports
 its buckets to an observer (:class:`SyncObserver`, which the overlap recorder satisfies) without knowing who it is;
 the sharded synchroniser hands the round machinery a plan fixed up front through :class:`BucketLayout`.
 """
@@ -20,7 +20,7 @@ from torch.nn import Parameter
 
 from lightning_static_dist.sync.buffer import BucketBuffer
 from lightning_static_dist.sync.plan import BucketPlan, GradBucket
-from lightning_static_dist.sync.reducer import BucketReducer
+from lightning_static_dist.sync.bucket_reducer import BucketReducer
 
 
 @dataclass
@@ -66,7 +66,7 @@ class SyncObserver(Protocol):
         ...
 
     def bucket_issued(self, bucket: int, nbytes: int, pending: Any, dense_nbytes: Optional[int] = None) -> None:
-        """``pending``: the reducer's :class:`~lightning_static_dist.sync.reducer.PendingReduction` (its ``work``, if
+        """``pending``: the reducer's :class:`~lightning_static_dist.sync.bucket_reducer.PendingReduction` (its ``work``, if
         any, tells when the collective completed); ``dense_nbytes``: the bucket's size uncompressed."""
         ...
 
@@ -75,13 +75,13 @@ class SyncObserver(Protocol):
 
 
 @runtime_checkable
-class GradientSync(Protocol):
+class Synchronizer(Protocol):
     """What every synchroniser offers the step participants: it is put in place before the first step and taken out
     after the last.
 
     Example::
 
-        sync: GradientSync = GraphGradientSync(model)   # or either of the hook-driven synchronisers
+        sync: Synchronizer = GraphSynchronizer(model)   # or either of the hook-driven synchronisers
         sync.attach()
         ...                                             # train
         sync.detach()
@@ -95,13 +95,13 @@ class GradientSync(Protocol):
 
 
 @runtime_checkable
-class RoundSync(GradientSync, Protocol):
+class RoundSynchronizer(Synchronizer, Protocol):
     """A synchroniser driven by gradient-ready hooks, one *round* per synchronised backward: what the participant that
     runs its rounds, and the strategy's readers of it, use.
 
     Example::
 
-        sync: RoundSync = GradientSynchronizer(model.named_parameters())   # or ShardedGradientSynchronizer(...)
+        sync: RoundSynchronizer = GradientSynchronizer(model.named_parameters())   # or ShardedSynchronizer(...)
         sync.attach()
         loss.backward()
         sync.finish_if_pending()        # the round ends here if no gradient became ready on this rank

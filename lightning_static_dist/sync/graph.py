@@ -9,7 +9,7 @@ reordering passes) — the choices a Python reducer makes at run time are made o
 autograd, no hooks: the optimizer reads gradients the backward graph already averaged.
 
 How the identity is put in. A module holding trainable parameters gets a class of its own (a subclass made at
-:meth:`GraphGradientSync.attach`, undone at :meth:`~GraphGradientSync.detach`) in which each such parameter's name is
+:meth:`GraphSynchronizer.attach`, undone at :meth:`~GraphSynchronizer.detach`) in which each such parameter's name is
 a property: ``module.weight`` returns ``_AverageGrad.apply(module._parameters["weight"])``. Parameters stay where
 they were — ``named_parameters()``, ``state_dict()`` keys, the optimizer and checkpoints are untouched — and a
 tied weight stays one parameter (each module reading it averages the part of the gradient that flows through it:
@@ -19,7 +19,7 @@ parameter as a graph input. torchtitan's SimpleFSDP reaches its parameters the s
 What a user notices while attached: ``module.weight`` is the identity's output, not the ``Parameter`` (read
 ``module._parameters["weight"]`` or ``named_parameters()``; ``module.weight.grad`` is ``None``); a model with
 swapped classes does not pickle (``copy.deepcopy`` works, and a copy made during ``fit`` keeps the swapped classes
-after :meth:`GraphGradientSync.detach`); freezing or unfreezing a parameter during ``fit`` is an error naming it.
+after :meth:`GraphSynchronizer.detach`); freezing or unfreezing a parameter during ``fit`` is an error naming it.
 A tied weight read by two modules is averaged twice, once per read (``bytes_per_round`` counts it once).
 
 Limits: the collectives are fixed in the graph, so every rank must read every
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_static_dist.sync.reducer import supports_avg
+from lightning_static_dist.sync.bucket_reducer import supports_avg
 
 
 class _AverageGrad(torch.autograd.Function):
@@ -63,7 +63,7 @@ class _AverageGrad(torch.autograd.Function):
         return averaged.to(grad.dtype), None, None, None, None
 
 
-class GraphGradientSync:
+class GraphSynchronizer:
     """Averages every gradient inside the (compiled) backward: parameters are read through an averaging identity.
 
     Args:
@@ -73,7 +73,7 @@ class GraphGradientSync:
 
     Example::
 
-        sync = GraphGradientSync(model, group=dist.group.WORLD)
+        sync = GraphSynchronizer(model, group=dist.group.WORLD)
         sync.attach()
         step = torch.compile(model.training_step, backend="inductor_distributed")
         step(batch, 0).backward()      # gradients averaged inside the compiled backward graph
@@ -137,7 +137,7 @@ class GraphGradientSync:
                                    " Freeze or unfreeze before fit, or use strategy.sync.mode=hooks")
 
 
-def _reader(name: str, sync: GraphGradientSync) -> Any:
+def _reader(name: str, sync: GraphSynchronizer) -> Any:
     def read(module: nn.Module) -> Tensor:
         return sync.read(module._parameters[name])
 

@@ -18,7 +18,7 @@ from lightning_static_dist.processes.faults import waiting_in
 from lightning_static_dist.sync.buffer import BucketBuffer
 from lightning_static_dist.sync.contracts import SyncObserver, SyncStats
 from lightning_static_dist.sync.plan import GradBucket
-from lightning_static_dist.sync.reducer import BucketReducer, PendingReduction
+from lightning_static_dist.sync.bucket_reducer import BucketReducer, PendingReduction
 
 
 class RoundCollectives:

@@ -1,7 +1,7 @@
 """Where ``reduce_scatter`` puts each parameter: a bucket's flat buffer is the storage of its parameters, and each
 rank of the shard group owns one ``1/S`` chunk of it, cut into one *piece* per optimizer param group.
 
-Pure layout: no collectives. The sharded synchroniser (:mod:`~lightning_static_dist.sync.sharded`) builds it once,
+Pure layout: no collectives. The sharded synchroniser (:mod:`~lightning_static_dist.sync.sharded_synchronizer`) builds it once,
 before the first step; the optimizer-state forms of checkpoints (:mod:`~lightning_static_dist.sync.sharded_state`)
 read it.
 """

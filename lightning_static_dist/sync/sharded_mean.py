@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lightning_static_dist.compat import reduce_scatter_single
 from lightning_static_dist.sync.plan import GradBucket
-from lightning_static_dist.sync.reducer import BucketReducer, PendingReduction, runs_on_device_streams
+from lightning_static_dist.sync.bucket_reducer import BucketReducer, PendingReduction, runs_on_device_streams
 
 
 class _ShardPending(PendingReduction):

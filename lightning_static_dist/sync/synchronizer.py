@@ -26,7 +26,7 @@ from lightning_static_dist.sync.adoption import PlanMembership
 from lightning_static_dist.sync.buffer import BucketBuffer
 from lightning_static_dist.sync.contracts import BucketLayout, SyncObserver, SyncStats
 from lightning_static_dist.sync.plan import DEFAULT_CAPACITY, BucketCapacity, BucketPlan, GradBucket
-from lightning_static_dist.sync.reducer import BucketReducer, MeanAllReduce, PendingReduction, check_reducer
+from lightning_static_dist.sync.bucket_reducer import BucketReducer, MeanAllReduce, PendingReduction, check_reducer
 from lightning_static_dist.sync.round import RoundCollectives
 from lightning_static_dist.sync.round_check import StepChecks, _RoundCheck, next_collective_mismatch
 from lightning_static_dist.sync.round_state import OPEN_ROUND, RoundState

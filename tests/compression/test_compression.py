@@ -28,7 +28,7 @@ from lightning_static_dist.compression import (
     TopKCompressor,
     build_compressor,
 )
-from lightning_static_dist.compression.auto import Candidate, CompressionTrial, choose
+from lightning_static_dist.trial import Candidate, StepTrial, choose
 from lightning_static_dist.compression.base import PerParameterState, all_reduce, flat_float, scatter_into
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.config import ConfigError
@@ -517,7 +517,7 @@ def test_auto_keeps_exact_unless_a_compressor_saves_enough_time() -> None:
     assert choose({"none": 20.0, "bf16": 30.0, "powersgd(rank=4)": 25.0}) == "none"
 
 
-class _FakeClockTrial(CompressionTrial):
+class _FakeClockTrial(StepTrial):
     """The trial with a clock that runs ``per_step[candidate]`` seconds per step (what a slow or fast link would
     make the measured windows say); the real measurement is tested on a real group below."""
 

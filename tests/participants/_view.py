@@ -197,11 +197,11 @@ def gradient_participant(strategy: dict[str, Any], optimizer: Optional[type] = t
     them (off here): not set up."""
     from lightning_static_dist.participants.compilation import StaticCompile
     from lightning_static_dist.participants.embeddings import EmbeddingShards
-    from lightning_static_dist.participants.gradients import GradientSynchronization
+    from lightning_static_dist.participants.gradients import GradientAveraging
     from lightning_static_dist.participants.recording import PhaseRecording
 
     model = Regression()
     view = View(model, StrategyConfig.from_dict(strategy),
                 optimizers=[optimizer(model.parameters(), lr=0.1)] if optimizer is not None else None)
     recording = PhaseRecording()
-    return model, view, GradientSynchronization(view, StaticCompile(view), EmbeddingShards(view, recording), recording)
+    return model, view, GradientAveraging(view, StaticCompile(view), EmbeddingShards(view, recording), recording)

@@ -1,4 +1,4 @@
-"""``sync.schedule: auto``'s SM budgets (:class:`CommSmsSwitch`, and :class:`SyncSchedule` driving it): the groups a
+"""``sync.schedule: auto``'s SM budgets (:class:`CommSmsSwitch`, and :class:`ScheduleTrial` driving it): the groups a
 budget gets carry the strategy's start-up timeout and then ``strategy.timeout_s`` (``CollectiveTimeout``); the groups
 not chosen are destroyed once the trial decides, and a resumed run opens the chosen budget's group only; teardown
 destroys the rest, except after a failure (then it only forgets them), and puts the simulated world's SMs back first,
@@ -22,8 +22,8 @@ from _dist import run_ranks
 from lightning_static_dist.participants import comm_sms as comm_sms_module
 from lightning_static_dist.participants import schedule_trial as schedule_module
 from lightning_static_dist.participants.comm_sms import CommSmsSwitch
-from lightning_static_dist.participants.gradients import GradientSynchronization
-from lightning_static_dist.participants.schedule_trial import SCHEDULE_KEY, SyncSchedule, schedule_transport
+from lightning_static_dist.participants.gradients import GradientAveraging
+from lightning_static_dist.participants.schedule_trial import SCHEDULE_KEY, ScheduleTrial, schedule_transport
 from lightning_static_dist.participants.runtime import CollectiveTimeout
 from lightning_static_dist.simulate.config import LinkConfig, SimulateConfig
 from lightning_static_dist.simulate.group import WORLD
@@ -192,7 +192,7 @@ def test_collective_timeout_sets_each_fits_sm_groups_after_its_first_step(one_ra
     assert _timeout(groups[0]) == timedelta(seconds=TIMEOUT_S)
 
 
-# --------------------------------------------------------------- SyncSchedule on 2 Gloo ranks, groups per budget
+# --------------------------------------------------------------- ScheduleTrial on 2 Gloo ranks, groups per budget
 
 CANDIDATES = ["overlap/fp32/sms=default", "overlap/fp32/sms=8", "overlap/fp32/sms=4", "overlap/fp32/sms=2",
               "after_backward/fp32"]
@@ -212,10 +212,10 @@ def _as_if_nccl(asked: list[Optional[int]]) -> None:
 
 
 def _schedule(saved: Optional[dict[str, Any]] = None, late: bool = False
-              ) -> tuple[Regression, View, GradientSynchronization, SyncSchedule, CollectiveTimeout, Context]:
+              ) -> tuple[Regression, View, GradientAveraging, ScheduleTrial, CollectiveTimeout, Context]:
     model, view, gradients = gradient_participant({"timeout_s": TIMEOUT_S, "sync": {
         "schedule": "auto", "schedule_trial_steps": TRIAL_STEPS}})
-    schedule = SyncSchedule(view, gradients)
+    schedule = ScheduleTrial(view, gradients)
     if saved is not None and not late:
         schedule.load_state_dict({SCHEDULE_KEY: dict(saved)})  # (as Lightning loads: before setup)
     context = view.enter(Context())
@@ -250,7 +250,7 @@ def _steps(rank: int, steps: int, parts: tuple, budget_of: dict[int, int],
     return used
 
 
-def _budgets(schedule: SyncSchedule) -> dict[int, dist.ProcessGroup]:
+def _budgets(schedule: ScheduleTrial) -> dict[int, dist.ProcessGroup]:
     return dict(schedule._sms._groups) if schedule._sms is not None else {}
 
 

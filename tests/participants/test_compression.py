@@ -13,11 +13,11 @@ import torch.distributed as dist
 from _dist import run_ranks
 
 from lightning_static_dist.compression import CompressingReducer
-from lightning_static_dist.compression.state import COMPRESSION_KEY
-from lightning_static_dist.participants.compression import TRIAL_KEY, CompressionState
+from lightning_static_dist.compression.reducer_state import COMPRESSION_KEY
+from lightning_static_dist.participants.compression_state import TRIAL_KEY, CompressionState
 from lightning_static_dist.participants.gradients import build_synchronizer
 from lightning_static_dist.strategy_config import StrategyConfig
-from lightning_static_dist.sync.reducer import MeanAllReduce
+from lightning_static_dist.sync.bucket_reducer import MeanAllReduce
 
 from ._view import Context, Regression, View
 

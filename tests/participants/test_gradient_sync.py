@@ -1,4 +1,4 @@
-"""GradientSynchronization chooses how a fit averages once, from the step plan: the config resolved for the world and
+"""GradientAveraging chooses how a fit averages once, from the step plan: the config resolved for the world and
 the mesh by the same ``resolve_plan`` the front ends run (a real mesh on real Gloo ranks where the mesh decides)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from _dist import run_ranks
 from lightning_static_dist.mesh import MeshConfig, build_dp_mesh
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.embeddings import EmbeddingShards
-from lightning_static_dist.participants.gradients import GradientSynchronization
+from lightning_static_dist.participants.gradients import GradientAveraging
 from lightning_static_dist.participants.recording import PhaseRecording
 from lightning_static_dist.strategy_config import StrategyConfig
 
@@ -31,9 +31,9 @@ class _World(View):
         return self._world_size if self._world_size is not None else super().world_size
 
 
-def participant(view: View) -> GradientSynchronization:
+def participant(view: View) -> GradientAveraging:
     recording = PhaseRecording()
-    return GradientSynchronization(view, StaticCompile(view), EmbeddingShards(view, recording), recording)
+    return GradientAveraging(view, StaticCompile(view), EmbeddingShards(view, recording), recording)
 
 
 @pytest.mark.parametrize(("sync", "world_size", "fitting", "mode"), [

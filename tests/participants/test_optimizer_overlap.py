@@ -12,7 +12,7 @@ import torch
 from _dist import run_ranks
 
 from lightning_static_dist.config import ConfigError
-from lightning_static_dist.participants.schedule_trial import SyncSchedule
+from lightning_static_dist.participants.schedule_trial import ScheduleTrial
 from lightning_static_dist.participants.optimizer_overlap import OptimizerOverlap
 from lightning_static_dist.sync.optimizer_overlap import BucketwiseOptimizer
 
@@ -77,7 +77,7 @@ def _under_schedule_auto() -> dict[str, Optional[str]]:
     kind of candidate."""
     model, view, gradients = gradient_participant({"sync": {"schedule": "auto", "schedule_trial_steps": 2}},
                                                   torch.optim.AdamW)
-    schedule = SyncSchedule(view, gradients)
+    schedule = ScheduleTrial(view, gradients)
     overlap = OptimizerOverlap(view, gradients, schedule)
     context = view.enter(Context())
     gradients.setup(context)

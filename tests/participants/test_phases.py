@@ -5,7 +5,7 @@ mismatch instead of raising it."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -184,8 +184,39 @@ def test_teardown_returns_the_mismatch_and_tears_down_without_collectives() -> N
     mismatch = RankMismatchError("rank 1 is a step behind")
     phases.participants.ordered = (*phases.participants.ordered, _Teardown(torn, "a"))
     other.participants.ordered = (*other.participants.ordered, _Teardown(torn, "b", mismatch=mismatch))
-    assert teardown_all([phases, other], failed=False) is mismatch
-    assert torn == [("a", True), ("b", True)]  # the first roster too: a peer may be gone
+    marked = []
+    assert teardown_all([phases, other], failed=False, on_mismatch=lambda: marked.append(list(torn))) is mismatch
+    assert marked == [[]]  # the front end hears of the mismatch before any participant tears down
+    assert torn == [("b", True), ("a", True)]  # the last set up first; the first too without collectives
     torn.clear()
     assert teardown_all([phases, other], failed=True) is None  # failed: no step check
-    assert torn == [("a", True), ("b", True)]
+    assert torn == [("b", True), ("a", True)]
+
+
+class _Reads(StepParticipant):
+    """Records when the parameters are made readable, and folds a marker into the saved state."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def before_reading_parameters(self) -> None:
+        self.events.append("parameters readable")
+
+    def model_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
+        self.events.append("folded")
+        return {**state, "marker": 1}
+
+
+def test_the_state_dict_is_read_only_once_the_parameters_may_be_read() -> None:
+    # a module whose state_dict copies (a hook that casts, .cpu()) must not copy a shard whose gather is in flight
+    model, phases = _phases()
+    events: list[str] = []
+    phases.participants.ordered = (_Reads(events), *phases.participants.ordered)
+
+    def read() -> dict[str, Any]:
+        events.append("state_dict")
+        return model.state_dict()
+
+    state = phases.model_state_dict(read)
+    assert events == ["parameters readable", "state_dict", "folded"]
+    assert state["marker"] == 1 and set(model.state_dict()) < set(state)

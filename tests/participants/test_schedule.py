@@ -1,4 +1,4 @@
-"""SyncSchedule (``sync.schedule: auto``) on 2 real Gloo ranks, each its own data: over the trial's steps each batch
+"""ScheduleTrial (``sync.schedule: auto``) on 2 real Gloo ranks, each its own data: over the trial's steps each batch
 start switches the synchroniser between the candidates (``overlap/fp32/sms=default`` and ``after_backward/fp32``; with
 ``reduce_dtype: auto`` each in bf16 too), then both ranks keep the candidate that was fastest on the slowest rank; the
 choice is in the checkpoint, and loaded before setup (as Lightning loads) it applies its schedule and dtype from the
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from _dist import run_ranks
 
-from lightning_static_dist.participants.gradients import GradientSynchronization
-from lightning_static_dist.participants.schedule_trial import SCHEDULE_KEY, SyncSchedule
+from lightning_static_dist.participants.gradients import GradientAveraging
+from lightning_static_dist.participants.schedule_trial import SCHEDULE_KEY, ScheduleTrial
 
 from ._view import Context, Regression, View, gradient_participant
 
@@ -29,14 +29,14 @@ OVERLAP, AFTER = "overlap/fp32/sms=default", "after_backward/fp32"
 
 
 def _participants(schedule: str, reduce_dtype: str = "fp32"
-                  ) -> tuple[Regression, View, GradientSynchronization, SyncSchedule]:
-    """A model, the real gradient participant (compile and embeddings off) and SyncSchedule on it, not set up."""
+                  ) -> tuple[Regression, View, GradientAveraging, ScheduleTrial]:
+    """A model, the real gradient participant (compile and embeddings off) and ScheduleTrial on it, not set up."""
     model, view, gradients = gradient_participant({"sync": {"schedule": schedule, "reduce_dtype": reduce_dtype,
                                                             "schedule_trial_steps": TRIAL_STEPS}})
-    return model, view, gradients, SyncSchedule(view, gradients)
+    return model, view, gradients, ScheduleTrial(view, gradients)
 
 
-def _set_up(view: View, gradients: GradientSynchronization, schedule: SyncSchedule) -> Context:
+def _set_up(view: View, gradients: GradientAveraging, schedule: ScheduleTrial) -> Context:
     context = view.enter(Context())
     gradients.setup(context)
     gradients.after_setup(context)
@@ -44,7 +44,7 @@ def _set_up(view: View, gradients: GradientSynchronization, schedule: SyncSchedu
     return context
 
 
-def _fit(rank: int, model: Regression, view: View, gradients: GradientSynchronization, schedule: SyncSchedule,
+def _fit(rank: int, model: Regression, view: View, gradients: GradientAveraging, schedule: ScheduleTrial,
          context: Context, slow: str = "", steps: int = STEPS, dtypes: Optional[list] = None) -> list[bool]:
     """``steps`` real training steps; each batch start's ``launch_during_backward`` (and into ``dtypes``, the dtype
     each round's buckets travel in). Rank 1 is slower on the timed step of the schedule ``slow`` names (after its

@@ -1,4 +1,4 @@
-"""ShardedSync on 2 real Gloo ranks over a 1 x 2 mesh (``sync.reduce: reduce_scatter``, dp_shard 2): each rank's
+"""ParameterShards on 2 real Gloo ranks over a 1 x 2 mesh (``sync.reduce: reduce_scatter``, dp_shard 2): each rank's
 optimizer steps only its own chunks; after the step the all-gathers, waited for before the forward and before the
 parameters are read, leave both ranks with the same whole parameters, those of one plain Adam step on the gradient
 averaged over both ranks' data; the optimizer state is saved in full form (``checkpoint.format: full``, loadable by
@@ -19,9 +19,9 @@ from lightning_static_dist.config import ConfigError
 from lightning_static_dist.mesh import MeshConfig, build_dp_mesh
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.embeddings import EmbeddingShards
-from lightning_static_dist.participants.gradients import GradientSynchronization
+from lightning_static_dist.participants.gradients import GradientAveraging
 from lightning_static_dist.participants.recording import PhaseRecording
-from lightning_static_dist.participants.sharded import ShardedSync
+from lightning_static_dist.participants.parameter_shards import ParameterShards
 from lightning_static_dist.strategy_config import StrategyConfig
 
 from ._view import Context, Regression, View
@@ -40,12 +40,12 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
 
 
-def _participants(view: View) -> tuple[GradientSynchronization, ShardedSync]:
-    """The gradient participant with its real collaborators (compile and embeddings off), and ShardedSync on it."""
+def _participants(view: View) -> tuple[GradientAveraging, ParameterShards]:
+    """The gradient participant with its real collaborators (compile and embeddings off), and ParameterShards on it."""
     recording = PhaseRecording()
     compile = StaticCompile(view)
-    gradients = GradientSynchronization(view, compile, EmbeddingShards(view, recording), recording)
-    return gradients, ShardedSync(view, gradients, compile)
+    gradients = GradientAveraging(view, compile, EmbeddingShards(view, recording), recording)
+    return gradients, ParameterShards(view, gradients, compile)
 
 
 def _a_fit(rank: int, mesh: Any) -> dict[str, Any]:
@@ -54,7 +54,7 @@ def _a_fit(rank: int, mesh: Any) -> dict[str, Any]:
     view = View(model, _config("full"), optimizers=[optimizer], mesh=mesh)
     gradients, sharded = _participants(view)
     context = view.enter(Context())
-    gradients.setup(context)  # the roster's order: the synchroniser is built before ShardedSync sets up
+    gradients.setup(context)  # the roster's order: the synchroniser is built before ParameterShards sets up
     sharded.setup(context)
     gradients.after_setup(context)
     seen: dict[str, Any] = {
@@ -85,7 +85,7 @@ def _a_fit(rank: int, mesh: Any) -> dict[str, Any]:
                 full_state=sharded.optimizer_state(optimizer))
 
     sharded_view = View(model, _config("sharded"), optimizers=[optimizer], mesh=mesh)
-    pieces = ShardedSync(sharded_view, gradients, StaticCompile(sharded_view)).optimizer_state(optimizer)
+    pieces = ParameterShards(sharded_view, gradients, StaticCompile(sharded_view)).optimizer_state(optimizer)
     seen["pieces"] = {key: {name: t.clone() for name, t in value.items()} for key, value in pieces.items()}
 
     gradients.teardown(failed=False)  # the roster's order: the synchroniser's hooks out first, then the release

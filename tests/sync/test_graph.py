@@ -88,11 +88,11 @@ def test_graph_mode_needs_compile_and_an_eager_fallback_still_averages(tmp_path:
 
 
 def _graph_sync_on_blocks(rank: int, world: int) -> dict[str, Any]:
-    from lightning_static_dist.sync.graph import GraphGradientSync
+    from lightning_static_dist.sync.graph import GraphSynchronizer
 
     model = nested_gpt()
     classes = [type(block) for block in model.trunk.h]
-    sync = GraphGradientSync(model)
+    sync = GraphSynchronizer(model)
     sync.attach()
     report = compile_regions(model, CompileConfig(enabled=True, backend="aot_eager", regional=True))
     model.training_step(next(iter(model.train_dataloader())), 0).backward()

@@ -289,18 +289,18 @@ def _two_layers() -> nn.Module:
 
 
 def test_every_synchroniser_keeps_the_contract_its_participant_relies_on(one_rank_gloo: None) -> None:
-    from lightning_static_dist.sync import GradientSync, RoundSync
-    from lightning_static_dist.sync.graph import GraphGradientSync
-    from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
+    from lightning_static_dist.sync import Synchronizer, RoundSynchronizer
+    from lightning_static_dist.sync.graph import GraphSynchronizer
+    from lightning_static_dist.sync.sharded_synchronizer import ShardedSynchronizer
 
     model, sharded_model = _two_layers(), _two_layers()
     optimizer = torch.optim.SGD(sharded_model.parameters(), lr=0.1)
     hooks = GradientSynchronizer(model.named_parameters())
-    sharded = ShardedGradientSynchronizer(sharded_model.named_parameters(), optimizer, None, None)
-    graph = GraphGradientSync(model)
-    assert all(isinstance(sync, GradientSync) for sync in (hooks, sharded, graph))
-    assert isinstance(hooks, RoundSync) and isinstance(sharded, RoundSync)
-    assert not isinstance(graph, RoundSync)  # its collectives are in the compiled graph: no rounds to end
+    sharded = ShardedSynchronizer(sharded_model.named_parameters(), optimizer, None, None)
+    graph = GraphSynchronizer(model)
+    assert all(isinstance(sync, Synchronizer) for sync in (hooks, sharded, graph))
+    assert isinstance(hooks, RoundSynchronizer) and isinstance(sharded, RoundSynchronizer)
+    assert not isinstance(graph, RoundSynchronizer)  # its collectives are in the compiled graph: no rounds to end
 
 
 def test_a_reducer_hears_every_phase_of_the_rounds(one_rank_gloo: None) -> None:
@@ -365,11 +365,11 @@ def test_a_reducer_without_the_round_phases_is_refused_where_it_is_plugged_in(on
 
 
 def test_the_sharded_synchroniser_hands_the_pieces_the_average_and_keeps_no_full_gradient(one_rank_gloo: None) -> None:
-    from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
+    from lightning_static_dist.sync.sharded_synchronizer import ShardedSynchronizer
 
     model, reference = _two_layers(), _two_layers()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    sync = ShardedGradientSynchronizer(model.named_parameters(), optimizer, None, None)
+    sync = ShardedSynchronizer(model.named_parameters(), optimizer, None, None)
     sync.bind()
     sync.attach()
     x = torch.randn(5, 4)

@@ -54,7 +54,7 @@ class Candidate:
 
 
 @dataclass
-class CompressionTrial:
+class StepTrial:
     """Runs the trial from the strategy's batch-start hook; :meth:`before_step` says which compressor the coming
     step reduces with (``"keep"``: no change) until the choice is made.
 

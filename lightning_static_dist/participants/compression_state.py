@@ -2,7 +2,7 @@
 state and the ``auto`` trial's choice carried through checkpoints.
 
 The hook-driven synchroniser (``mode: hooks``, ``reduce: all_reduce``) is built exact by
-:class:`~lightning_static_dist.participants.gradients.GradientSynchronization`; this participant, handed that one,
+:class:`~lightning_static_dist.participants.gradients.GradientAveraging`; this participant, handed that one,
 makes every change of its reducer: the compressor ``strategy.compression`` names (installed in its own setup, after
 the synchroniser's and before its first round, with the checkpoint's state restored), the ``auto`` trial's
 candidates at batch starts and its choice resumed from a checkpoint (:meth:`CompressionState.use`), and the
@@ -23,9 +23,9 @@ from typing import Any, Optional
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_static_dist.compression import CompressingReducer, build_compressor
-from lightning_static_dist.compression.auto import CompressionTrial
+from lightning_static_dist.trial import StepTrial
 from lightning_static_dist.compression.base import Compressor
-from lightning_static_dist.compression.state import (
+from lightning_static_dist.compression.reducer_state import (
     COMPRESSION_KEY,
     compressing_reducer_of,
     compression_trial,
@@ -34,7 +34,7 @@ from lightning_static_dist.compression.state import (
     use_compressor,
 )
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView, advance_trial
-from lightning_static_dist.participants.gradients import GradientSynchronization
+from lightning_static_dist.participants.gradients import GradientAveraging
 
 TRIAL_KEY = "static_dist_compression_auto"  # compression.name: auto: the trial's choice and times
 
@@ -43,10 +43,10 @@ class CompressionState(StepParticipant):
     """The reducer of the hook-driven synchroniser (its one owner), the compressor's state and the ``auto`` trial
     (``compression.name: auto``)."""
 
-    def __init__(self, view: StrategyView, gradients: GradientSynchronization) -> None:
+    def __init__(self, view: StrategyView, gradients: GradientAveraging) -> None:
         self._view = view
         self._gradients = gradients
-        self.trial: Optional[CompressionTrial] = None
+        self.trial: Optional[StepTrial] = None
         """``compression.name: auto``: the trial of the candidates and, once made, its choice."""
         self._trial_resume: Optional[dict[str, Any]] = None
         self._compression_resume: Optional[dict[str, Any]] = None

@@ -2,13 +2,13 @@
 optimizer state; the whole parameters come back by all-gathers overlapped with the next forward.
 
 :func:`build_sharded_synchronizer` builds the sharded synchroniser for the gradient participant
-(:class:`~lightning_static_dist.participants.gradients.GradientSynchronization`, which owns it and runs its rounds
-like any synchroniser's); :class:`ShardedSync` waits for the gathers where the forward first needs the parameters,
+(:class:`~lightning_static_dist.participants.gradients.GradientAveraging`, which owns it and runs its rounds
+like any synchroniser's); :class:`ParameterShards` waits for the gathers where the forward first needs the parameters,
 and saves and loads the optimizer state in its sharded forms (``strategy.checkpoint.format``).
 
 Example (the roster builds it)::
 
-    sharded = ShardedSync(strategy, gradients, compile)
+    sharded = ParameterShards(strategy, gradients, compile)
     sharded.after_optimizer_step()      # start the all-gathers of the updated shards
 """
 
@@ -37,7 +37,7 @@ from lightning_static_dist.processes.faults import waiting_in
 from lightning_static_dist.mesh import REPLICATE_DIM, SHARD_DIM
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView, syncs_gradients
 from lightning_static_dist.participants.compilation import StaticCompile
-from lightning_static_dist.sync.sharded import ShardedGradientSynchronizer
+from lightning_static_dist.sync.sharded_synchronizer import ShardedSynchronizer
 
 _PIECES_KEY = "static_dist_optimizer_pieces"  # optimizer_state() in sharded-checkpoint mode: this rank's ranges
 
@@ -47,7 +47,7 @@ _NOT_ELEMENTWISE = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafa
                          if hasattr(torch.optim, name))
 
 
-def build_sharded_synchronizer(view: StrategyView) -> ShardedGradientSynchronizer:
+def build_sharded_synchronizer(view: StrategyView) -> ShardedSynchronizer:
     """The sharded synchroniser of this fit, attached, with the one optimizer re-pointed at this rank's shards
     (the gradient participant calls this when it chooses ``reduce_scatter``). Refused, with a one-line
     :class:`ConfigError`, for several optimizers, an optimizer that does not update element by element, and the
@@ -70,7 +70,7 @@ def build_sharded_synchronizer(view: StrategyView) -> ShardedGradientSynchronize
         raise ConfigError("strategy.sync.reduce='reduce_scatter': the 16-mixed gradient scaler decides per rank on"
                           " shards; use precision bf16-mixed or 32, or strategy.sync.reduce='all_reduce'")
     plan = view.plan
-    sync = ShardedGradientSynchronizer(
+    sync = ShardedSynchronizer(
         view.model.named_parameters(), optimizer, shard_group=mesh.get_group(SHARD_DIM),
         replicate_group=mesh.get_group(REPLICATE_DIM), group=view.dp_group,
         capacity=plan.capacity,
@@ -91,14 +91,14 @@ class ShardHolder(Protocol):
 
     Example::
 
-        sharded = ShardedSync(strategy, gradients, compile)   # gradients: a GradientSynchronization
+        sharded = ParameterShards(strategy, gradients, compile)   # gradients: a GradientAveraging
     """
 
     @property
-    def sharded_sync(self) -> Optional[ShardedGradientSynchronizer]: ...
+    def sharded_sync(self) -> Optional[ShardedSynchronizer]: ...
 
 
-class ShardedSync(StepParticipant):
+class ParameterShards(StepParticipant):
     """The sharded synchroniser's own part of a step: the gathers, and the sharded optimizer state in checkpoints.
     ``gradients`` (the gradient participant, which builds the synchroniser and runs its rounds) is where it reads
     the synchroniser from; its setup runs first."""
@@ -112,7 +112,7 @@ class ShardedSync(StepParticipant):
         self._last_sharded_checkpoint: Optional[str] = None
 
     @property
-    def sharded_sync(self) -> Optional[ShardedGradientSynchronizer]:
+    def sharded_sync(self) -> Optional[ShardedSynchronizer]:
         """While fitting: the synchroniser holding this rank's shards (``None`` otherwise, and once released)."""
         return self._gradients.sharded_sync
 
@@ -132,7 +132,7 @@ class ShardedSync(StepParticipant):
             rank_zero_warn("static_dist: strategy.checkpoint.format='sharded' has nothing to shard with"
                            " strategy.sync.reduce=all_reduce (every rank holds the whole state); checkpoints are full")
 
-    def _wait_for_parameters_where_needed(self, sync: ShardedGradientSynchronizer) -> None:
+    def _wait_for_parameters_where_needed(self, sync: ShardedSynchronizer) -> None:
         """Wait for a bucket's all-gather where the forward first needs it: in pre-hooks of the repeated blocks (the
         regions regional compile uses; their hooks run outside the compiled code), the rest at the step's start."""
         module = self._view.lightning_module

@@ -41,7 +41,7 @@ from lightning_static_dist.compression.base import (
     averaged,
 )
 from lightning_static_dist.sync.plan import GradBucket
-from lightning_static_dist.sync.reducer import BucketReducer, MeanAllReduce, PendingReduction, runs_on_device_streams
+from lightning_static_dist.sync.bucket_reducer import BucketReducer, MeanAllReduce, PendingReduction, runs_on_device_streams
 
 
 class _Stream:
@@ -136,7 +136,7 @@ class PhasedReduction(PendingReduction):
 
 
 class CompressingReducer(BucketReducer):
-    """A :class:`~lightning_static_dist.sync.reducer.BucketReducer` that compresses what its compressor takes.
+    """A :class:`~lightning_static_dist.sync.bucket_reducer.BucketReducer` that compresses what its compressor takes.
 
     Example::
 

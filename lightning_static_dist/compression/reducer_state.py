@@ -19,13 +19,13 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_static_dist.compression import build_compressor
-from lightning_static_dist.compression.auto import Candidate, CompressionTrial
+from lightning_static_dist.trial import Candidate, StepTrial
 from lightning_static_dist.compression.base import Compressor
 from lightning_static_dist.compression.compressors import LowPrecisionCompressor
 from lightning_static_dist.compression.config import CompressionConfig
-from lightning_static_dist.compression.reducer import CompressingReducer
+from lightning_static_dist.compression.compressing_reducer import CompressingReducer
 from lightning_static_dist.sync import GradientSynchronizer
-from lightning_static_dist.sync.reducer import MeanAllReduce
+from lightning_static_dist.sync.bucket_reducer import MeanAllReduce
 from lightning_static_dist.wording import counted
 
 #: Where a checkpoint keeps every rank's compression state (``{"world_size": N, "ranks": [state of rank 0, ...]}``).
@@ -42,12 +42,12 @@ def use_compressor(synchronizer: GradientSynchronizer, compressor: Optional[Comp
 
 
 def compression_trial(compression: CompressionConfig, device: torch.device,
-                      group: Optional[dist.ProcessGroup]) -> CompressionTrial:
+                      group: Optional[dist.ProcessGroup]) -> StepTrial:
     """``strategy.compression.name: auto``: the trial of exact fp32, bf16 and PowerSGD at ``compression.rank``."""
     powersgd = dataclasses.replace(compression, name="powersgd")
     candidates = [Candidate("none", lambda: None), Candidate("bf16", lambda: LowPrecisionCompressor(torch.bfloat16)),
                   Candidate(f"powersgd(rank={compression.rank})", lambda: build_compressor(powersgd))]
-    return CompressionTrial(candidates, compression.start_step, compression.trial_steps, device, group)
+    return StepTrial(candidates, compression.start_step, compression.trial_steps, device, group)
 
 
 def compressing_reducer_of(synchronizer: Optional[GradientSynchronizer]) -> Optional[CompressingReducer]:

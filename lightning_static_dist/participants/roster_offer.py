@@ -1,10 +1,10 @@
 """The step participants' :class:`~lightning_static_dist.offer.StaticDistOffer`: what a callback reads of them, and
 the one way it changes the reducer (through its owner,
-:class:`~lightning_static_dist.participants.compression.CompressionState`).
+:class:`~lightning_static_dist.participants.compression_state.CompressionState`).
 
 Example (what ``StaticDistStrategy.__init__`` does; callbacks get it with ``offer_of(trainer)``)::
 
-    offer = ParticipantsOffer(participants, strategy, host_max=strategy.host_max)
+    offer = RosterOffer(participants, strategy, host_max=strategy.host_max)
     offer.sync_figures()          # SyncFigures(mode="hooks", rounds=..., bytes_sent=..., ...)
     offer.swap_reducer(None)      # the exact mean from the next round on
 """
@@ -18,7 +18,7 @@ import torch
 
 from lightning_static_dist.compile import CompileReport
 from lightning_static_dist.compression import CompressingReducer
-from lightning_static_dist.compression.auto import CompressionTrial
+from lightning_static_dist.trial import StepTrial
 from lightning_static_dist.offer import ScheduleChoice, StaticDistOffer, SyncFigures
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.participants.base import StrategyView
@@ -26,7 +26,7 @@ from lightning_static_dist.participants.roster import Participants
 from lightning_static_dist.simulate.config import SimulateConfig
 
 
-class ParticipantsOffer(StaticDistOffer):
+class RosterOffer(StaticDistOffer):
     """:class:`~lightning_static_dist.offer.StaticDistOffer` over one strategy's participants (read when asked: a
     figure is this moment's).
 
@@ -78,7 +78,7 @@ class ParticipantsOffer(StaticDistOffer):
             participant.attach_recorder(recorder)
 
     @property
-    def compression_trial(self) -> Optional[CompressionTrial]:
+    def compression_trial(self) -> Optional[StepTrial]:
         return self._parts.compression.trial
 
     def schedule_choice(self) -> Optional[ScheduleChoice]:

@@ -28,13 +28,13 @@ Differences from DDP to know:
   with weight decay it decays), and freezing or unfreezing a parameter during ``fit`` is an error naming it;
 - the model's ``param.grad`` is ``None`` after backward (the averaged gradients are the pieces' ``.grad``);
 - between the optimizer step and the next forward the parameters are being gathered: a callback that reads them
-  there (an EMA in ``on_train_batch_end``) must call :meth:`ShardedGradientSynchronizer.wait_gather` first;
+  there (an EMA in ``on_train_batch_end``) must call :meth:`ShardedSynchronizer.wait_gather` first;
 - the optimizer sees flat pieces, so it must update each element from that element's gradient and state alone
   (SGD, Adam, AdamW, ... ; the strategy refuses LBFGS, Adafactor and SparseAdam; per-tensor trust ratios such
   as LAMB's would be computed per piece);
-- gradient clipping by norm goes through :meth:`ShardedGradientSynchronizer.clip_grad_norm_`, which the strategy
+- gradient clipping by norm goes through :meth:`ShardedSynchronizer.clip_grad_norm_`, which the strategy
   installs in place of the precision plugin's: the norm is summed over the shard group;
-- at the end of ``fit`` (:meth:`ShardedGradientSynchronizer.release`) every rank holds the full optimizer state
+- at the end of ``fit`` (:meth:`ShardedSynchronizer.release`) every rank holds the full optimizer state
   again, so that the optimizer is usable after ``fit``: a model whose state fits only sharded needs the memory
   for that once.
 
@@ -70,13 +70,13 @@ from lightning_static_dist.sync.plan import (
     param_specs,
     plan_buckets,
 )
-from lightning_static_dist.sync.reducer import BucketReducer
+from lightning_static_dist.sync.bucket_reducer import BucketReducer
 from lightning_static_dist.sync.shard_layout import NOT_OPTIMIZED, BucketShard, Piece, ordered_by_group, shard_bucket
 from lightning_static_dist.sync.sharded_mean import ShardedMean
 from lightning_static_dist.sync.sharded_state import OptimizerStateShard
 from lightning_static_dist.sync.synchronizer import GradientSynchronizer
 
-__all__ = ["NOT_OPTIMIZED", "BucketShard", "Piece", "ShardedGradientSynchronizer", "ShardedMean"]
+__all__ = ["NOT_OPTIMIZED", "BucketShard", "Piece", "ShardedSynchronizer", "ShardedMean"]
 
 
 class _ShardBuffer(BucketBuffer):
@@ -98,7 +98,7 @@ class _ShardBuffer(BucketBuffer):
             piece.param.grad = averaged[piece.start - self.shard.chunk_start : piece.end - self.shard.chunk_start]
 
 
-class ShardedGradientSynchronizer:
+class ShardedSynchronizer:
     """Reduce-scatter / all-reduce gradient synchronisation with optimizer state split over the shard group.
 
     Args:
@@ -110,7 +110,7 @@ class ShardedGradientSynchronizer:
 
     Example::
 
-        sync = ShardedGradientSynchronizer(model.named_parameters(), optimizer, mesh.get_group("dp_shard"),
+        sync = ShardedSynchronizer(model.named_parameters(), optimizer, mesh.get_group("dp_shard"),
                                            mesh.get_group("dp_replicate"))
         sync.attach(); sync.bind()
         loss.backward(); sync.finish_if_pending(); optimizer.step(); sync.start_gather()
@@ -159,7 +159,7 @@ class ShardedGradientSynchronizer:
                 if piece.group != NOT_OPTIMIZED or not optimized_only:
                     yield piece
 
-    # ------------------------------------------------------------------------------- the rounds (RoundSync)
+    # ------------------------------------------------------------------------------- the rounds (RoundSynchronizer)
 
     @property
     def plan(self) -> BucketPlan:
@@ -196,7 +196,7 @@ class ShardedGradientSynchronizer:
 
     @property
     def ready_groups(self) -> Optional[Mapping[int, int]]:
-        """Kept for the :class:`~lightning_static_dist.sync.contracts.RoundSync` readers; a fixed plan ignores it."""
+        """Kept for the :class:`~lightning_static_dist.sync.contracts.RoundSynchronizer` readers; a fixed plan ignores it."""
         return self._rounds.ready_groups
 
     @ready_groups.setter

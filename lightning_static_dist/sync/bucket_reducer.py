@@ -3,7 +3,7 @@
 A :class:`BucketReducer` receives a flat buffer holding this rank's gradients of one bucket and returns a
 :class:`PendingReduction` at once; ``wait()`` gives back the flat buffer holding the *average* over the group.
 The built-in :class:`MeanAllReduce` is one asynchronous ``all_reduce``; the compressing reducer
-(:mod:`lightning_static_dist.compression.reducer`) runs several collectives per bucket, as long as ``wait()``
+(:mod:`lightning_static_dist.compression.compressing_reducer`) runs several collectives per bucket, as long as ``wait()``
 returns the averaged buffer of the same size. A reducer whose work spans the round hears of the round's phases
 (:meth:`BucketReducer.gradient_ready`, :meth:`~BucketReducer.round_finished`, :meth:`~BucketReducer.abandon_round`):
 declared here, with no-op defaults, so the synchroniser calls them on every reducer.
