@@ -193,3 +193,9 @@ def test_no_step_participant_reads_lightnings_trainer() -> None:
                   and name not in ("runtime.py", "resume.py")):  # the two bound to Lightning's own loop
                 found.append(f"{name}:{node.lineno} reads the context's trainer_loop")
     assert not found, found
+
+
+def test_no_module_is_longer_than_one_sitting() -> None:
+    # issue 36: one concept per module, each short enough to read at once (STYLE.md); split along a seam, not a line
+    long = {m: n for m, path in modules().items() if (n := sum(1 for _ in open(path))) > 400}
+    assert not long, long
