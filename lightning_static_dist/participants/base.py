@@ -1,35 +1,10 @@
-"""A step participant: one feature's part of the strategy's hooks, and what it may read of the strategy.
+"""A step participant: one feature's part of a step, and what it may read of the front end.
 
-The strategy (:class:`~lightning_static_dist.strategy.StaticDistStrategy`) owns Lightning's lifecycle; each feature
-(gradient sync, the sharded embeddings, compilation, the recorder ...) owns its part of every hook as a
-:class:`StepParticipant`. A front end's hook calls one method of :class:`~.phases.StepPhases`, which runs the phase
-on every participant in the one fixed order, and checks that the step may be in it; a participant that has nothing
-to do in a phase inherits the no-op. A feature that is off (its config says so, or
-the world has one rank) stays in the list and does nothing: the hooks never ask which features are on.
+Each feature owns its part of every phase as a :class:`StepParticipant`; :class:`~.phases.StepPhases` runs a phase on
+every participant in one fixed order, so a hook never asks which features are on (a feature that is off does nothing).
+The phases in the order of a step: docs/architecture.md, "Phases, in the order of a step".
 
-Phases, as the Trainer strategy's hooks reach them (a phase returning a value is read as the method's docstring says)::
-
-    setup_distributed     the process group and the mesh exist
-    before_optimizers     setup: the model is on the device, the same on every rank; no optimizer yet
-    setup                 setup: the optimizers exist (the precision plugin is not set up yet)
-    after_setup           setup: the precision plugin is set up, the optimizers are on the device
-    on_train_batch_start  a training batch begins
-    before_forward        training_step, before the user's forward;  after_forward: after it
-    before_reading_parameters  a validation forward, or the model's state dict, is about to read the parameters
-    before_backward       pre_backward
-    after_backward        post_backward: the backward's own compute is over (what follows is waiting, not compute)
-    finish_gradients      post_backward: make the gradients final (synchronise, check, release what backward held)
-    before_optimizer_step post_backward, last: clipping, the scaler and the optimizer step follow
-    optimizer_to_step     optimizer_step: the optimizer the precision plugin steps (each participant may wrap it)
-    after_optimizer_step  optimizer_step, after the step
-    on_validation_end     a validation loop ended
-    on_train_end          the training loop ended without an error (every rank at the same last step)
-    no_sync               block_backward_sync: a context entered for a micro-batch that accumulates locally
-    on_exception          the run failed (after the strategy recorded the failure)
-    check_in_step         before a checkpoint is written and before teardown: the ranks' last steps agree
-    teardown              the fit (or stage) is over; ``failed``: collectives may hang, do none
-
-Example (a participant that counts optimizer steps; the strategy builds its list in ``__init__``)::
+Example (a participant that counts optimizer steps)::
 
     class StepCounter(StepParticipant):
         def __init__(self) -> None:
@@ -57,11 +32,9 @@ from lightning_static_dist.overlap.recorder import StepRecorder
 
 
 class StepContext(Protocol):
-    """What a participant knows of the run it serves, whichever front end drives it: Lightning's ``Trainer``
-    (``strategy.py`` builds one from the trainer) or Fabric's loop. Handed to the setup phases; afterwards the
-    view's :attr:`StrategyView.context` is the same object. A participant never reads the ``Trainer`` itself, apart
-    from the two bound to Lightning's own loop (:attr:`trainer_loop`; ``tests/test_architecture.py`` holds the
-    list)."""
+    """What a participant knows of the run it serves, whichever front end drives it (a ``Trainer`` or Fabric's loop).
+    Handed to the setup phases, then kept as :attr:`StrategyView.context`; a participant reads it, never the
+    ``Trainer`` (docs/architecture.md: Layers)."""
 
     @property
     def fitting(self) -> bool:
@@ -107,8 +80,8 @@ class StepContext(Protocol):
 
 
 class StrategyView(Protocol):
-    """What a participant reads of the strategy: the run's plan (its configuration, resolved once), ranks, device, groups and model. A
-    participant never imports the strategy (it sits a layer above); it is handed the strategy as this view."""
+    """What a participant reads of the front end: the resolved plan, ranks, device, groups and model. A participant
+    never imports the strategy (a layer above); it is handed this view."""
 
     @property
     def plan(self) -> StepPlan:
@@ -191,8 +164,7 @@ def advance_trial(trial: Any, synchronizer: Any, view: StrategyView, apply: Any,
 
 
 class StepParticipant:
-    """One feature's part of the strategy's hooks. Every phase is a no-op here: override the ones the feature
-    acts in. The module docstring lists the phases in the order of a step."""
+    """One feature's part of a step. Every phase is a no-op here: override the ones the feature acts in."""
 
     def setup_distributed(self) -> None:
         """The process group and the data-parallel mesh exist."""

@@ -1,13 +1,8 @@
 """The gradient-sync participant: the one owner of the synchroniser a fit averages its gradients with.
 
-:class:`GradientAveraging` chooses, once at setup, from the config and the mesh, how the gradients are averaged
-and builds that synchroniser: ``sync.reduce: reduce_scatter`` (``"sharded"``: each rank keeps a shard,
-:func:`~lightning_static_dist.participants.parameter_shards.build_sharded_synchronizer`), else ``sync.mode: graph``
-(``"graph"``: an averaging identity, the collectives inside the compiled backward), else ``sync.mode: hooks``
-(``"hooks"``: buckets filled from gradient hooks). Two parts of averaging are composed inside it: the broadcast of
-rank 0's buffers before each training forward (:class:`BufferBroadcast`) and the non-finite check of the averaged
-gradients (:class:`NonfiniteCheck`). The participants that act on the synchroniser (the sharded gathers, the
-compression state, the schedule trial) are handed this participant when they are built, and read it from here.
+:class:`GradientAveraging` chooses once at setup, from the plan, ``"sharded"`` (``sync.reduce: reduce_scatter``),
+else ``"graph"`` or ``"hooks"`` (``sync.mode``), and composes the buffer broadcast and the non-finite check. The
+participants that act on the synchroniser are handed this participant when they are built.
 
 Example (the roster builds it; ``strategy.synchronizer`` reads ``gradients.synchronizer``)::
 

@@ -1,9 +1,7 @@
 """One strategy's step participants, built in their one order, and how their answers to a phase combine.
 
-The front ends' hooks call a phase on every participant in :attr:`Participants.ordered` through
-:class:`~lightning_static_dist.participants.phases.StepPhases`. Most phases only act; the checkpoint phases answer, and
-the answers combine here (each participant folds the state the one before it returned; the first participant to
-claim a file or an optimizer's state wins), so that the strategy reads as Lightning's lifecycle and nothing else.
+Most phases only act; the checkpoint phases answer, and the answers combine here: each participant folds the state
+the one before it returned; the first to claim a file or an optimizer's state wins.
 
 Example (what ``StaticDistStrategy.__init__`` does)::
 
@@ -31,33 +29,14 @@ from lightning_static_dist.participants.parameter_shards import ParameterShards
 
 
 class Participants:
-    """The participants of one strategy, named (for what the strategy hands out: ``strategy.synchronizer`` is
-    ``participants.gradients.synchronizer``) and in the one order every hook calls them (a participant whose feature
-    is off does nothing)::
-
-        GradientAveraging  sync: chooses hooks, graph or sharded averaging once at setup and owns that
-                                 synchroniser; rank 0's buffers before each training forward; the non-finite check
-        ParameterShards       sync.reduce=reduce_scatter: the gathers; sharded optimizer state and checkpoints
-        StaticCompile     compile: compiles at setup (after the synchroniser: its plan follows the graph's pieces)
-        EmbeddingShards   embedding: shard, prefetch, gather before forward, release after backward and step
-        SigtermAgreement  Lightning's SIGTERM check over the host group (processes/sigterm.py)
-        PeerWatch         the peer watchdog
-        CollectiveTimeout strategy.timeout_s from the first optimizer step on (start-up waits longer)
-        CompressionState  compression: the auto trial, and the compressor's state in checkpoints
-        ScheduleTrial      sync.schedule=auto: the trial of the two schedules, and its choice in checkpoints
-        OptimizerOverlap  sync.optimizer_overlap: the optimizer steps each bucket as its average lands
-        SimulationMark    strategy.simulate: checkpoints say they were written in a simulated world
-        MidEpochResume    a fit resumed mid-epoch with a loader that keeps no position: one line saying so
-        LastStepSave      the end of a fit writes its last step where no checkpoint holds it
-        PhaseRecording    the overlap monitor's recorder: marks forward, backward and optimizer phases
+    """The participants of one strategy, named (``strategy.synchronizer`` is ``participants.gradients.synchronizer``)
+    and in the one order every phase calls them (each one's part: docs/architecture.md, Layers).
 
     The order keeps what must come first first: the buffers before the embeddings' gather before the recorder's
     forward; the gradients synchronised and checked, then the embeddings released; the synchroniser built before
     the participants that act on it set up; at teardown its hooks are taken out before the sharded one gives the
     parameters back (a collective); the recorder last, so that a phase it marks begins after the waits of the
-    others. ``after_backward`` (the recorder ends backward) runs before ``finish_gradients`` (the waits), so the
-    recorder never counts waiting as compute. The participants that act on the synchroniser are handed the gradient
-    participant when they are built; none reads it through the strategy.
+    others, and never counts waiting as compute.
 
     Args:
         view: the strategy, as the participants read it.
