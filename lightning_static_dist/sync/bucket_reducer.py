@@ -1,12 +1,8 @@
 """The collective a full bucket launches: a pluggable operation (compression plugs in here).
 
-A :class:`BucketReducer` receives a flat buffer holding this rank's gradients of one bucket and returns a
-:class:`PendingReduction` at once; ``wait()`` gives back the flat buffer holding the *average* over the group.
-The built-in :class:`MeanAllReduce` is one asynchronous ``all_reduce``; the compressing reducer
-(:mod:`lightning_static_dist.compression.compressing_reducer`) runs several collectives per bucket, as long as ``wait()``
-returns the averaged buffer of the same size. A reducer whose work spans the round hears of the round's phases
-(:meth:`BucketReducer.gradient_ready`, :meth:`~BucketReducer.round_finished`, :meth:`~BucketReducer.abandon_round`):
-declared here, with no-op defaults, so the synchroniser calls them on every reducer.
+A :class:`BucketReducer` turns a bucket's local flat gradients into a :class:`PendingReduction` whose ``wait()`` gives
+back the averaged buffer of the same size, however many collectives it runs. The round's phases a reducer may take
+part in are declared here with no-op defaults, so the synchroniser calls them on every reducer.
 """
 
 from __future__ import annotations

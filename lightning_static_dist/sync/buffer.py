@@ -1,14 +1,8 @@
 """A bucket's flat buffer: the gradients of one bucket side by side, then one usage flag per parameter.
 
-The synchroniser reduces this buffer with one collective per bucket (:mod:`~lightning_static_dist.sync.bucket_reducer`).
-Each parameter's slot is a view into it, made once per plan, so filling a bucket is one multi-tensor copy and —
-when the gradients are in the bucket's own dtype — the averages land in place: ``param.grad`` *is* the slot.
-The usage flags travel with the gradients so that a parameter no rank used keeps ``grad = None``.
-
-With a reduce dtype (``sync.reduce_dtype: bf16``) the flat buffer still holds the gradients in their own dtype (the
-gradients are its views, as without one), and a second, persistent flat buffer in the reduce dtype is what travels:
-sealing casts the whole bucket into it with one kernel, the collective reduces it, and unpacking casts the averages
-back with one more. Per bucket, not per parameter: a per-tensor cast costs a kernel and a host launch per parameter.
+Each parameter's slot is a view into it, made once per plan, so filling a bucket is one multi-tensor copy and the
+averages land in place. With a reduce dtype a second, persistent buffer in that dtype is what travels, cast per
+bucket in one kernel, not per parameter (docs/synchroniser.md: where the averages land).
 """
 
 from __future__ import annotations

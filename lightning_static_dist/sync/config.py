@@ -1,8 +1,7 @@
 """``strategy.sync``: the options of gradient synchronisation, beside the synchronisers they steer.
 
-Each section is a dataclass with a docstring on every field; its ``__post_init__`` validates it with the
-package's one checker (:mod:`lightning_static_dist.config.check`): a bad value raises a one-line ``ConfigError``
-naming the full key, the value and what is allowed.
+Validated in ``__post_init__`` by the package's one checker (``config/check.py``): a one-line ``ConfigError`` naming
+the full key.
 
 Example::
 
@@ -22,11 +21,7 @@ from lightning_static_dist.sync.plan import BucketCapacity
 
 @dataclass
 class SyncConfig:
-    """``strategy.sync``: how gradients are synchronised across the mesh's ``dp`` group.
-
-    Parameters are grouped into flat buckets in the order backward produced their gradients in the first step
-    (rank 0's observation, shared); each bucket launches its asynchronous collective as soon as its last gradient
-    is ready, in plan order.
+    """``strategy.sync``: how gradients are synchronised across the mesh's ``dp`` group (docs/synchroniser.md).
 
     Example::
 

@@ -1,12 +1,8 @@
 """What the synchronisers promise the rest of the package, and what they expect of it, as protocols.
 
-Three synchronisers average gradients: :class:`~lightning_static_dist.sync.synchronizer.GradientSynchronizer`
-(buckets filled from gradient hooks), :class:`~lightning_static_dist.sync.sharded_synchronizer.ShardedSynchronizer`
-(the same rounds, reduce-scattered into shards) and :class:`~lightning_static_dist.sync.graph.GraphSynchronizer`
-(collectives inside the compiled backward). All of them are put in place and taken out (:class:`Synchronizer`); the
-first two run *rounds* that a step participant ends after each backward (:class:`RoundSynchronizer`). A synchroniser reports
-its buckets to an observer (:class:`SyncObserver`, which the overlap recorder satisfies) without knowing who it is;
-the sharded synchroniser hands the round machinery a plan fixed up front through :class:`BucketLayout`.
+All three synchronisers (hooks, sharded, graph) are put in place and taken out (:class:`Synchronizer`); the first two
+run rounds a participant ends after each backward (:class:`RoundSynchronizer`), report their buckets to an observer
+they do not know (:class:`SyncObserver`), and the sharded one fixes its plan up front (:class:`BucketLayout`).
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """``sync.mode: graph``: gradient collectives traced into the compiled backward graph.
 
-Every trainable parameter is read in the forward through an identity whose backward is a *functional* all-reduce
-of the gradient that reaches it (``torch.distributed._functional_collectives``, which dynamo and AOTAutograd trace
-as ordinary graph nodes). The compiled training step then holds its collectives: AOTAutograd places each one in the
-backward graph right after the gradient it averages, and inductor buckets them (``bucket_all_reduces_fx``, with the
-bucket sizes of ``strategy.sync``) and schedules them against the gradient kernels (its compute/communication
-reordering passes) — the choices a Python reducer makes at run time are made once, at compile time. No compiled
-autograd, no hooks: the optimizer reads gradients the backward graph already averaged.
-
-How the identity is put in. A module holding trainable parameters gets a class of its own (a subclass made at
-:meth:`GraphSynchronizer.attach`, undone at :meth:`~GraphSynchronizer.detach`) in which each such parameter's name is
-a property: ``module.weight`` returns ``_AverageGrad.apply(module._parameters["weight"])``. Parameters stay where
-they were — ``named_parameters()``, ``state_dict()`` keys, the optimizer and checkpoints are untouched — and a
-tied weight stays one parameter (each module reading it averages the part of the gradient that flows through it:
-the sum of the averages is the average of the sum). Dynamo traces the property like any attribute read, with the
-parameter as a graph input. torchtitan's SimpleFSDP reaches its parameters the same way.
-
-What a user notices while attached: ``module.weight`` is the identity's output, not the ``Parameter`` (read
-``module._parameters["weight"]`` or ``named_parameters()``; ``module.weight.grad`` is ``None``); a model with
-swapped classes does not pickle (``copy.deepcopy`` works, and a copy made during ``fit`` keeps the swapped classes
-after :meth:`GraphSynchronizer.detach`); freezing or unfreezing a parameter during ``fit`` is an error naming it.
-A tied weight read by two modules is averaged twice, once per read (``bytes_per_round`` counts it once).
-
-Limits: the collectives are fixed in the graph, so every rank must read every
-trainable parameter on every step (the ranks' compiled graphs are compared before the first backward: a rank that
-compiled another graph stops every rank with the difference); a parameter read outside compiled code is averaged
-eagerly, one collective per read; with gradient accumulation every micro-batch averages its own gradients (the sum
-of the averages is the average of the sum, but the collectives run on every micro-batch, where ``hooks``
-communicates once per optimizer step).
+Every trainable parameter is read in the forward through an identity whose backward is a functional all-reduce of
+its gradient, so AOTAutograd places each collective in the backward graph and inductor buckets and schedules them
+at compile time: no hooks, no compiled autograd. The identity is put in by swapping each module's class for one in
+which the parameter's name is a property; parameters, ``state_dict()`` keys and the optimizer are untouched. What a
+user notices while attached, and the limits: docs/how-it-works.md, "Graph sync mode".
 """
 
 from __future__ import annotations

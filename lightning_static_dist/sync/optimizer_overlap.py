@@ -1,15 +1,11 @@
 """``strategy.sync.optimizer_overlap``: each bucket's parameters take their optimizer step as soon as that bucket's
 average lands, while the later buckets' collectives are still in flight (modded-nanogpt steps its parameters so).
 
-Under ``sync.schedule: after_backward`` every bucket's collective is issued when backward ends. Without overlap the
-compute stream then waits for all of them and the optimizer steps every parameter. With it, the synchroniser leaves
-its waits pending (:attr:`~lightning_static_dist.sync.synchronizer.GradientSynchronizer.defer_waits`) and
-:func:`step_per_bucket` walks the plan: wait for bucket 0, step bucket 0's parameters, wait for bucket 1, step its
-parameters ... The waits are stream waits (the host blocks only on CPU, where Gloo's collective is the host's work).
-
-That is only the step the user asked for where nothing reads the gradients between backward and the step (clipping by
-norm needs every bucket's average first, a hook may read any gradient) and the optimizer updates each parameter from
-its own gradient and state alone (:data:`PER_PARAMETER`): :func:`choose_optimizer_overlap` decides, and says why.
+Under ``sync.schedule: after_backward`` the synchroniser leaves its waits pending
+(:attr:`~lightning_static_dist.sync.synchronizer.GradientSynchronizer.defer_waits`) and :func:`step_per_bucket` walks
+the plan: wait for bucket k (a stream wait), step its parameters, and so on. That is the step the user asked for only
+where nothing reads the gradients between backward and the step and the optimizer updates each parameter from its
+own gradient and state alone: :func:`choose_optimizer_overlap` decides, and says why.
 
 Example::
 

@@ -1,21 +1,8 @@
 """Bucket planning: which gradients travel together. Pure functions over parameter sizes; no processes, no hooks.
 
-Buckets are filled in the order backward produces gradients: the first bucket to fill is the first collective to
-launch. Before any backward has been seen that order is guessed as reverse registration order (the last layer
-first); once the first backward has been observed, its real order (rank 0's, broadcast so that every rank plans
-alike) is used, so a module registered late but run early — or the reverse — lands in the right bucket. DDP
-rebuilds its buckets after the first iteration for the same reason. The first bucket is kept small
-(``first_bucket_mb``, default 1 MiB) so communication starts as early in backward as possible; later buckets are
-larger (``bucket_mb``: the strategy's default is 100 MiB, DDP's 25) so each collective's fixed latency is paid
-rarely. This is the policy DDP's reducer uses; here it is a plain function whose result every rank can print and
-compare.
-
-When the model is compiled as one graph cut into pieces at the gradient buckets (:mod:`~lightning_static_dist.compile.split`),
-each piece's backward is one autograd node: all of its parameters' gradients become ready together, when that node
-finishes. The plan then follows the pieces (``groups``): one bucket per piece, so each collective is issued the
-moment its piece's backward is done — a bucket that straddled two pieces would wait for the later one.
-
-A bucket holds gradients of one dtype and one device only: a flat buffer cannot mix them.
+Buckets follow the order backward makes gradients ready (guessed as reverse registration order until the first
+backward is observed), a small first bucket so that communication starts early, larger ones after; a compiled step's
+pieces each get one bucket. A bucket holds one dtype on one device. The reasons: docs/synchroniser.md, "Buckets".
 """
 
 from __future__ import annotations

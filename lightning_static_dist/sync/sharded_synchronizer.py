@@ -1,50 +1,12 @@
 """``sync.reduce: reduce_scatter``: gradients reduce-scattered in a shard group, optimizer state split, parameters
-all-gathered back — hybrid-sharded data parallelism from the same bucket plan as the all-reduce path.
+all-gathered back; hybrid-sharded data parallelism from the same bucket plan as the all-reduce path.
 
-Over a ``(dp_replicate, dp_shard)`` mesh of ``R x S`` ranks, one step is:
-
-1. **backward** — the same gradient-ready hooks fill the same flat buckets (each padded to a multiple of ``S``). A
-   full bucket is reduce-scattered over its shard group; its chunk is then all-reduced over the replica group — on
-   Gloo as soon as the reduce-scatter completes (checked from later hooks), on NCCL at the end of backward in
-   bucket order (NCCL needs collectives on several communicators issued in one order on every rank). Each rank ends backward holding the *average over all R x S ranks* of
-   one ``1/S`` chunk of every bucket, written into the ``.grad`` of that chunk's optimizer parameters. The
-   model's full ``param.grad`` is freed as soon as it is copied into its bucket.
-2. **optimizer step** — the optimizer was re-pointed at the chunks: it holds state for ``1/S`` of every
-   parameter. Within a bucket, parameters are ordered by optimizer param group, so a rank's chunk is at most one
-   contiguous *piece* per group: each piece is one optimizer parameter in its own group, and weight decay,
-   learning rate and every other group option apply exactly as before (any element-wise ``torch.optim``
-   optimizer steps a piece exactly as it would step the slice of the whole tensor).
-3. **all-gather** — after the step every bucket's updated chunks are all-gathered, asynchronously, into the flat
-   buffer that *is* the parameters' storage (each parameter is a view of its bucket's buffer). The strategy waits
-   for a bucket only where the next forward first needs it: in forward pre-hooks of the repeated blocks (the
-   regions regional compile uses), everything else at the start of the training step.
-
-Checkpoints hold the optimizer state in the *full* form an unsharded optimizer would write (gathered at save,
-cut again at load), so a checkpoint resumes at any world size or mesh, and a plain Lightning run loads it.
-
-Differences from DDP to know:
-
-- every planned parameter is treated as used (a parameter that no rank used gets a zero gradient, not ``None``:
-  with weight decay it decays), and freezing or unfreezing a parameter during ``fit`` is an error naming it;
-- the model's ``param.grad`` is ``None`` after backward (the averaged gradients are the pieces' ``.grad``);
-- between the optimizer step and the next forward the parameters are being gathered: a callback that reads them
-  there (an EMA in ``on_train_batch_end``) must call :meth:`ShardedSynchronizer.wait_gather` first;
-- the optimizer sees flat pieces, so it must update each element from that element's gradient and state alone
-  (SGD, Adam, AdamW, ... ; the strategy refuses LBFGS, Adafactor and SparseAdam; per-tensor trust ratios such
-  as LAMB's would be computed per piece);
-- gradient clipping by norm goes through :meth:`ShardedSynchronizer.clip_grad_norm_`, which the strategy
-  installs in place of the precision plugin's: the norm is summed over the shard group;
-- at the end of ``fit`` (:meth:`ShardedSynchronizer.release`) every rank holds the full optimizer state
-  again, so that the optimizer is usable after ``fit``: a model whose state fits only sharded needs the memory
-  for that once.
-
-How it is built. The rounds are run by a :class:`~lightning_static_dist.sync.synchronizer.GradientSynchronizer`
-held here (not inherited), given through ``fix_plan`` a plan made before the first step; this class is that plan's
-:class:`~lightning_static_dist.sync.contracts.BucketLayout` (padded buffers whose averages go to the pieces) and
-owns what is sharded: the gathers, clipping, and the optimizer re-pointed at the pieces. Beside it:
-:mod:`~lightning_static_dist.sync.sharded_mean` (the reducer), :mod:`~lightning_static_dist.sync.shard_layout`
-(buckets as parameter storage, cut into pieces) and :mod:`~lightning_static_dist.sync.sharded_state` (the
-optimizer state in the forms checkpoints hold).
+The rounds are run by a :class:`~lightning_static_dist.sync.synchronizer.GradientSynchronizer` held here (not
+inherited), given through ``fix_plan`` a plan made before the first step; this class is that plan's
+:class:`~lightning_static_dist.sync.contracts.BucketLayout` and owns what is sharded: the gathers, clipping, and the
+optimizer re-pointed at the pieces. Beside it: ``sharded_mean.py`` (the reducer), ``shard_layout.py`` (buckets as
+parameter storage, cut into pieces), ``sharded_state.py`` (the optimizer state in the forms checkpoints hold).
+A step, and how it differs from DDP: docs/how-it-works.md, "Hybrid sharding".
 """
 
 from __future__ import annotations
