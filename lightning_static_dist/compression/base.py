@@ -1,18 +1,10 @@
 """The compressor protocol: how a bucket's gradients become one or more *phases* of collectives.
 
-A compressor is handed this rank's gradients of the tensors it takes from one bucket (views into the bucket's flat
-buffer) and averages them over the group *in place*. It is written as a generator: each ``yield`` hands over one
-collective *not yet issued* — a function of the process group that issues it asynchronously — and the payload
-bytes this rank sends with it; the code after the ``yield`` runs once that collective is done.
-
-Why the compressor does not issue its collectives itself: every rank must issue the collectives of one process
-group in the same order, and "phase 2 of bucket 0 starts when its phase 1 is done" happens at different moments
-on different ranks. So the reducer issues them: phase k of every bucket on its own process group (phase 0 on the
-data-parallel group), and on each group in bucket order. A two-phase PowerSGD then keeps overlapping backward
-like a plain all-reduce, and no rank can pair bucket 1's P with bucket 0's Q.
-
-Error-feedback residuals and warm-start matrices are kept per *parameter* (its index in the synchroniser's list),
-not per bucket, so they survive a re-planned bucket layout and a checkpoint round trip.
+A compressor averages this rank's gradients of the tensors it takes from one bucket *in place*. It is a generator:
+each ``yield`` hands over one collective not yet issued (a function of the process group) and this rank's payload
+bytes; the code after the ``yield`` runs once that collective is done. The reducer, not the compressor, issues the
+collectives, so every rank issues each group's in one order (docs/how-it-works.md: Compression). State is kept per
+parameter, not per bucket, so it survives a re-planned bucket layout and a checkpoint round trip.
 """
 
 from __future__ import annotations

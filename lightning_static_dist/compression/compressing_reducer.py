@@ -1,27 +1,11 @@
 """``CompressingReducer``: the synchroniser's bucket reducer when ``strategy.compression`` is on.
 
-Per bucket it splits the slots into the ones the compressor takes and the rest; the rest (1-D and small
-gradients) and the usage flags go in one exact fp32 all-reduce, issued alongside the compressor's first phase.
-Before ``start_step`` rounds the bucket is reduced exactly.
-
-Non-finite gradients. A NaN/Inf on any rank makes the bucket's *average* non-finite on every rank (it enters every
-sum and every gathered payload), so every rank reaches the same verdict from its own result, with no extra
-collective and no pre-check that would wait for the GPU in a hook. The non-finite gradient then reaches the
-optimizer as it would without compression (Lightning's behaviour applies), and the compressor's state for that
-bucket is restored from a snapshot taken before the step: residuals and warm-start matrices are never poisoned.
-
-Ordering (see :mod:`.base`): phase 0 of every bucket goes on the data-parallel group in launch order; phase k >= 1
-on the reducer's k-th extra group, and a bucket issues its phase k only after every earlier bucket of the round
-issued its own. Timing differs between ranks; the order of each group's collectives does not. Later phases go out
-when a bucket launches (each earlier bucket whose current phase has completed issues its next) and when the round
-is waited for: completion is checked at bucket boundaries, never from every gradient hook. On NCCL the phases after
-the first go out only when the round is waited for, bucket by bucket: issued at launch, their interleaving *across*
-groups would depend on each rank's timing, and NCCL documents that as able to deadlock (the sharded synchroniser
-issues its replica all-reduces the same way). A second phase then overlaps the end of backward less there.
-
-Per bucket, besides the compressor's own work: the exact remainder (1-D gradients, usage flags) is averaged where it
-lies in the bucket's buffer when its slots are consecutive (no concatenation), and one pass checks the whole bucket
-for non-finite values (the verdict is read on the host once per round).
+Per bucket it splits the slots into the ones the compressor takes and the rest; the rest (1-D and small gradients)
+and the usage flags go in one exact fp32 all-reduce beside the compressor's first phase. Before ``start_step`` rounds
+the bucket is reduced exactly. A non-finite gradient on any rank makes the average non-finite on every rank, so
+every rank reaches the same verdict with no extra collective, and the compressor's state is restored from a
+snapshot. Phase k of every bucket goes on its own group in bucket order. Why, and NCCL's ordering:
+docs/how-it-works.md, "Compression".
 """
 
 from __future__ import annotations

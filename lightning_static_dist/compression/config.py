@@ -1,8 +1,7 @@
 """``strategy.compression``: the options of gradient compression, beside the compressors they choose.
 
-Each section is a dataclass with a docstring on every field; its ``__post_init__`` validates it with the
-package's one checker (:mod:`lightning_static_dist.config.check`): a bad value raises a one-line ``ConfigError``
-naming the full key, the value and what is allowed.
+Validated in ``__post_init__`` by the package's one checker (``config/check.py``): a one-line ``ConfigError`` naming
+the full key.
 
 Example::
 

@@ -1,18 +1,10 @@
 """``CompressionGuard``: back off gradient compression, on every rank together, when it starts to hurt.
 
-Every ``check_every_n_steps`` optimizer steps the compressing reducer also averages that step's compressed
-gradients *exactly* (one extra uncompressed collective on check steps only) and the guard reads the relative
-error |g_hat - g| / |g|; on every step it keeps a moving average of the training loss. A check is *bad* when the
-error exceeds ``max_rel_error`` or the loss exceeds ``loss_spike`` x its moving average. After ``patience``
-bad checks in a row the guard moves every rank to the compressor's next safer level (PowerSGD rank x2 ... then
-bf16, then no compression). Rank 0 decides and broadcasts, so all ranks switch on the same step. Each switch is
-logged (step, reason, old -> new) and kept in the checkpoint; a resumed run continues at the same level.
-
-By default ``max_rel_error`` is the threshold of the compressor in use, its ``guard_max_rel_error``: measured by the
-critical-point sweep (``benchmarks/critical_point.py``), between the largest error of a setting whose final loss
-stayed within 1.03x of exact and the median error of the first setting that did not; :data:`DEFAULT_MAX_REL_ERROR`
-for a compressor that names none. One number does not fit every family: QSGD's unbiased noise is harmless at errors
-that already mean PowerSGD falls behind. A threshold is per family, not per setting.
+Every ``check_every_n_steps`` optimizer steps the compressing reducer also averages that step's gradients exactly,
+and the guard reads the relative error |g_hat - g| / |g|; it also keeps a moving average of the loss. A check is bad
+when the error exceeds ``max_rel_error`` (by default the compressor's own ``guard_max_rel_error``) or the loss spikes;
+after ``patience`` bad checks in a row rank 0 moves every rank to the compressor's next safer level on the same
+step, logged and kept in the checkpoint. Where the thresholds come from: docs/how-it-works.md, "Compression".
 
 Example::
 
