@@ -1,8 +1,7 @@
 """``strategy.compile``: the options of static compilation, beside the code they steer.
 
-Each section is a dataclass with a docstring on every field; its ``__post_init__`` validates it with the
-package's one checker (:mod:`lightning_static_dist.config.check`): a bad value raises a one-line ``ConfigError``
-naming the full key, the value and what is allowed.
+Validated in ``__post_init__`` by the package's one checker (``config/check.py``): a one-line ``ConfigError`` naming
+the full key.
 
 Example::
 
@@ -26,9 +25,8 @@ MODE_CUDAGRAPHS = {"reduce-overhead": True, "max-autotune": True, "max-autotune-
 class CompileConfig:
     """``strategy.compile``: static compilation of the LightningModule inside the strategy.
 
-    By default the whole ``training_step`` — forward and loss — is traced as one graph; at world size > 1 that graph
-    is cut where the gradient buckets end, each piece one autograd node, so the synchroniser's collectives go out
-    during backward. A model passed as ``torch.compile(model)`` is compiled this way too, with its backend.
+    A model passed as ``torch.compile(model)`` is compiled this way too, with its backend (docs/how-it-works.md:
+    Compilation).
 
     Example::
 

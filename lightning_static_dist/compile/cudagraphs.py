@@ -1,22 +1,10 @@
 """``strategy.compile.cudagraphs``: whether the compiled step is replayed as CUDA graphs, and what inductor left out.
 
-Why. A compiled GPT-2 step launches about 650 kernels; inductor's Python wrapper, the AOTAutograd wrapper of each
-graph piece, the gradient hooks and Lightning's loop all run on the host between those launches. Uncut, the host
-keeps ahead of the GPU by a few milliseconds; cut at the gradient buckets (one graph piece per bucket, so that
-collectives leave during backward), the host's extra work per piece used up that lead, and the step ran at the
-host's pace: any stall of the host (a data-loader worker, a logger, another process on its core) became a stall
-of the GPU. Replayed as CUDA graphs (inductor's CUDA graph trees), each piece is one launch; the collectives are
-still issued between the pieces, from the same hooks, so overlap is unchanged, and the host is far ahead again.
-
-``auto`` turns them on where nothing in the step is known to defeat them (:func:`hazards`): CUDA, inductor, gradients
-synchronised by hooks (``sync.mode: graph`` traces the collectives into the graphs), no parameter that the strategy
-gathers into a new buffer between steps (sharded embeddings, ``reduce_scatter``), the whole step one region (not the
-blocks one by one), static shapes, Lightning's automatic optimization, and one backward per optimizer step (an
-accumulated gradient would stay in the graphs' memory, which the next replay overwrites; under Fabric the loop decides
-that step by step, so ``auto`` is off there). ``true`` asks for them and refuses, in one line, a run with one of
-these hazards. A graph inductor still refuses (a CPU tensor in it, an input it mutates ...) runs its kernels one by
-one; :class:`SkipCapture` puts inductor's reason in the compile report, and a warning says so once, so that this
-slower path is never silent.
+Replayed as CUDA graphs, each graph piece is one launch, so the host stays ahead of the GPU and its stalls no longer
+stall the step; the collectives still go out between the pieces. ``auto`` turns them on where nothing in the step is
+known to defeat them (:func:`hazards`); ``true`` refuses, in one line, a run with one of these hazards. A graph
+inductor still refuses runs its kernels one by one, and :class:`SkipCapture` says so. Why, and the hazards:
+docs/how-it-works.md, "Compilation".
 
 Example::
 

@@ -1,12 +1,9 @@
 """``self.log`` and ``self.log_dict`` inside a compiled ``training_step``: recorded in the graph, replayed after it.
 
-Lightning's own ``log`` ends in a ``torch.compiler.disable``d call, so a traced ``self.log`` splits the step into two
-graphs. While the strategy's compiled step runs, a LightningModule's ``log`` and ``log_dict`` are stand-ins that
-append the call to a list: dynamo traces the append as a side effect, so the logged tensors become outputs of the
-graph. When the compiled call returns, the calls are made in order, with the same arguments, through the class's
-real ``log`` / ``log_dict``: ``sync_dist``, ``on_step`` / ``on_epoch`` and the batch size happen eagerly, as without
-compile. A Python number that changes between steps still recompiles the step (the traced code reads it). The whole
-story, with what recompiles and why: ``docs/how-it-works.md`` (Compilation).
+Lightning's own ``log`` is ``torch.compiler.disable``d, so a traced ``self.log`` would split the step in two. While
+the compiled step runs, ``log`` and ``log_dict`` are stand-ins that append the call to a list (the logged tensors
+become graph outputs); when it returns the calls are made in order through the real ones, so ``sync_dist``,
+``on_step`` / ``on_epoch`` and the batch size happen eagerly, as without compile (docs/how-it-works.md: Compilation).
 """
 
 from __future__ import annotations
@@ -113,14 +110,10 @@ def _owned(value: Any) -> Any:
     """``value`` with each tensor in it (in tuples, lists and dicts) cloned: once inside the graph when the call is
     recorded (the value at the call), and once more after the graph when the call is replayed.
 
-    The second clone is for CUDA graphs. A recorded tensor is an output of the compiled call; under
-    ``strategy.compile.cudagraphs`` (inductor's cudagraph trees, on by default with CUDA and inductor) that output
-    lives in the graph's memory pool, and the next replay of the graph overwrites it, while Lightning keeps what is
-    logged beyond the step (``_ResultMetric`` holds the ``on_step`` value until the loggers read it, and accumulates
-    the ``on_epoch`` one). Lightning 2.6 happens to copy both (``value.clone()`` on step, ``value * batch_size`` on
-    epoch), but that is its detail, not a promise: a logged value is a scalar (Lightning refuses others), so the copy
-    is one small kernel. A clone keeps autograd history, so ``enable_graph=True`` works as before; Lightning detaches
-    the value otherwise.
+    The second clone is for CUDA graphs: a recorded tensor is an output of the compiled call, which the next replay
+    overwrites, while Lightning keeps what is logged beyond the step (that Lightning copies it too is its detail, not
+    a promise). A logged value is a scalar, so the copy is one small kernel; it keeps autograd history, so
+    ``enable_graph=True`` works as before.
     """
     if isinstance(value, torch.Tensor):
         return value.clone()

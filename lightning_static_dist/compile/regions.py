@@ -1,19 +1,12 @@
 """Static compilation of a LightningModule: the whole training step, or its blocks one by one, with a per-region
 eager fallback and a report.
 
-What gets compiled (``strategy.compile.regional``). By default (``auto``) the LightningModule's whole
-``training_step`` — forward and loss — is one region, traced as one graph. A graph compiled whole is one autograd
-node, so every gradient would become ready at the very end of backward and no collective could overlap it; at
-world size > 1 the strategy therefore hands :func:`compile_regions` a ``split``: the graph is cut where the gradient
-buckets end (:mod:`~lightning_static_dist.compile.split`), each piece its own autograd node. ``regional: true``
-compiles each repeated block separately instead — one autograd node per block, gradients ready block by block —
-with identical blocks sharing one compiled artefact (dynamo caches on the code object of ``Block.forward`` and
-guards on the module's type, not its identity, so N blocks cost one compilation); ``regional: false`` compiles
-the whole step uncut.
-
-A region's forward is replaced by a wrapper (:class:`_RegionForward`) that runs the compiled function and, when it
-fails to compile, the eager one (``strategy.compile.fallback``). :func:`compile_optimizer_step` compiles the
-optimizer's step, and :func:`drop_short_last_batch` keeps static shapes static.
+``strategy.compile.regional``: ``auto`` compiles the whole ``training_step`` as one region, handed a ``split`` at
+world size > 1 so that the graph is cut where the gradient buckets end (``split.py``); ``true`` compiles each
+repeated block on its own (identical blocks share one artefact); ``false`` the whole step uncut. A region's forward
+is replaced by a wrapper (:class:`_RegionForward`) that falls back to eager when it fails to compile
+(``strategy.compile.fallback``). :func:`compile_optimizer_step` compiles the optimizer's step, and
+:func:`drop_short_last_batch` keeps static shapes static.
 """
 
 from __future__ import annotations

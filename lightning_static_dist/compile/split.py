@@ -1,25 +1,13 @@
 """One compiled graph for the whole training step, cut where the gradient buckets end.
 
-Why cut. A training step compiled as one graph is one autograd node: every gradient becomes ready when its
-backward finishes, so no gradient collective can overlap backward. Compiling the repeated blocks one by one keeps
-the overlap but loses everything around them (the loss over a vocabulary, fusion across blocks) and, when the
-blocks are looped inside a nested ``forward``, leaves that code eager. The middle way is the one dynamo's
-DDPOptimizer takes for DDP: trace the whole step as one graph, walk it backwards (the order backward produces
-gradients), and cut it each time the parameters seen since the last cut fill a bucket. Each piece is compiled on its
-own and is one autograd node, so its parameters' gradients become ready — and their bucket's collective goes out —
-as soon as its backward finishes, while the compiled code inside each piece is the same as the whole graph's.
+A step compiled whole is one autograd node, so no gradient collective could overlap its backward; cut at the buckets,
+each piece readies its parameters' gradients as soon as its own backward ends. The cutting is torch's own splitter,
+``DDPOptimizer``, used as a compiler of graphs with this strategy's bucket sizes; the pieces are reported back
+(:attr:`BucketGraphSplitter.ready_groups`) so that the bucket plan follows them (docs/how-it-works.md: Compilation).
 
-How. The cutting is torch's own splitter (``torch._dynamo.backends.distributed.DDPOptimizer``), used here as a
-compiler of graphs: no DDP wrapper is involved and dynamo's ``optimize_ddp`` switch plays no part. It is driven by
-this strategy's bucket sizes (``strategy.sync.first_bucket_mb`` / ``bucket_mb``), and the pieces it made are
-reported back (:attr:`BucketGraphSplitter.ready_groups`) so that the synchroniser's bucket plan follows them: one
-bucket per piece (:func:`~lightning_static_dist.sync.plan.plan_buckets`). A parameter used in several pieces — a
-tied embedding and output layer — belongs to the *earliest* piece in forward order: its gradient is complete only
-when that piece's backward, the last to run, is done.
-
-Private API: ``DDPOptimizer`` (same constructor and ``compile_fn`` from torch 2.1 to 2.13; tested on 2.11 and 2.13).
-A graph it cannot cut is compiled whole and the compile report says so — its gradients then become ready at the end
-of backward. Retire this module if torch exposes graph splitting at caller-chosen boundaries as a public backend.
+Private API: ``DDPOptimizer`` (same constructor and ``compile_fn`` from torch 2.1 to 2.13). A graph it cannot cut is
+compiled whole and the compile report says so. Retire this module if torch exposes graph splitting at caller-chosen
+boundaries as a public backend.
 """
 
 from __future__ import annotations
