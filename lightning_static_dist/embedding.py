@@ -1,23 +1,10 @@
 """Sharded embeddings: each data-parallel rank keeps 1/N of an embedding's rows; the all-gather is hoisted.
 
-The largest parameter of a language model is usually its token embedding, often tied to the output head. Each rank
-keeps ``ceil(V / N)`` rows of it (the last shard padded), so the weight, its gradient and its optimizer state
-shrink by the world size. Per step:
-
-1. **Gather, early.** The all-gather of the shards is issued asynchronously right after the previous optimizer
-   step (or in the batch-start hook), so it overlaps the end of that step, the data loader and the batch transfer
-   — not inside the first block, where it would stall the whole step.
-2. **Wait, once.** Right before the forward, the strategy waits for it (the only place that waits) and gives every
-   module that uses the weight — the embedding and a tied head — the *same* gathered tensor: one gather, not two.
-3. **Reduce-scatter in backward.** The gathered tensor is the output of :class:`GatherRows`, whose backward
-   reduce-scatters the full gradient (both uses summed by autograd first) to the owner shards and divides by the
-   world size: each rank's shard gradient is exactly DDP's averaged gradient for those rows. The synchroniser
-   leaves the shard alone; compression does not apply to it.
-4. **Free.** After the synchronised backward the full weight is dropped; it existed only between the gather and
-   the end of backward (with gradient accumulation, until the last micro-batch's backward: one gather per step).
-
-Checkpoints hold the full, unsharded weight under its original names (and full-size optimizer state), so they are
-drop-in for plain Lightning, and loading re-shards for whatever world size is running.
+Each rank keeps ``ceil(V / N)`` rows (the last shard padded), so the weight, its gradient and its optimizer state
+shrink by the world size. The gather is issued early and waited for once before the forward, its gradient is
+reduce-scattered and averaged in backward (:class:`GatherRows`: exactly DDP's average for those rows), and the full
+weight is freed after the synchronised backward. Checkpoints hold the full weight under its original names. A step:
+docs/how-it-works.md, "Sharded embeddings".
 """
 
 from __future__ import annotations
@@ -42,9 +29,7 @@ log = logging.getLogger(__name__)
 class EmbeddingConfig:
     """``strategy.embedding``: shard embeddings across data-parallel ranks, with the all-gather hoisted.
 
-    Each rank keeps 1/N of the rows of each sharded embedding (its weight, gradient and optimizer state); the full
-    weight is all-gathered asynchronously before the forward and its gradient reduce-scattered in backward. Tied
-    uses (``head.weight = wte.weight``) share one gather. See :mod:`lightning_static_dist.embedding`.
+    Tied uses (``head.weight = wte.weight``) share one gather.
 
     Example::
 

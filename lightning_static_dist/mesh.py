@@ -1,11 +1,9 @@
-"""The data-parallel ``DeviceMesh``, decided when the job starts — never when a graph is compiled.
+"""The data-parallel ``DeviceMesh``, decided when the job starts, never when a graph is compiled.
 
-The mesh shape comes from ``strategy.mesh`` (``dp_replicate x dp_shard``) and the world that actually started.
-:func:`resolve_mesh_shape` is the pure part (tested without processes) and also runs in the launching process, so
-a shape that does not fit the world fails before any rank starts; :func:`check_topology` is the pure check of
-what every rank reported about itself; :func:`build_dp_mesh` builds the 2-D mesh over the already-initialised
-default process group, with the dimensions named :data:`REPLICATE_DIM` and :data:`SHARD_DIM`. Shard groups are
-neighbouring ranks (row-major layout: ranks ``r*S .. r*S+S-1``), where the fast intra-node links are.
+:func:`resolve_mesh_shape` is pure and also runs in the launching process, so a shape that does not fit the world
+fails before any rank starts; :func:`check_topology` checks what every rank reported about itself;
+:func:`build_dp_mesh` builds the ``(dp_replicate, dp_shard)`` mesh over the default process group. Shard groups are
+neighbouring ranks, where the fast intra-node links are.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """``strategy.embedding``: large ``nn.Embedding`` weights sharded by rows over the ranks; the full weight is
 all-gathered for each step's forward and backward and released after them.
 
-Its part of a step: shard before the optimizer is built (it must hold the shards, not the full weights), prefetch
-(at the batch start or right after the optimizer step), wait for the gather before the forward, release after the
-synchronised backward and again after the optimizer step (the shards changed), and save and load the full weights
-and optimizer state in checkpoints.
+Its part of a step: shard before the optimizer is built (it must hold the shards), prefetch, wait before the
+forward, release after the synchronised backward and after the optimizer step, and full weights in checkpoints.
 
 Example (the strategy builds it in its ``__init__``)::
 
