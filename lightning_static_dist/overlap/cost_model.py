@@ -1,28 +1,21 @@
 """A communication cost model: what one step's collectives cost on a link, and how much of that backward hides.
 
 Ring collectives over ``p`` ranks, with ``α`` the latency of one ring step and ``β`` the bandwidth of one link
-(the α-β model of Thakur, Rabenseifner and Gropp, 2005, which NCCL's and Gloo's ring algorithms follow)::
+(the α-β model of Thakur, Rabenseifner and Gropp, which NCCL's and Gloo's ring algorithms follow)::
 
     all_reduce      (n bytes)           2(p-1)·α + 2(p-1)/p · n/β
     reduce_scatter  (n bytes)            (p-1)·α +  (p-1)/p · n/β
     all_gather      (n bytes per rank)   (p-1)·α +  (p-1)   · n/β
 
-Not modelled: NCCL's tree and NVLS algorithms (faster for small messages and large ``p``: the ring's 2(p-1)·α
-overstates what many small collectives cost at scale), link contention between concurrent collectives, the slowdown
-of compute kernels that share the GPU with communication kernels, and the reducer's own schedule: on NCCL a
-compressor's later phases (PowerSGD's second all-reduce) go out only after backward, here as soon as the first is
-done, and its work between phases counts as encode time before the first — both make multi-phase compressors look
-better than they are on GPUs.
-
-A step is predicted from a compute timeline — when each bucket's gradients are ready, when backward ends, how long
-the step computes — and what each bucket puts on the wire (:func:`bucket_wire`, which runs the compressor's own
-code): the buckets' collectives go out one at a time, in plan order, each as soon as its bucket is ready (and
-encoded) and the previous one is done; what runs past the end of backward is exposed.
+A step is predicted from a compute timeline and what each bucket puts on the wire (:func:`bucket_wire`, which runs
+the compressor's own code): the collectives go out one at a time, in plan order, each once its bucket is ready and
+the previous one is done; what runs past the end of backward is exposed. What it leaves out:
+docs/performance.md, "The cost model".
 
 Example::
 
     link = Link(latency_s=5e-6, bandwidth_Bps=50e9)                         # a 400 Gb/s network
-    link.seconds("all_reduce", 500e6, world=8)                              # 17.6 ms
+    link.seconds("all_reduce", 500e6, world=8)
     step = predict_step([0.010, 0.020], [bucket_wire(None, [torch.Size([1024, 1024])])] * 2,
                         backward_end_s=0.022, compute_s=0.033, link=link, world=8)
 """

@@ -1,17 +1,10 @@
 """``OverlapMonitor``: log how much gradient communication was hidden behind compute, in every Trainer logger.
 
-Every ``every_n_steps`` optimizer steps each rank records its step (compute phases and collectives, see
-:mod:`~lightning_static_dist.overlap.recorder`), computes the metrics of
+Every ``every_n_steps`` optimizer steps each rank records its step (``recorder.py``), computes
 :func:`~lightning_static_dist.overlap.intervals.step_metrics`, and the ranks aggregate them with a torchmetrics
-``Metric`` (mean and max over ranks, synchronised like any metric). The means are logged as
-``static_dist/<name>``, the maxima as ``static_dist/<name>_max``. Every ``timeline_every_n_steps`` steps rank 0
-gathers all ranks' timelines and draws ``<log_dir>/timeline/step_<N>.png`` (added to TensorBoard when present).
-
-Profiler mode (``profiler={"enabled": True, "wait": 1, "warmup": 1, "active": 3}``) runs ``torch.profiler`` over a
-few steps and writes one Chrome trace per rank, ``<log_dir>/profiler/rank<R>.pt.trace.json`` — with the
-``distributedInfo`` rank metadata Holistic Trace Analysis needs (``TraceAnalysis(trace_dir=<log_dir>/profiler)``)
-— then logs the same metrics computed from the traces (:mod:`~lightning_static_dist.overlap.trace`) as
-``static_dist/trace_<name>``, aggregated over ranks like the others.
+``Metric``: the mean as ``static_dist/<name>``, the maximum as ``static_dist/<name>_max``. Profiler mode computes the
+same metrics from one Chrome trace per rank (``trace.py``, with the rank metadata Holistic Trace Analysis needs) and
+logs them as ``static_dist/trace_<name>``.
 """
 
 from __future__ import annotations

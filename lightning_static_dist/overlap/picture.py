@@ -1,18 +1,10 @@
 """A picture of one training step across ranks: where compute ran, where each collective ran, and what waited.
 
-Each rank gets two horizontal lanes, rank 0 at the top:
-
-- ``rank R compute``: one bar per compute phase, coloured forward / backward / optimizer.
-- ``rank R comm``: one bar per collective from ``issued_s`` to ``done_s``, labelled with its bucket and payload
-  (``b3 2.4MiB``). A thin grey line runs from ``ready_s`` to ``issued_s`` when the bucket was ready before its
-  collective was issued, so waiting shows as a line in front of the bar. Collectives that run at the same time
-  (Gloo runs several at once) are stacked in sub-rows of the lane instead of being drawn over each other.
-
-The backward span is also shaded lightly across the comm lane. That shading is the point of the picture: comm bars
-inside it overlap backward; comm bars to its right are exposed. Whole-model compile, which hands gradients over
-only when the compiled backward returns, shows up at a glance as every comm bar sitting right of the shading, often
-behind a long wait line; per-bucket hooks show bars spread across it. The x axis is milliseconds from the step
-start. No metrics are computed here; the interval math lives in its own module.
+Each rank gets two lanes, rank 0 at the top: ``compute`` (one bar per phase, coloured forward / backward / optimizer)
+and ``comm`` (one bar per collective from issue to completion, labelled with its bucket and payload; a thin grey line
+in front of it from when the bucket was ready; concurrent collectives stacked in sub-rows). The backward span is
+shaded across the comm lane: bars inside it overlap backward, bars to its right are exposed. The x axis is
+milliseconds from the step start; the interval math lives in ``intervals.py``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """The step recorder: marks compute phases and collectives as they happen, cheaply, and closes each step into a
 :class:`~lightning_static_dist.overlap.timeline.StepTimeline`.
 
-Clocks. On CPU (Gloo) a mark is ``time.perf_counter()``; a collective's completion time comes from its work
-handle's future, whose callback Gloo runs the moment the operation finishes (on its own thread), so the interval is
-the real one — not the later moment ``finish()`` got round to waiting for it. On CUDA a mark is a CUDA event on the
-current stream, read one recorded step later, when it has long completed (no step waits for the GPU); a collective's
-duration comes from NCCL's own timing (``TORCH_NCCL_ENABLE_TIMING=1``) where available, else its interval ends
-where the compute stream waited for it (an upper bound, said so in the docs).
-
-Who calls what: the strategy marks ``forward`` (training_step), ``backward`` (pre_backward → post_backward, before
-the synchroniser waits) and ``optimizer`` (after the wait → end of the optimizer step); the synchroniser marks each
-bucket ready, issued and waited. When :attr:`StepRecorder.active` is false every call returns at once.
+Clocks. On CPU (Gloo) a mark is ``time.perf_counter()`` and a collective ends when its work handle's future runs its
+callback, so the interval is the real one, not when ``finish()`` got round to waiting. On CUDA a mark is a CUDA event
+read one recorded step later (no step waits for the GPU); a collective's duration comes from NCCL's own timing
+(``TORCH_NCCL_ENABLE_TIMING=1``) where available, else it ends where the compute stream waited for it (an upper
+bound). The participants mark ``forward``, ``backward`` and ``optimizer``; the synchroniser marks each bucket ready,
+issued and waited. When :attr:`StepRecorder.active` is false every call returns at once.
 """
 
 from __future__ import annotations
