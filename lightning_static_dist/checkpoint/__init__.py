@@ -6,15 +6,8 @@ size or mesh can resume from, and their consolidation into a plain Lightning che
 - :mod:`~lightning_static_dist.checkpoint.files`: a file or directory put in place atomically, and leftovers;
 - :mod:`~lightning_static_dist.checkpoint.agreement`: every rank fails a save or a resume alike, with one line.
 
-The directory is written as ``<path>.tmp`` and renamed when every rank has finished, so a failure mid-save leaves
-the previous checkpoint as it was; a full checkpoint's file (:func:`save_full`) the same way. The ranks agree on the
-outcome of every save and every resume (:func:`agree_on`): where one rank's part fails (a full disk, a damaged file),
-every rank raises the same one-line :class:`CheckpointError` naming the file, instead of one rank raising and the
-others waiting for it in the next collective. Checkpoints are read as untrusted input: ``lightning_meta.pt`` with
-``weights_only`` as the caller asks (torch's default: ``True``), DCP's ``.metadata`` through an allow-list of the
-classes it holds (:class:`MetadataUnpickler`). :func:`consolidate` (``lsd-consolidate DIR OUT.ckpt``) turns a
-directory into the file an unsharded run would have written; the strategy does this for the last checkpoint at the
-end of ``fit``.
+A save is written beside its target and renamed into place, the ranks agree on the outcome of every save and resume,
+and checkpoints are read as untrusted input (docs/reliability.md: How).
 """
 
 from __future__ import annotations
