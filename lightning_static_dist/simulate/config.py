@@ -18,17 +18,9 @@ from lightning_static_dist.config.check import check_fields, fail, section_from_
 @dataclass
 class LinkConfig:
     """``strategy.simulate.link``: an emulated link (CUDA only). Each collective holds ``sms`` SMs on a stream of its
-    own for as long as an N-rank ring takes: an all-reduce moves 2(N-1)/N * bytes and waits 2(N-1) latencies, an
-    all-gather or reduce-scatter half of both, a broadcast bytes and one latency. The compute stream waits for it
-    where it would wait for NCCL's work.
-
-    Two regimes (``idle_gbps``): a collective moves its bytes at ``gbps`` while compute runs beside it and at
-    ``idle_gbps`` while the GPU is otherwise idle, i.e. while the compute stream is blocked on a collective — both
-    measured on the same collective: NCCL on an idle GPU runs at full speed, beside GEMMs it does not. The regime is
-    read while the collective runs, so one that starts beside backward finishes faster once backward ends.
-    Per-SM bandwidth (``sm_gbps``): holding ``s`` SMs instead of ``sms`` scales both regimes by
-    ``min(idle, s * sm_gbps) / min(idle, sms * sm_gbps)``, so fewer SMs make a slower link (NCCL's CTAs each move a
-    bounded share). The model, its calibration and its error on the real points: ``docs/simulated-link.md``.
+    own for as long as an N-rank ring takes, at ``gbps`` beside compute and ``idle_gbps`` while the compute stream is
+    blocked on a collective (NCCL on an idle GPU runs at full speed, beside GEMMs it does not); ``sm_gbps`` makes
+    fewer SMs a slower link. The model, its calibration and its error: docs/simulated-link.md.
 
     Example::
 
@@ -91,11 +83,8 @@ class LinkConfig:
 class SimulateConfig:
     """``strategy.simulate``: a dry run of a multi-GPU configuration on one device, and the one-GPU measurement of the
     world-size-N path. One process, started with ``Trainer(devices=1)``, is rank 0 of ``world_size`` ranks that all
-    hold the same values: every collective returns what that many identical ranks would produce (a registered
-    process-group backend, :mod:`~lightning_static_dist.simulate.group`), so the bucket plan, the compile cut, the
-    hooks, the round checks, sharding and compression all run as they do at that world size. No data crosses a link.
-    Where ranks would hold different values (the shards of ``reduce_scatter`` or of sharded embeddings), every rank is
-    taken to hold rank 0's: the run's speed, memory, plan and errors are the world's, its losses are not.
+    hold the same values (``group.py``), so everything runs as at that world size; the run's speed, memory, plan and
+    errors are the world's, its losses are not (docs/how-it-works.md: Simulated world).
 
     Example::
 

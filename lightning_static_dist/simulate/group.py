@@ -18,14 +18,10 @@ gather, scatter                        copies of this rank's input; this rank's 
 Averages are native (``ReduceOp.AVG``), as on NCCL, so the package takes the same path it takes there and no
 division pass is added that NCCL would not make.
 
-Free links (``link=None``): a collective costs nothing but the arithmetic above, done on the caller's stream, and
-completes at once. An emulated link (:mod:`~lightning_static_dist.simulate.link`): the collective runs on the
-group's own CUDA stream, ordered after the caller's work as NCCL's is, holds the link's SMs for the ring time, then
-does its arithmetic; ``wait()`` makes the caller's stream wait for it, and its future completes on that stream
-(DDP's reducer waits on ``get_future()``), so neither our synchroniser nor DDP's reducer can hide it by accident.
-A link with two regimes also needs to know when the compute stream is blocked on a collective: ``wait()`` raises
-the link's idle counter around the stream's wait; a collective whose future is taken during a backward (DDP's
-reducer, which waits on it once that backward ends) raises it when the backward ends, until the link drains.
+Free links (``link=None``): a collective costs nothing but the arithmetic above, on the caller's stream. An emulated
+link runs it on the group's own stream after holding the link's SMs for the ring time; ``wait()`` and the work's
+future both make the caller's stream wait, so neither our synchroniser nor DDP's reducer can hide it by accident
+(docs/simulated-link.md: The model).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """An emulated link on one GPU: a kernel that holds SMs for as long as a collective would take.
 
-NCCL's collectives run as kernels of a few CTAs, each on an SM of its own for the whole collective; while they run,
-a GEMM sized for every SM finds some of them taken and spills into a second wave. To show that cost on one GPU,
-:func:`hold_sms` launches ``sms`` blocks on the given stream, each asking for all the shared memory one block may
-have (so that no other kernel's block that needs shared memory, a GEMM's, fits beside it on that SM), and each
-spinning on the GPU's global timer for as long as the collective would take since it started. A block that finds no
-free SM starts late and ends late, as a contended collective does.
-
-Two regimes (``LinkConfig.idle_gbps``): the kernel spends the ring's latency first, then moves its bytes at one of
-two rates, reading before each step of its loop a counter in device memory — how many collectives the compute
-stream is blocked on right now (:class:`IdleFlag`). While it is zero, compute runs beside the collective: the
-busy rate; while it is not, the GPU is otherwise idle: the idle rate.
-
-The kernel is compiled once per process with CuPy's ``RawKernel`` (CuPy must be installed: link emulation is a
-measuring tool, not a dependency of training); :func:`ring_traffic` is what the kernel is told to move, and after
-which latency.
+:func:`hold_sms` launches ``sms`` blocks on the given stream, each asking for all the shared memory a block may have
+(so that a GEMM's block cannot fit beside it, as beside NCCL's CTAs), each spinning on the GPU's timer for the ring's
+latency and then moving its bytes at the busy or the idle rate, read from a device counter (:class:`IdleFlag`). The
+kernel is compiled once per process with CuPy's ``RawKernel`` (CuPy is needed only for link emulation, a measuring
+tool); :func:`ring_traffic` is what it is told to move. The model: docs/simulated-link.md.
 """
 
 from __future__ import annotations
