@@ -52,12 +52,10 @@ class PeerWatch(StepParticipant):
 
 
 class CollectiveTimeout(StepParticipant):
-    """``strategy.timeout_s`` from the first optimizer step on. The process group starts with a longer timeout
-    (``step_plan.py``'s ``start_up_timeout``): a rank waits for another while they start, set up and
-    compile far longer than a collective of a running job should; a value that fits a running job (seconds) would
-    end the job before its first step. The default group and the host group are set once (they live for the job);
-    the groups a fit opens for itself (``groups``: ``sync.schedule: auto``'s SM budgets, opened with the start-up
-    timeout) after that fit's first optimizer step."""
+    """``strategy.timeout_s`` from the first optimizer step on: the groups start with a longer timeout
+    (``step_plan.py``'s ``start_up_timeout``), since ranks wait for each other far longer while they start and
+    compile than a running job's collective should. The default and host groups are set once; the groups a fit opens
+    for itself (``groups``: ``sync.schedule: auto``'s SM budgets) after that fit's first optimizer step."""
 
     def __init__(self, view: StrategyView, groups: Optional[Callable[[], Iterable[dist.ProcessGroup]]] = None) -> None:
         self._view = view
