@@ -1,19 +1,12 @@
 """The critical point of a compressor: how far its aggressiveness can go before training falls behind exact.
 
-Pure bookkeeping over loss curves, no processes and no clocks (``benchmarks/critical_point.py`` runs the sweep
-that feeds it). A *curve* is one loss per optimizer step, from step 0; the *reference* is the exact fp32 run's
-curve, trained from the same seed on the same batches, so the two differ only by what compression changed.
-
-Both curves are smoothed with the same trailing mean before they are compared: the batch-to-batch noise is
-largely shared (same batches), but a single step's loss still jitters by more than 3 %. A run *falls behind by
-t* at the first step (at or after compression starts) where its smoothed loss exceeds (1 + t) x the reference's;
-it *diverges* at the first step whose loss is not finite or whose smoothed loss exceeds ``diverge_factor`` x the
-reference's first loss (a model worse than untrained). The *final loss ratio* compares the means of the last
-``tail`` fraction of steps.
-
-A family's settings are ordered from mildest (level 0) to most aggressive. Its critical point is the most
-aggressive setting reached *walking up from the mildest* while every setting stays within ``tolerance``: a noisy
-lucky pass above a failing setting does not count, since a user choosing it would be relying on that luck.
+Pure bookkeeping over loss curves (``benchmarks/critical_point.py`` runs the sweep that feeds it). A *curve* is one
+loss per optimizer step; the *reference* is the exact fp32 run's, from the same seed on the same batches. Both are
+smoothed with the same trailing mean (a single step's loss jitters by more than the tolerances). A run *falls behind
+by t* at the first step, from compression's start, where its smoothed loss exceeds (1 + t) x the reference's; it
+*diverges* at the first step whose loss is not finite or whose smoothed loss exceeds ``diverge_factor`` x the
+reference's first loss. A family's critical point is its most aggressive setting reached walking up from the mildest
+while every setting stays within ``tolerance``: a lucky pass above a failing setting does not count.
 
 Example::
 
