@@ -1,14 +1,10 @@
 """What static compilation did, on this rank, and every reading of dynamo's internal logs.
 
-What is recorded (:class:`CompileReport`): every graph the backend compiled (node count, structural hash), graph
-breaks with reason and user location, recompiles with the guard that failed, device transfers found inside graphs
-(placement belongs to the strategy, not the graph; a library's own, e.g. torchmetrics', are one line for all: they are
-not the user's to move), seconds spent compiling, and regions that fell back to eager.
-Graph breaks and recompiles are read from dynamo's own artifact loggers (``graph_breaks``, ``recompiles``), which
-this module enables quietly — they print nothing unless the user asked for them with ``TORCH_LOGS``. The helpers
-that read a traced graph (:func:`_structure`, :func:`_device_transfers`) and the frame dynamo is compiling
-(:func:`_compiling_code`) live here too, so that every touchpoint with dynamo's internals for reporting is in one
-file; the recording backend (:mod:`~lightning_static_dist.compile.backends`) calls them.
+:class:`CompileReport` records every graph compiled (node count, structural hash), graph breaks with reason and user
+location, recompiles with the guard that failed, device transfers found inside graphs, seconds spent compiling, and
+regions that fell back to eager. Breaks and recompiles are read from dynamo's own artifact loggers, enabled quietly
+(they print nothing unless ``TORCH_LOGS`` asks). Every touchpoint with dynamo's internals for reporting is in this
+file; the recording backend (``backends.py``) calls them.
 """
 
 from __future__ import annotations
