@@ -1,13 +1,9 @@
 """The gradient synchroniser: post-accumulate-grad hooks fill flat buckets; a full bucket launches its collective.
 
-A *round* is one backward pass and :meth:`GradientSynchronizer.finish`, which the pass's first hook queues on the
-autograd engine. Buckets launch strictly in plan order (:mod:`~lightning_static_dist.sync.round`): every rank issues
-the same collectives whatever order its hooks fire in. Each ``param.grad`` is a view of its bucket slot (one copy of
-the gradients, reused by the next round). A parameter no rank used keeps ``grad = None``; one used later joins a plan
-rebuilt alike on every rank (:mod:`~lightning_static_dist.sync.adoption`). A small integer all-reduce per round checks
-the ranks are at the same backward pass, read two rounds later (:mod:`~lightning_static_dist.sync.round_check`), so
-nothing in a round waits on the host. Where a pass stands: :class:`~lightning_static_dist.sync.round_state.RoundState`.
-Why each of these: ``docs/synchroniser.md``. Assumes ``requires_grad`` of each parameter is the same on every rank.
+A *round* is one backward pass and :meth:`GradientSynchronizer.finish`, queued by the pass's first hook. Buckets
+launch strictly in plan order, so every rank issues the same collectives whatever order its hooks fire in; nothing in
+a round waits on the host. Assumes ``requires_grad`` of each parameter is the same on every rank. How a round works,
+and why: docs/synchroniser.md.
 """
 
 from __future__ import annotations
