@@ -1,16 +1,8 @@
-"""Static compilation of a LightningModule inside the strategy, one concern per module.
-
-- :mod:`~lightning_static_dist.compile.regions`: what gets compiled — the whole ``training_step`` or its repeated
-  blocks — the region wrappers with their eager fallback, the optimizer step, and the static-shape dataloader edit.
-- :mod:`~lightning_static_dist.compile.split`: the whole-step graph cut where the gradient buckets end.
-- :mod:`~lightning_static_dist.compile.backends`: the recording backend every region compiles with, and the
-  ``inductor_distributed`` dynamo backend.
-- :mod:`~lightning_static_dist.compile.report`: what compilation did (:class:`CompileReport`) and every reading of
-  dynamo's internal logs.
-- :mod:`~lightning_static_dist.compile.log_calls`: ``self.log`` / ``self.log_dict`` in a compiled ``training_step``,
-  recorded in the graph and made after it.
-
-Imports flow one way: ``regions`` → ``backends`` → ``report``, and ``regions`` → ``split``, ``log_calls``.
+"""Static compilation of a LightningModule inside the strategy, one concern per module: ``regions`` (what gets
+compiled, the eager fallback, the optimizer step, static shapes), ``split`` (the step cut at the buckets),
+``backends`` (the recording backend, ``inductor_distributed``), ``report`` (what compilation did), ``log_calls``
+(``self.log`` in a compiled step), ``cudagraphs`` (whether the step replays as CUDA graphs). Imports flow one way:
+``regions`` → ``backends`` → ``report``, and ``regions`` → ``split``, ``log_calls``.
 """
 
 from lightning_static_dist.compile.backends import (

@@ -1,8 +1,5 @@
 """``strategy.compile``: the options of static compilation, beside the code they steer.
 
-Validated in ``__post_init__`` by the package's one checker (``config/check.py``): a one-line ``ConfigError`` naming
-the full key.
-
 Example::
 
     CompileConfig(enabled=True, backend="aot_eager")

@@ -1,8 +1,5 @@
 """``strategy.compression``: the options of gradient compression, beside the compressors they choose.
 
-Validated in ``__post_init__`` by the package's one checker (``config/check.py``): a one-line ``ConfigError`` naming
-the full key.
-
 Example::
 
     CompressionConfig(name="powersgd", rank=4, start_step=100)

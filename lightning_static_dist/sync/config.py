@@ -1,8 +1,5 @@
 """``strategy.sync``: the options of gradient synchronisation, beside the synchronisers they steer.
 
-Validated in ``__post_init__`` by the package's one checker (``config/check.py``): a one-line ``ConfigError`` naming
-the full key.
-
 Example::
 
     SyncConfig(bucket_mb=10, first_bucket_mb=0.5)
