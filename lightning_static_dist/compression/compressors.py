@@ -40,10 +40,9 @@ def _takes_matrix(shape: torch.Size, min_numel: int) -> bool:
 
 
 class LowPrecisionCompressor(PerParameterState):
-    """fp16 or bf16 all-reduce: every gradient divided by the world size, cast, summed, cast back.
-
-    Dividing *before* the cast keeps the sum of a large world inside fp16's range. Takes every gradient (1-D
-    ones too: halving them costs no accuracy worth keeping fp32 for); only the usage flags stay fp32.
+    """fp16 or bf16 all-reduce: every gradient divided by the world size (before the cast: see ``base.averaged``),
+    cast, summed, cast back. Takes every gradient (1-D ones too: halving them costs no accuracy worth keeping fp32
+    for); only the usage flags stay fp32.
 
     Example::
 

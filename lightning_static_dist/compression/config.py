@@ -21,8 +21,8 @@ COMPRESSORS = ("none", "fp16", "bf16", "powersgd", "qsgd", "topk", "auto")
 class CompressionConfig:
     """``strategy.compression``: gradient compression applied to each bucket's collective (``sync.mode: hooks``).
 
-    Gradients the compressor does not take — 1-D tensors and tensors under ``min_numel`` elements (fp16/bf16 take
-    every gradient) — travel exact in fp32. Options that a compressor has no use for are ignored by it.
+    Gradients the compressor does not take travel exact in fp32 (``compressors.py``); options a compressor has no use
+    for are ignored by it.
 
     Example::
 
