@@ -249,6 +249,7 @@ def _fit_on_this_rank(rank: int, world: int, make_model: Callable[[], L.Lightnin
                       options: dict[str, Any], report_dir: Any, seed: int, ckpt_path: Any,
                       trainer_kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
     os.environ["LOCAL_RANK"] = str(rank)  # the process group exists: Lightning joins it instead of launching
+    torch._dynamo.reset()  # (compiled as in a fresh process: nothing cached by an earlier fit on these ranks)
     built = DDPStrategy(**options) if strategy == "ddp" else StaticDistStrategy(**options)
     callbacks = [RankReport(str(report_dir))] if report_dir is not None else []
     callbacks += trainer_kwargs.pop("callbacks", [])
