@@ -6,22 +6,30 @@ what it refuses by name (a parameter frozen during fit, an optimizer that is not
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 import lightning as L
-from _dist import reference_ddp
-from _mesh_fit import STEPS, assert_same, fit, static, tiny_gpt
+from _dist import RankPool
+from _mesh_fit import STEPS, assert_same, fit, fit_in, static, tiny_gpt
 from lightning_static_dist import OverlapMonitor
 from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
 
 
 @pytest.fixture(scope="module")
-def ddp4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+def ranks4() -> Iterator[RankPool]:
+    """4 Gloo ranks for the mesh cases' fits (ddp's, reduce_scatter's, all_reduce's): one start-up for them all."""
+    with RankPool(4) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def ddp4(ranks4: RankPool, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """Lightning's own DDP on 4 ranks: the reference every mesh must reproduce."""
-    weights, _ = fit(str(tmp_path_factory.mktemp("ddp4")), 4, reference_ddp())
+    weights, _ = fit_in(ranks4, str(tmp_path_factory.mktemp("ddp4")), None)
     return weights
 
 
@@ -30,11 +38,11 @@ def ddp4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(("replicate", "shard"), [(2, 2), pytest.param(1, 4, marks=pytest.mark.slow),
                                                   pytest.param(4, 1, marks=pytest.mark.slow)], ids=["2x2", "1x4", "4x1"])
 def test_meshes_train_to_ddp_weights_with_state_split_by_dp_shard(
-    tmp_path: Any, ddp4: dict[str, torch.Tensor], replicate: int, shard: int
+    ranks4: RankPool, tmp_path: Any, ddp4: dict[str, torch.Tensor], replicate: int, shard: int
 ) -> None:
-    weights, records = fit(str(tmp_path), 4, static(replicate, shard, reduce="reduce_scatter"))
+    weights, records = fit_in(ranks4, str(tmp_path), (replicate, shard, "reduce_scatter"))
     assert_same(weights, ddp4)
-    _, reference = fit(str(tmp_path / "all_reduce"), 4, static(replicate, shard, reduce="all_reduce"))
+    _, reference = fit_in(ranks4, str(tmp_path / "all_reduce"), (replicate, shard, "all_reduce"))
     full_state = reference[0]["state_bytes"]
     assert full_state == 2 * reference[0]["param_bytes"]  # AdamW: exp_avg + exp_avg_sq, unsharded
     for record in records:
