@@ -108,19 +108,21 @@ def _train(tmp: str, devices: int, strategy: Any, steps: int = STEPS, ckpt_path:
 
 
 def _train_on_this_rank(rank: int, world: int, tmp: str, mesh: Optional[tuple[int, int, str]],
-                        fit_kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+                        strategy_kwargs: dict[str, Any], fit_kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
     os.environ["LOCAL_RANK"] = str(rank)  # the process group exists: Lightning joins it instead of launching
     torch._dynamo.reset()  # (compiled as in a fresh process: nothing cached by an earlier fit on these ranks)
-    strategy = DDPStrategy() if mesh is None else static(*mesh, start_method="popen")
+    strategy = DDPStrategy() if mesh is None else static(*mesh, start_method="popen", **strategy_kwargs)
     return _train(tmp, world, strategy, **fit_kwargs)
 
 
-def fit_in(ranks: RankPool, tmp: str, mesh: Optional[tuple[int, int, str]], **fit_kwargs: Any
+def fit_in(ranks: RankPool, tmp: str, mesh: Optional[tuple[int, int, str]],
+           strategy_kwargs: Optional[dict[str, Any]] = None, **fit_kwargs: Any
            ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """:func:`fit` on ranks that already exist (a module's :class:`RankPool`, its size the device count): the
     Trainer joins their Gloo group instead of starting processes, so several runs share one start-up. ``mesh`` is
-    ``(replicate, shard, reduce)`` for :func:`static`, or None for Lightning's own ``DDPStrategy``."""
-    weights = ranks.run(_train_on_this_rank, args=(tmp, mesh, fit_kwargs), timeout=300)[0]
+    ``(replicate, shard, reduce)`` for :func:`static` (with ``strategy_kwargs``), or None for Lightning's own
+    ``DDPStrategy``."""
+    weights = ranks.run(_train_on_this_rank, args=(tmp, mesh, strategy_kwargs or {}, fit_kwargs), timeout=300)[0]
     return weights, _records(tmp, ranks.world_size)
 
 

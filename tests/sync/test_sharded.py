@@ -14,7 +14,7 @@ import torch
 
 import lightning as L
 from _dist import RankPool
-from _mesh_fit import STEPS, assert_same, fit, fit_in, static, tiny_gpt
+from _mesh_fit import STEPS, assert_same, fit_in, static, tiny_gpt
 from lightning_static_dist import OverlapMonitor
 from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
 
@@ -23,6 +23,13 @@ from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
 def ranks4() -> Iterator[RankPool]:
     """4 Gloo ranks for the mesh cases' fits (ddp's, reduce_scatter's, all_reduce's): one start-up for them all."""
     with RankPool(4) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def ranks2() -> Iterator[RankPool]:
+    """2 Gloo ranks for the compiled and the accumulation cases' fits: one start-up for the five."""
+    with RankPool(2) as pool:
         yield pool
 
 
@@ -54,13 +61,15 @@ def test_meshes_train_to_ddp_weights_with_state_split_by_dp_shard(
 
 
 @pytest.mark.multiprocess
-def test_compiled_blocks_wait_for_their_own_gathers_and_the_model_is_whole_after_fit(tmp_path: Any) -> None:
+def test_compiled_blocks_wait_for_their_own_gathers_and_the_model_is_whole_after_fit(ranks2: RankPool,
+                                                                                      tmp_path: Any) -> None:
     compiled = {"enabled": True, "backend": "aot_eager", "regional": True}
-    weights, records = fit(str(tmp_path / "rs"), 2, static(1, 2, compile=compiled))
-    reference, _ = fit(str(tmp_path / "ar"), 2, static(2, 1, reduce="all_reduce"))
+    weights, records = fit_in(ranks2, str(tmp_path / "rs"), (1, 2, "auto"), {"compile": compiled})
+    reference, _ = fit_in(ranks2, str(tmp_path / "ar"), (2, 1, "all_reduce"))
     assert_same(weights, reference)
     # the default compile (the whole step cut at the buckets) waits for every gather at the start of the step
-    cut, _ = fit(str(tmp_path / "rs_cut"), 2, static(1, 2, compile={"enabled": True, "backend": "aot_eager"}))
+    cut, _ = fit_in(ranks2, str(tmp_path / "rs_cut"), (1, 2, "auto"),
+                    {"compile": {"enabled": True, "backend": "aot_eager"}})
     assert_same(cut, reference)
     for record in records:
         assert record["recompiles"] == 0  # parameters that are views of a bucket buffer: no recompile
@@ -82,13 +91,13 @@ class _ValLoss(L.Callback):
 
 
 @pytest.mark.multiprocess
-def test_accumulation_validation_and_the_monitor_work_with_reduce_scatter(tmp_path: Any) -> None:
+def test_accumulation_validation_and_the_monitor_work_with_reduce_scatter(ranks2: RankPool, tmp_path: Any) -> None:
     runs = {}
-    for name, strategy in (("rs", static(1, 2)), ("ar", static(2, 1, reduce="all_reduce"))):
+    for name, mesh in (("rs", (1, 2, "auto")), ("ar", (2, 1, "all_reduce"))):
         tmp = str(tmp_path / name)
         os.makedirs(tmp)
-        weights, records = fit(tmp, 2, strategy, steps=6, accumulate_grad_batches=2, limit_val_batches=2,
-                               val_check_interval=4, extra_callbacks=(_ValLoss(tmp), OverlapMonitor()))
+        weights, records = fit_in(ranks2, tmp, mesh, steps=6, accumulate_grad_batches=2, limit_val_batches=2,
+                                  val_check_interval=4, extra_callbacks=(_ValLoss(tmp), OverlapMonitor()))
         runs[name] = (weights, torch.load(os.path.join(tmp, "val_rank0.pt")), records)
     assert runs["rs"][2][0]["sharded"]
     assert_same(runs["rs"][0], runs["ar"][0])
