@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import lightning as L
-from _dist import RankPool, run_ranks
+from _dist import RankPool
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_static_dist.compression import (
     CompressingReducer,
@@ -280,7 +280,7 @@ def _fit_twice_in_one_process(rank: int, world: int, tmp: str) -> tuple[int, int
     from lightning_static_dist.examples.charlm import CharDataModule
     from lightning_static_dist import StaticDistStrategy
 
-    os.environ["LOCAL_RANK"] = str(rank)  # the process group exists: Lightning joins it instead of launching
+    _joined(rank)
     L.seed_everything(0)
     strategy = StaticDistStrategy(compression={"name": "topk", "density": 0.25, "min_numel": 256},
                                   sync={"first_bucket_mb": 0.05, "bucket_mb": 0.2})
@@ -298,10 +298,11 @@ def _fit_twice_in_one_process(rank: int, world: int, tmp: str) -> tuple[int, int
     return saved, torch.load(os.path.join(tmp, f"rank{rank}_start.pt"), weights_only=True)["rounds"]
 
 
-def test_a_second_fit_of_the_same_strategy_resumes_the_checkpoint_s_compressor_state(tmp_path: Any) -> None:
+def test_a_second_fit_of_the_same_strategy_resumes_the_checkpoint_s_compressor_state(ranks: RankPool,
+                                                                                     tmp_path: Any) -> None:
     # Lightning restores a checkpoint before the strategy's setup: the state must reach the second fit's new
     # reducer, not the first fit's (which it used to, leaving the new one at zero rounds)
-    for saved, resumed in run_ranks(_fit_twice_in_one_process, 2, args=(str(tmp_path),), timeout=300):
+    for saved, resumed in ranks.run(_fit_twice_in_one_process, args=(str(tmp_path),), timeout=300):
         assert saved == 4 and resumed == 4, (saved, resumed)
 
 
