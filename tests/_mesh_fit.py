@@ -2,7 +2,8 @@
 left behind (optimizer-state bytes, kept gradients, param groups, gathers in flight, the model after fit).
 
 Shared by test_sharded.py, test_checkpoint.py and test_mesh.py: ``static`` builds the strategy with small buckets,
-``fit`` trains and returns rank 0's weights with every rank's record, ``assert_same`` compares two runs' weights.
+``fit`` trains and returns rank 0's weights with every rank's record (``fit_in`` the same on the ranks of a
+``RankPool``), ``assert_same`` compares two runs' weights.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from _dist import RankPool
 from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
 
@@ -74,6 +77,18 @@ class _Record(L.Callback):
 def fit(tmp: str, devices: int, strategy: Any, steps: int = STEPS, ckpt_path: Optional[str] = None,
         save_at: Optional[int] = None, after: Any = None, extra_callbacks: tuple = (),
         weights_only: Optional[bool] = None, **trainer_kwargs: Any) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    weights = _train(tmp, devices, strategy, steps, ckpt_path, save_at, after, extra_callbacks, weights_only,
+                     **trainer_kwargs)
+    return weights, _records(tmp, devices)
+
+
+def _records(tmp: str, devices: int) -> list[dict[str, Any]]:
+    return [torch.load(os.path.join(tmp, f"record_rank{r}.pt")) for r in range(devices)]
+
+
+def _train(tmp: str, devices: int, strategy: Any, steps: int = STEPS, ckpt_path: Optional[str] = None,
+           save_at: Optional[int] = None, after: Any = None, extra_callbacks: tuple = (),
+           weights_only: Optional[bool] = None, **trainer_kwargs: Any) -> dict[str, torch.Tensor]:
     os.makedirs(tmp, exist_ok=True)
     L.seed_everything(0)
     model = tiny_gpt()
@@ -89,13 +104,32 @@ def fit(tmp: str, devices: int, strategy: Any, steps: int = STEPS, ckpt_path: Op
                 weights_only=weights_only)
     if after is not None:
         after(model, trainer)
-    records = [torch.load(os.path.join(tmp, f"record_rank{r}.pt")) for r in range(devices)]
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, records
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def static(replicate: int, shard: int, reduce: str = "auto", **kwargs: Any) -> StaticDistStrategy:
+def _train_on_this_rank(rank: int, world: int, tmp: str, mesh: Optional[tuple[int, int, str]],
+                        strategy_kwargs: dict[str, Any], fit_kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    os.environ["LOCAL_RANK"] = str(rank)  # the process group exists: Lightning joins it instead of launching
+    torch._dynamo.reset()  # (compiled as in a fresh process: nothing cached by an earlier fit on these ranks)
+    strategy = DDPStrategy() if mesh is None else static(*mesh, start_method="popen", **strategy_kwargs)
+    return _train(tmp, world, strategy, **fit_kwargs)
+
+
+def fit_in(ranks: RankPool, tmp: str, mesh: Optional[tuple[int, int, str]],
+           strategy_kwargs: Optional[dict[str, Any]] = None, **fit_kwargs: Any
+           ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """:func:`fit` on ranks that already exist (a module's :class:`RankPool`, its size the device count): the
+    Trainer joins their Gloo group instead of starting processes, so several runs share one start-up. ``mesh`` is
+    ``(replicate, shard, reduce)`` for :func:`static` (with ``strategy_kwargs``), or None for Lightning's own
+    ``DDPStrategy``."""
+    weights = ranks.run(_train_on_this_rank, args=(tmp, mesh, strategy_kwargs or {}, fit_kwargs), timeout=300)[0]
+    return weights, _records(tmp, ranks.world_size)
+
+
+def static(replicate: int, shard: int, reduce: str = "auto", start_method: str = "spawn",
+           **kwargs: Any) -> StaticDistStrategy:
     # small buckets: several per model, so pieces, padding and group boundaries fall inside buckets
-    return StaticDistStrategy(start_method="spawn", mesh={"dp_replicate": replicate, "dp_shard": shard},
+    return StaticDistStrategy(start_method=start_method, mesh={"dp_replicate": replicate, "dp_shard": shard},
                               sync={"reduce": reduce, "first_bucket_mb": 0.01, "bucket_mb": 0.03}, **kwargs)
 
 

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from _mesh_fit import assert_same, fit, static, tiny_gpt
+from _dist import RankPool
+from _mesh_fit import assert_same, fit, fit_in, static, tiny_gpt
 from lightning_static_dist.checkpoint import consolidate, is_sharded_checkpoint, parse_key, stored_tensors
 
 
@@ -29,8 +30,9 @@ def test_sharded_checkpoint_two_ranks_resumes_on_four(tmp_path: Any) -> None:
     # nothing was gathered: some parameter's state is split between the two ranks' pieces
     assert any(len(spans) > 1 for spans in ranges.values())
     # resumed on 4 ranks, 2 x 2 (each reads the ranges its pieces overlap) == 4 ranks all_reduce (reads them all)
-    resharded, records = fit(str(tmp_path / "to4"), 4, static(2, 2), ckpt_path=ckpt)
-    plain, _ = fit(str(tmp_path / "to4_plain"), 4, static(4, 1, reduce="all_reduce"), ckpt_path=ckpt)
+    with RankPool(4) as ranks:  # (both resumed fits on the same 4 ranks: one start-up)
+        resharded, records = fit_in(ranks, str(tmp_path / "to4"), (2, 2, "auto"), ckpt_path=ckpt)
+        plain, _ = fit_in(ranks, str(tmp_path / "to4_plain"), (4, 1, "all_reduce"), ckpt_path=ckpt)
     assert records[0]["sharded"]
     assert_same(resharded, plain)
     # consolidated on request: the file an unsharded run writes, which a plain optimizer loads

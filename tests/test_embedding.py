@@ -1,11 +1,12 @@
 """Sharded embeddings on 2 real Gloo ranks: training equals unsharded training (tied and untied, with gradient
 accumulation, compiled), 1/N of the embedding's memory per rank, checkpoints that plain Lightning loads, resuming
-on another world size, and the no-embedding warning."""
+on another world size, and the no-embedding warning. The 2-rank fits share one module-scoped pair of ranks."""
 
 from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 import lightning as L
+from _dist import RankPool
 from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_static_dist import StaticDistStrategy
@@ -54,18 +56,39 @@ class _Memory(L.Callback):
         torch.save(record, os.path.join(self.directory, f"memory_rank{trainer.global_rank}.pt"))
 
 
-def fit(tmp: str, shard: Any, tied: bool = True, steps: int = 10, accumulate: int = 1, compile_cfg: Any = None,
-        devices: int = 2, ckpt_path: Any = None, checkpoint: bool = False) -> dict[str, torch.Tensor]:
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[RankPool]:
+    """The 2 Gloo ranks every 2-rank fit of the module runs on (sharded and not): one start-up for them all."""
+    with RankPool(2) as pool:
+        yield pool
+
+
+def fit(ranks: RankPool, tmp: str, shard: Any, tied: bool = True, steps: int = 10, accumulate: int = 1,
+        compile_cfg: Any = None, devices: int = 2, ckpt_path: Any = None,
+        checkpoint: bool = False) -> dict[str, torch.Tensor]:
+    """Rank 0's weights after fitting the tiny GPT: on ``ranks`` (the Trainer joins their group) with 2 devices, in
+    the test process with 1."""
+    args = (tmp, shard, tied, steps, accumulate, compile_cfg, ckpt_path, checkpoint)
+    if devices == 1:
+        return _train(0, 1, *args)
+    return ranks.run(_train, args=args, timeout=300)[0]
+
+
+def _train(rank: int, world: int, tmp: str, shard: Any, tied: bool, steps: int, accumulate: int, compile_cfg: Any,
+           ckpt_path: Any, checkpoint: bool) -> dict[str, torch.Tensor]:
     os.makedirs(tmp, exist_ok=True)
+    if world > 1:
+        os.environ["LOCAL_RANK"] = str(rank)  # the process group exists: Lightning joins it instead of launching
+        torch._dynamo.reset()  # (compiled as in a fresh process: nothing cached by an earlier fit on these ranks)
     L.seed_everything(0)
     model = tiny_gpt(tied)
-    strategy = StaticDistStrategy(start_method="spawn", embedding={"shard": shard}, compile=compile_cfg,
+    strategy = StaticDistStrategy(embedding={"shard": shard}, compile=compile_cfg,
                                   sync={"first_bucket_mb": 0.02, "bucket_mb": 0.05})
     callbacks: list[Any] = [_Memory(tmp)]
     if checkpoint:  # every 2 steps: training goes on after a save (the live optimizer state must stay sharded)
         callbacks.append(ModelCheckpoint(dirpath=tmp, filename="last", every_n_train_steps=2))
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy if devices > 1 else "auto", max_steps=steps,
+        accelerator="cpu", devices=world, strategy=strategy if world > 1 else "auto", max_steps=steps,
         logger=False, callbacks=callbacks, enable_checkpointing=checkpoint, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, accumulate_grad_batches=accumulate, default_root_dir=tmp,
     )
@@ -80,18 +103,18 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.fixture(scope="module")
-def sharded_tied(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], Any]:
+def sharded_tied(ranks: RankPool, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], Any]:
     """The default sharded run (tied, 10 steps): its weights, and the folder its ranks' memory records are in (one
     launch shared by the two cases that read it)."""
     directory = tmp_path_factory.mktemp("sharded_tied")
-    return fit(str(directory), True), directory
+    return fit(ranks, str(directory), True), directory
 
 
-def test_sharded_training_equals_unsharded_tied_and_untied(tmp_path: Any,
+def test_sharded_training_equals_unsharded_tied_and_untied(ranks: RankPool, tmp_path: Any,
                                                            sharded_tied: tuple[dict[str, torch.Tensor], Any]) -> None:
     for tied in (True, False):
-        plain = fit(str(tmp_path), False, tied)
-        sharded = sharded_tied[0] if tied else fit(str(tmp_path), True, tied)
+        plain = fit(ranks, str(tmp_path), False, tied)
+        sharded = sharded_tied[0] if tied else fit(ranks, str(tmp_path), True, tied)
         assert_same(sharded, plain)  # same names too: the model is whole again after fit
     assert not torch.equal(plain["wte.weight"], tiny_gpt(False).state_dict()["wte.weight"])  # it trained
 
@@ -109,35 +132,35 @@ def test_each_rank_holds_half_of_the_embedding_weight_grad_and_optimizer_state(
 
 
 @pytest.mark.slow  # (sharded vs unsharded, tied and untied, stays in the default run)
-def test_sharded_training_with_accumulation_and_compile_equals_unsharded(tmp_path: Any) -> None:
-    assert_same(fit(str(tmp_path), True, accumulate=2, steps=5), fit(str(tmp_path), False, accumulate=2, steps=5))
-    plain = fit(str(tmp_path), False)
+def test_sharded_training_with_accumulation_and_compile_equals_unsharded(ranks: RankPool, tmp_path: Any) -> None:
+    assert_same(fit(ranks, str(tmp_path), True, accumulate=2, steps=5), fit(ranks, str(tmp_path), False, accumulate=2, steps=5))
+    plain = fit(ranks, str(tmp_path), False)
     for regional in ("auto", False):  # blocks compiled, the embedding eager / the whole training_step in one graph
-        compiled = fit(str(tmp_path), True, compile_cfg={"enabled": True, "backend": "aot_eager", "regional": regional})
+        compiled = fit(ranks, str(tmp_path), True, compile_cfg={"enabled": True, "backend": "aot_eager", "regional": regional})
         # the gathered weight is a new tensor every step: it must enter the graph as an input, not a constant
         recompiles = torch.load(str(tmp_path / "memory_rank0.pt"))["recompiles"]
         assert recompiles == [], (regional, recompiles)
         assert_same(compiled, plain)
 
 
-def test_checkpoints_are_plain_lightning_and_resume_on_another_world_size(tmp_path: Any) -> None:
+def test_checkpoints_are_plain_lightning_and_resume_on_another_world_size(ranks: RankPool, tmp_path: Any) -> None:
     sharded_dir, plain_dir = tmp_path / "sharded", tmp_path / "plain"
-    fit(str(sharded_dir), True, steps=6, checkpoint=True)
+    fit(ranks, str(sharded_dir), True, steps=6, checkpoint=True)
     (ckpt,) = glob.glob(str(sharded_dir / "last*.ckpt"))
     saved = torch.load(ckpt, weights_only=True)
     assert saved["state_dict"].keys() == tiny_gpt().state_dict().keys()  # full weight under its own names
     assert saved["state_dict"]["wte.weight"].shape == (VOCAB, 32)
     # the sharded checkpoint resumes a sharded and an unsharded 2-rank run identically (weights and AdamW state)
-    resumed = fit(str(sharded_dir), True, steps=10, ckpt_path=ckpt)
-    assert_same(resumed, fit(str(plain_dir), False, steps=10, ckpt_path=ckpt))
+    resumed = fit(ranks, str(sharded_dir), True, steps=10, ckpt_path=ckpt)
+    assert_same(resumed, fit(ranks, str(plain_dir), False, steps=10, ckpt_path=ckpt))
     # ... and a plain single-device Trainer (another world size) resumes from it
-    single = fit(str(plain_dir), False, steps=10, devices=1, ckpt_path=ckpt)
+    single = fit(ranks, str(plain_dir), False, steps=10, devices=1, ckpt_path=ckpt)
     assert all(torch.isfinite(v).all() for v in single.values())
     # a plain single-device checkpoint re-shards on load
-    fit(str(plain_dir), False, steps=6, devices=1, checkpoint=True)
+    fit(ranks, str(plain_dir), False, steps=6, devices=1, checkpoint=True)
     (plain_ckpt,) = glob.glob(str(plain_dir / "last*.ckpt"))
-    assert_same(fit(str(plain_dir), True, steps=10, ckpt_path=plain_ckpt),
-                fit(str(plain_dir), False, steps=10, ckpt_path=plain_ckpt))
+    assert_same(fit(ranks, str(plain_dir), True, steps=10, ckpt_path=plain_ckpt),
+                fit(ranks, str(plain_dir), False, steps=10, ckpt_path=plain_ckpt))
 
 
 def test_shard_true_without_embeddings_warns_and_does_nothing(tmp_path: Any, capfd: Any) -> None:

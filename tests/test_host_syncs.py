@@ -13,13 +13,16 @@ import json
 import os
 import sys
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
 
 import lightning as L
+from _dist import RankPool
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
 from lightning_static_dist import StaticDistStrategy
 from tests.compile.test_compile import SMALL_BUCKETS, NestedGPT, nested_gpt
 
@@ -81,12 +84,30 @@ class EveryParameterUsed(NestedGPT):
         del self.unused
 
 
-def _count(tmp_path: Any, strategy: Any, model: L.LightningModule) -> list[dict[str, int]]:
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[RankPool]:
+    """The 2 Gloo ranks every count runs on (ours and ddp's): one start-up for the module."""
+    with RankPool(2) as pool:
+        yield pool
+
+
+def _fit_on_this_rank(rank: int, world: int, tmp: str, mode: Optional[str],
+                      make_model: Callable[[], L.LightningModule]) -> None:
+    os.environ["LOCAL_RANK"] = str(rank)  # the process group exists: Lightning joins it instead of launching
+    torch._dynamo.reset()  # (compiled as in a fresh process: nothing cached by an earlier fit on these ranks)
     L.seed_everything(0)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, logger=False,
+    strategy = DDPStrategy() if mode is None else _static(mode)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=5, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[CountHostReads(str(tmp_path), step=3)])
-    trainer.fit(model)
+                        callbacks=[CountHostReads(tmp, step=3)])
+    trainer.fit(make_model())
+
+
+def _count(ranks: RankPool, tmp_path: Any, mode: Optional[str], make_model: Callable[[], L.LightningModule]
+           ) -> list[dict[str, int]]:
+    """Each rank's host reads in step 3 of a fit on ``ranks`` (the Trainer joins their group): static_dist with the
+    default compile in sync ``mode``, or Lightning's own ``DDPStrategy`` with ``mode`` None."""
+    ranks.run(_fit_on_this_rank, args=(str(tmp_path), mode, make_model), timeout=300)
     counts = []
     for rank in range(2):
         with open(os.path.join(str(tmp_path), f"rank{rank}.json")) as f:
@@ -95,7 +116,7 @@ def _count(tmp_path: Any, strategy: Any, model: L.LightningModule) -> list[dict[
 
 
 def _static(mode: str = "hooks") -> StaticDistStrategy:
-    return StaticDistStrategy(start_method="spawn", compile={"enabled": True, "backend": "aot_eager"},
+    return StaticDistStrategy(compile={"enabled": True, "backend": "aot_eager"},
                               sync={"mode": mode, **SMALL_BUCKETS})
 
 
@@ -106,29 +127,27 @@ OURS_SIGTERM = {"ours:HostSigtermBroadcast._agreed": 1}
 
 
 @pytest.mark.parametrize("mode", ["hooks", "graph"])
-def test_a_steady_step_reads_no_device_value_on_the_host(tmp_path: Any, mode: str) -> None:
+def test_a_steady_step_reads_no_device_value_on_the_host(ranks: RankPool, tmp_path: Any, mode: str) -> None:
     # the default compile (the whole step cut at the buckets) and graph mode, a model using every parameter.
     # Both read rank 0's SIGTERM flag, as Lightning does, but broadcast host to host (Lightning broadcasts it through
     # the device: on a GPU its read waits for the previous step to finish). hooks: also the previous round's
     # pass-number verdict, copied to pinned host memory a round earlier and read once its CUDA event has completed
     expected = {**OURS_SIGTERM, **({"ours:_RoundCheck.sums": 1} if mode == "hooks" else {})}
-    for counts in _count(tmp_path, _static(mode), EveryParameterUsed()):
+    for counts in _count(ranks, tmp_path, mode, EveryParameterUsed):
         assert counts == expected, counts
 
 
-def test_lightning_ddp_reads_the_sigterm_flag_every_step(tmp_path: Any) -> None:
+def test_lightning_ddp_reads_the_sigterm_flag_every_step(ranks: RankPool, tmp_path: Any) -> None:
     # the reference: the read the strategy replaces is there in Lightning's own ddp
-    from _dist import reference_ddp
-
-    for counts in _count(tmp_path, reference_ddp(), EveryParameterUsed()):
+    for counts in _count(ranks, tmp_path, None, EveryParameterUsed):
         assert counts == LIGHTNING_SIGTERM, counts
 
 
-def test_a_parameter_no_rank_uses_costs_one_blocking_usage_check_per_step(tmp_path: Any) -> None:
+def test_a_parameter_no_rank_uses_costs_one_blocking_usage_check_per_step(ranks: RankPool, tmp_path: Any) -> None:
     # a branch no rank used in the first step is left out of the plan; every later step asks all ranks whether
     # it got a gradient anywhere (one small all-reduce read on the host, like DDP's find_unused_parameters):
     # the one read that waits for the device, and only where that decision exists
-    for counts in _count(tmp_path, _static(), nested_gpt()):
+    for counts in _count(ranks, tmp_path, "hooks", nested_gpt):
         assert counts == {**OURS_SIGTERM, "ours:_RoundCheck.sums": 1,
                           "ours:PlanMembership.reduce_usage": 1}, counts
 

@@ -1,13 +1,16 @@
 """``sync.optimizer_overlap`` inside real Lightning Trainers on 2 CPU ranks (Gloo, each rank its own batches), side by
 side with Lightning's ``ddp``: the same weights, eager and compiled, and each bucket stepped while the later ones were
 still pending; with gradient clipping the step waits for every bucket (off, the reason printed), and still equals ddp.
+The fits share one module-scoped pair of ranks, except those of cases that read what the ranks print.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -18,12 +21,14 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning_static_dist.offer import offer_of
 from lightning_static_dist.trainer_context import TrainerContext
-from tests.test_strategy import assert_same_weights, ddp, fit, static_dist
+from _dist import RankPool
+from tests.test_strategy import assert_same_weights, ddp, fit, fit_in, rank_reports, static_dist
 
 pytestmark = pytest.mark.multiprocess
 
 SYNC = {"schedule": "after_backward", "first_bucket_mb": 0.004, "bucket_mb": 0.004}  # 4 KiB: several buckets
 PLANNED = 8  # the tower's parameters; the unused layer's two are in no bucket
+UNUSED = {"find_unused_parameters": True}  # ddp's options: the tower has a layer no rank calls
 
 
 class Tower(L.LightningModule):
@@ -72,17 +77,27 @@ class SubSteps(Callback):
             json.dump(facts, f)
 
 
-def fit_tower(strategy: Any, optimizer: str = "adamw", tmp_path: Any = None, **trainer_kwargs: Any
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[RankPool]:
+    """The 2 Gloo ranks the module's fits share (``fit_in``): one start-up for ddp's runs and ours."""
+    with RankPool(2) as pool:
+        yield pool
+
+
+def fit_tower(ranks: Optional[RankPool], strategy: str, options: Optional[dict[str, Any]] = None,
+              optimizer: str = "adamw", tmp_path: Any = None, **trainer_kwargs: Any
               ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-    """Rank 0's weights after 4 optimizer steps, and with ``tmp_path`` each rank's :class:`SubSteps` facts."""
+    """Rank 0's weights after 4 optimizer steps under ``"ddp"`` or ``"static_dist"`` with ``options``, and with
+    ``tmp_path`` each rank's :class:`SubSteps` facts. On ``ranks`` (test_strategy's ``fit_in``) or, with None, on
+    ranks started for this fit alone (a case that reads what the ranks print: the pool's ranks print elsewhere)."""
     callbacks = [SubSteps(str(tmp_path))] if tmp_path is not None else []
-    weights, _ = fit(lambda: Tower(optimizer), strategy, max_steps=4, callbacks=callbacks, **trainer_kwargs)
-    reports = []
-    if tmp_path is not None:
-        for rank in range(2):
-            with open(os.path.join(tmp_path, f"rank{rank}.json")) as f:
-                reports.append(json.load(f))
-    return weights, reports
+    make = functools.partial(Tower, optimizer)
+    if ranks is None:
+        built = ddp(**(options or {})) if strategy == "ddp" else static_dist(**(options or {}))
+        weights, _ = fit(make, built, max_steps=4, callbacks=callbacks, **trainer_kwargs)
+    else:
+        weights, _ = fit_in(ranks, make, strategy, options, max_steps=4, callbacks=callbacks, **trainer_kwargs)
+    return weights, rank_reports(tmp_path)
 
 
 def assert_stepped_per_bucket(report: dict[str, Any], steps: int) -> None:
@@ -101,14 +116,14 @@ def assert_stepped_per_bucket(report: dict[str, Any], steps: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def adamw_ddp() -> dict[str, torch.Tensor]:
-    return fit_tower(ddp(find_unused_parameters=True))[0]
+def adamw_ddp(ranks: RankPool) -> dict[str, torch.Tensor]:
+    return fit_tower(ranks, "ddp", UNUSED)[0]
 
 
 @pytest.mark.parametrize("compile", [None, {"enabled": True, "backend": "aot_eager"}], ids=["eager", "compiled"])
 def test_adamw_with_an_unused_layer_steps_per_bucket_and_ends_as_ddp(
-        adamw_ddp: dict[str, torch.Tensor], compile: Any, tmp_path: Any) -> None:
-    ours, reports = fit_tower(static_dist(sync=SYNC, compile=compile), tmp_path=tmp_path)
+        ranks: RankPool, adamw_ddp: dict[str, torch.Tensor], compile: Any, tmp_path: Any) -> None:
+    ours, reports = fit_tower(ranks, "static_dist", {"sync": SYNC, "compile": compile}, tmp_path=tmp_path)
     assert_same_weights(ours, adamw_ddp)
     for report in reports:
         assert report["choice"] == report["summary"] == (
@@ -116,9 +131,9 @@ def test_adamw_with_an_unused_layer_steps_per_bucket_and_ends_as_ddp(
         assert_stepped_per_bucket(report, steps=4)
 
 
-def test_sgd_with_momentum_and_accumulation_steps_per_bucket_and_ends_as_ddp(tmp_path: Any) -> None:
-    theirs, _ = fit_tower(ddp(find_unused_parameters=True), optimizer="sgd", accumulate_grad_batches=2)
-    ours, reports = fit_tower(static_dist(sync={**SYNC, "optimizer_overlap": True}), optimizer="sgd",
+def test_sgd_with_momentum_and_accumulation_steps_per_bucket_and_ends_as_ddp(ranks: RankPool, tmp_path: Any) -> None:
+    theirs, _ = fit_tower(ranks, "ddp", UNUSED, optimizer="sgd", accumulate_grad_batches=2)
+    ours, reports = fit_tower(ranks, "static_dist", {"sync": {**SYNC, "optimizer_overlap": True}}, optimizer="sgd",
                               tmp_path=tmp_path, accumulate_grad_batches=2)
     assert_same_weights(ours, theirs)
     for report in reports:
@@ -127,8 +142,8 @@ def test_sgd_with_momentum_and_accumulation_steps_per_bucket_and_ends_as_ddp(tmp
 
 
 def test_gradient_clipping_waits_for_every_bucket_says_why_and_ends_as_ddp(tmp_path: Any, capfd: Any) -> None:
-    theirs, _ = fit_tower(ddp(find_unused_parameters=True), gradient_clip_val=0.05)
-    ours, reports = fit_tower(static_dist(sync=SYNC), tmp_path=tmp_path, gradient_clip_val=0.05)
+    theirs, _ = fit_tower(None, "ddp", UNUSED, gradient_clip_val=0.05)
+    ours, reports = fit_tower(None, "static_dist", {"sync": SYNC}, tmp_path=tmp_path, gradient_clip_val=0.05)
     assert_same_weights(ours, theirs)
     why = "gradient clipping (trainer.gradient_clip_val=0.05) needs every bucket's average first"
     assert f"static_dist: optimizer overlap: off ({why})" in capfd.readouterr().err
@@ -200,9 +215,10 @@ def test_an_optimizer_step_that_runs_the_closure_without_stepping_turns_auto_off
 
 @pytest.mark.parametrize("precision", ["bf16-mixed"])  # (32-true: the tests above)
 def test_the_precision_plugins_step_with_the_closure_steps_per_bucket_and_ends_as_ddp(
-        tmp_path: Any, precision: str) -> None:
-    theirs, _ = fit_tower(ddp(find_unused_parameters=True), optimizer="sgd", precision=precision)
-    ours, reports = fit_tower(static_dist(sync=SYNC), optimizer="sgd", tmp_path=tmp_path, precision=precision)
+        ranks: RankPool, tmp_path: Any, precision: str) -> None:
+    theirs, _ = fit_tower(ranks, "ddp", UNUSED, optimizer="sgd", precision=precision)
+    ours, reports = fit_tower(ranks, "static_dist", {"sync": SYNC}, optimizer="sgd", tmp_path=tmp_path,
+                              precision=precision)
     assert_same_weights(ours, theirs)
     for report in reports:
         assert report["choice"] == ("optimizer overlap: on (auto: nothing reads the gradients between backward and"

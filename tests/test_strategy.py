@@ -1,14 +1,17 @@
 """StaticDistStrategy inside real Lightning Trainers on 2 CPU ranks (Gloo), side by side with Lightning's ``ddp``.
 
-Each fit uses the spawn start method so the trained weights come back to the test process (rank 0's copy);
-per-rank facts (sampler, synchroniser counters, buffers) are written by a small callback to ``tmp_path``.
+The fits run on one module-scoped pair of Gloo ranks (``fit_in``: the Trainer joins the ranks' group, so our run and
+``ddp``'s share one start-up); a case that checks how the process group starts launches its own ranks with the spawn
+start method (``fit``). Rank 0's trained weights come back to the test process; per-rank facts (sampler, synchroniser
+counters, buffers) are written by a small callback to ``tmp_path``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -20,7 +23,7 @@ import lightning as L
 import lightning_static_dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from _dist import fresh_job_env, reference_ddp
+from _dist import RankPool, fresh_job_env, reference_ddp
 from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.processes.world import binds_device
 
@@ -229,12 +232,48 @@ def fit(
     kwargs.update(trainer_kwargs)
     trainer = L.Trainer(strategy=strategy, callbacks=callbacks, **kwargs)
     trainer.fit(model, ckpt_path=ckpt_path)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, rank_reports(tmp_path)
+
+
+def rank_reports(directory: Any) -> list[dict]:
+    """Each rank's ``<directory>/rank<N>.json`` (none without a directory)."""
     reports = []
-    if tmp_path is not None:
+    if directory is not None:
         for rank in range(2):
-            with open(os.path.join(tmp_path, f"rank{rank}.json")) as f:
+            with open(os.path.join(directory, f"rank{rank}.json")) as f:
                 reports.append(json.load(f))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, reports
+    return reports
+
+
+def _fit_on_this_rank(rank: int, world: int, make_model: Callable[[], L.LightningModule], strategy: str,
+                      options: dict[str, Any], report_dir: Any, seed: int, ckpt_path: Any,
+                      trainer_kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    os.environ["LOCAL_RANK"] = str(rank)  # the process group exists: Lightning joins it instead of launching
+    torch._dynamo.reset()  # (compiled as in a fresh process: nothing cached by an earlier fit on these ranks)
+    built = DDPStrategy(**options) if strategy == "ddp" else StaticDistStrategy(**options)
+    callbacks = [RankReport(str(report_dir))] if report_dir is not None else []
+    callbacks += trainer_kwargs.pop("callbacks", [])
+    weights, _ = fit(make_model, built, seed=seed, ckpt_path=ckpt_path, callbacks=callbacks, **trainer_kwargs)
+    return weights
+
+
+def fit_in(ranks: RankPool, make_model: Callable[[], L.LightningModule], strategy: str,
+           options: Optional[dict[str, Any]] = None, tmp_path: Any = None, seed: int = 7, ckpt_path: Any = None,
+           **trainer_kwargs: Any) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """:func:`fit` on ranks that already exist (a module's :class:`RankPool`): the Trainer joins their Gloo group
+    instead of starting processes, so our run and ``ddp``'s share one start-up. ``strategy`` is ``"static_dist"`` or
+    ``"ddp"`` (Lightning's own ``DDPStrategy``), built on each rank with ``options``. Only for cases that do not
+    check how the process group starts (its timeout, its backend): the pool's group is already there."""
+    weights = ranks.run(_fit_on_this_rank, args=(make_model, strategy, options or {}, tmp_path, seed, ckpt_path,
+                                                 trainer_kwargs), timeout=300)[0]
+    return weights, rank_reports(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[RankPool]:
+    """Two Gloo ranks for the module's fits (:func:`fit_in`): one start-up for every pair of runs."""
+    with RankPool(2) as pool:
+        yield pool
 
 
 def static_dist(**kwargs: Any) -> StaticDistStrategy:
@@ -278,9 +317,10 @@ class ShuffledBoring(BoringModel):
         pytest.param(ManualOptimBoringModel, {}, id="ManualOptimBoringModel"),
     ],
 )
-def test_lightning_demo_modules_end_with_the_weights_ddp_gives(make_model: Callable, extra: dict) -> None:
-    ours, _ = fit(make_model, static_dist(), **extra)
-    theirs, _ = fit(make_model, ddp(), **extra)
+def test_lightning_demo_modules_end_with_the_weights_ddp_gives(ranks: RankPool, make_model: Callable,
+                                                              extra: dict) -> None:
+    ours, _ = fit_in(ranks, make_model, "static_dist", **extra)
+    theirs, _ = fit_in(ranks, make_model, "ddp", **extra)
     assert_same_weights(ours, theirs)
     assert_trained(ours, make_model)
 
@@ -432,10 +472,10 @@ class BatchNormNet(L.LightningModule):
         return DataLoader(RandomDataset(32, 64), batch_size=4, shuffle=True)
 
 
-def test_buffers_usage_change_sync_dist_and_sampler(tmp_path: Any) -> None:
+def test_buffers_usage_change_sync_dist_and_sampler(ranks: RankPool, tmp_path: Any) -> None:
     (tmp_path / "ours").mkdir()
-    ours, reports = fit(BatchNormNet, static_dist(), tmp_path / "ours", max_steps=8)
-    theirs, _ = fit(BatchNormNet, ddp(find_unused_parameters=True), max_steps=8)
+    ours, reports = fit_in(ranks, BatchNormNet, "static_dist", tmp_path=tmp_path / "ours", max_steps=8)
+    theirs, _ = fit_in(ranks, BatchNormNet, "ddp", {"find_unused_parameters": True}, max_steps=8)
     assert_same_weights(ours, theirs)  # includes BatchNorm running stats (rank 0's, broadcast like DDP)
     r0, r1 = reports
     # Lightning inserted a DistributedSampler: the ranks see disjoint halves of the data
@@ -448,9 +488,10 @@ def test_buffers_usage_change_sync_dist_and_sampler(tmp_path: Any) -> None:
     assert r0["stats"]["plan_rebuilds"] == r1["stats"]["plan_rebuilds"] == 1
 
 
-def test_accumulation_skips_communication_on_non_boundary_steps(tmp_path: Any) -> None:
-    ours, reports = fit(ShuffledBoring, static_dist(), tmp_path, max_steps=3, accumulate_grad_batches=4)
-    theirs, _ = fit(ShuffledBoring, ddp(), max_steps=3, accumulate_grad_batches=4)
+def test_accumulation_skips_communication_on_non_boundary_steps(ranks: RankPool, tmp_path: Any) -> None:
+    ours, reports = fit_in(ranks, ShuffledBoring, "static_dist", tmp_path=tmp_path, max_steps=3,
+                           accumulate_grad_batches=4)
+    theirs, _ = fit_in(ranks, ShuffledBoring, "ddp", max_steps=3, accumulate_grad_batches=4)
     assert_same_weights(ours, theirs)
     for r in reports:
         assert r["stats"]["rounds"] == 3  # one synchronisation per optimizer step
@@ -460,9 +501,9 @@ def test_accumulation_skips_communication_on_non_boundary_steps(tmp_path: Any) -
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", pytest.param("bf16-true", marks=pytest.mark.slow)])
-def test_cpu_precisions_match_ddp(precision: str) -> None:
-    ours, _ = fit(BoringModel, static_dist(), precision=precision)
-    theirs, _ = fit(BoringModel, ddp(), precision=precision)
+def test_cpu_precisions_match_ddp(ranks: RankPool, precision: str) -> None:
+    ours, _ = fit_in(ranks, BoringModel, "static_dist", precision=precision)
+    theirs, _ = fit_in(ranks, BoringModel, "ddp", precision=precision)
     assert_same_weights(ours, theirs, tol=1e-2 if precision == "bf16-true" else 1e-5)
 
 
@@ -479,9 +520,10 @@ class Steady(BoringModel):
         return DataLoader(RandomDataset(32, 64), batch_size=4)
 
 
-def test_checkpoint_round_trips_with_a_single_device_trainer(tmp_path: Any) -> None:
+def test_checkpoint_round_trips_with_a_single_device_trainer(ranks: RankPool, tmp_path: Any) -> None:
     # static_dist -> plain single-device Lightning
-    ours, _ = fit(Steady, static_dist(), max_epochs=1, max_steps=-1, default_root_dir=str(tmp_path / "a"), enable_checkpointing=True)
+    ours, _ = fit_in(ranks, Steady, "static_dist", max_epochs=1, max_steps=-1, default_root_dir=str(tmp_path / "a"),
+                     enable_checkpointing=True)
     ckpt = next((tmp_path / "a").rglob("*.ckpt"))
     loaded = Steady.load_from_checkpoint(str(ckpt))
     assert_same_weights({k: v for k, v in loaded.state_dict().items()}, ours, tol=0)
@@ -495,7 +537,7 @@ def test_checkpoint_round_trips_with_a_single_device_trainer(tmp_path: Any) -> N
                        enable_model_summary=False, default_root_dir=str(tmp_path / "b"))
     single.fit(Steady())
     ckpt = next((tmp_path / "b").rglob("*.ckpt"))
-    resumed, _ = fit(Steady, static_dist(), max_epochs=2, max_steps=-1, ckpt_path=str(ckpt))
+    resumed, _ = fit_in(ranks, Steady, "static_dist", max_epochs=2, max_steps=-1, ckpt_path=str(ckpt))
     assert not torch.equal(resumed["layer.weight"], Steady.load_from_checkpoint(str(ckpt)).layer.weight)
 
 
@@ -503,13 +545,14 @@ def test_checkpoint_round_trips_with_a_single_device_trainer(tmp_path: Any) -> N
 @pytest.mark.parametrize("compression", [pytest.param(None, marks=pytest.mark.slow),
                                          {"name": "topk", "density": 0.25, "min_numel": 1}],
                          ids=["plain", "topk-residuals"])
-def test_resume_continues_exactly(tmp_path: Any, compression: Any) -> None:
+def test_resume_continues_exactly(ranks: RankPool, tmp_path: Any, compression: Any) -> None:
     # with TopK each rank carries its own error-feedback residual: bitwise equality needs it back on the same rank
-    straight, _ = fit(Steady, static_dist(compression=compression), max_epochs=2, max_steps=-1)
-    fit(Steady, static_dist(compression=compression), max_epochs=1, max_steps=-1, default_root_dir=str(tmp_path),
-        enable_checkpointing=True)
+    options = {"compression": compression}
+    straight, _ = fit_in(ranks, Steady, "static_dist", options, max_epochs=2, max_steps=-1)
+    fit_in(ranks, Steady, "static_dist", options, max_epochs=1, max_steps=-1, default_root_dir=str(tmp_path),
+           enable_checkpointing=True)
     ckpt = next(tmp_path.rglob("*.ckpt"))
-    resumed, _ = fit(Steady, static_dist(compression=compression), max_epochs=2, max_steps=-1, ckpt_path=str(ckpt))
+    resumed, _ = fit_in(ranks, Steady, "static_dist", options, max_epochs=2, max_steps=-1, ckpt_path=str(ckpt))
     assert_same_weights(resumed, straight, tol=0)
 
 
@@ -526,9 +569,9 @@ class GradProbe(BoringModel):
         assert self.spread == 0.0, f"on_after_backward saw unsynchronised gradients (spread {self.spread})"
 
 
-def test_on_after_backward_sees_averaged_gradients() -> None:
+def test_on_after_backward_sees_averaged_gradients(ranks: RankPool) -> None:
     # like DDP: the round finishes as the autograd engine finishes backward, before Lightning's hook
-    fit(GradProbe, static_dist(), max_steps=4)
+    fit_in(ranks, GradProbe, "static_dist", max_steps=4)
 
 
 @pytest.mark.parametrize(("backend", "device", "bound"), [

@@ -406,6 +406,12 @@ def _fit_nested(strategy: Any, facts: Optional[str] = None) -> dict[str, torch.T
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.fixture(scope="module")
+def ddp_nested() -> dict[str, torch.Tensor]:
+    """Lightning's ddp on the nested GPT: the one reference every mode and backend below is compared with."""
+    return _fit_nested(reference_ddp(find_unused_parameters=True))
+
+
 # inductor fuses and reorders floating-point work: 1e-4 over 4 SGD steps (aot_eager runs eager's kernels: 1e-5)
 TOLERANCE = {"aot_eager": 1e-5, "inductor": 1e-4}
 
@@ -413,13 +419,14 @@ TOLERANCE = {"aot_eager": 1e-5, "inductor": 1e-4}
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode,backend", [pytest.param("hooks", "aot_eager", marks=pytest.mark.slow), ("hooks", "inductor"),
                                           ("graph", "aot_eager"), pytest.param("graph", "inductor", marks=pytest.mark.slow)])
-def test_the_compiled_step_trains_to_lightning_ddp_weights(tmp_path: Any, mode: str, backend: str) -> None:
+def test_the_compiled_step_trains_to_lightning_ddp_weights(ddp_nested: dict[str, torch.Tensor], tmp_path: Any,
+                                                           mode: str, backend: str) -> None:
     # tied weights, an unused branch, accumulation over 2 micro-batches and blocks looped inside a nested forward;
     # hooks: the default compile (the whole step cut at the buckets); graph: the collectives inside the graph
     facts_path = str(tmp_path / "facts.json")
     ours = _fit_nested(StaticDistStrategy(start_method="spawn", compile={"enabled": True, "backend": backend},
                                           sync={"mode": mode, **SMALL_BUCKETS}), facts_path)
-    theirs = _fit_nested(reference_ddp(find_unused_parameters=True))
+    theirs = ddp_nested
     for key in theirs:
         torch.testing.assert_close(ours[key], theirs[key], atol=TOLERANCE[backend], rtol=TOLERANCE[backend],
                                    msg=lambda m, key=key: f"{key}: {m}")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import csv
 import json
 import os
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from torch import nn
 
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger
-from _dist import free_port, reference_ddp
+from _dist import RankPool, free_port
+from lightning.pytorch.strategies import DDPStrategy
 from lightning_static_dist import StaticDistStrategy
 
 
@@ -91,24 +93,41 @@ def _model_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if not k.startswith("static_dist/")}
 
 
-def _fit(folder: str, strategy: Any, user_compiled: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-    """Fit on 2 ranks; return each rank's facts and the rows of rank 0's ``metrics.csv``."""
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[RankPool]:
+    """The 2 Gloo ranks ddp's fit and ours run on: one start-up for them all."""
+    with RankPool(2) as pool:
+        yield pool
+
+
+def _fit(ranks: RankPool, folder: str, options: Optional[dict[str, Any]], user_compiled: bool = False
+         ) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """Fit on the 2 ranks (the Trainer joins their group) under static_dist with ``options``, or Lightning's own
+    ``DDPStrategy`` with None; return each rank's facts and the rows of rank 0's ``metrics.csv``."""
     os.makedirs(folder)
+    ranks.run(_fit_on_this_rank, args=(folder, options, user_compiled), timeout=300)
+    facts = []
+    for rank in range(2):
+        with open(os.path.join(folder, f"rank{rank}.json")) as f:
+            facts.append(json.load(f))
+    return facts, _logged_rows(folder)
+
+
+def _fit_on_this_rank(rank: int, world: int, folder: str, options: Optional[dict[str, Any]],
+                      user_compiled: bool) -> None:
+    os.environ["LOCAL_RANK"] = str(rank)  # the process group exists: Lightning joins it instead of launching
+    torch._dynamo.reset()  # (compiled as in a fresh process: nothing cached by an earlier fit on these ranks)
+    strategy = DDPStrategy() if options is None else StaticDistStrategy(**options)
     L.seed_everything(0)
     model: Any = LoggingModel()
     if user_compiled:
         model = torch.compile(model, backend="aot_eager")
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, log_every_n_steps=1, limit_val_batches=2,
+        accelerator="cpu", devices=world, strategy=strategy, max_epochs=2, log_every_n_steps=1, limit_val_batches=2,
         num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         logger=CSVLogger(folder, name="csv", version=0), callbacks=[RankMetrics(folder)],
     )
     trainer.fit(model)
-    ranks = []
-    for rank in range(2):
-        with open(os.path.join(folder, f"rank{rank}.json")) as f:
-            ranks.append(json.load(f))
-    return ranks, _logged_rows(folder)
 
 
 def _logged_rows(folder: str) -> list[dict[str, str]]:
@@ -135,15 +154,13 @@ def _assert_same_numbers(ours: Any, theirs: Any, where: str) -> None:
 
 
 @pytest.mark.multiprocess
-def test_a_training_step_that_logs_is_one_graph_and_logs_what_ddp_logs(tmp_path: Any) -> None:
-    ddp_ranks, ddp_csv = _fit(str(tmp_path / "ddp"), reference_ddp())
+def test_a_training_step_that_logs_is_one_graph_and_logs_what_ddp_logs(ranks: RankPool, tmp_path: Any) -> None:
+    ddp_ranks, ddp_csv = _fit(ranks, str(tmp_path / "ddp"), None)
     compiled = {"enabled": True, "backend": "aot_eager"}
     variants = {
-        "compile": _fit(str(tmp_path / "compile"), StaticDistStrategy(start_method="spawn", compile=compiled)),
+        "compile": _fit(ranks, str(tmp_path / "compile"), {"compile": compiled}),
         # the user's torch.compile(model), compiled by the strategy; fullgraph: any graph break is an error
-        "torch.compile": _fit(str(tmp_path / "user"), StaticDistStrategy(start_method="spawn",
-                                                                       compile={"fullgraph": True}),
-                              user_compiled=True),
+        "torch.compile": _fit(ranks, str(tmp_path / "user"), {"compile": {"fullgraph": True}}, user_compiled=True),
     }
     assert len(ddp_csv) > 8 and "val_loss" in ddp_csv[-1] and ddp_ranks[0]["steps"][0]["prog_bar"], ddp_csv
     # the ranks saw different data: a value logged without sync_dist differs between them, as under ddp

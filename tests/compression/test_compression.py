@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import lightning as L
-from _dist import RankPool, run_ranks
+from _dist import RankPool
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_static_dist.compression import (
     CompressingReducer,
@@ -222,13 +222,27 @@ class _Probe(L.Callback):
                                     "events": guards[0].events if guards else None})
 
 
-def _fit(tmp: str, compression: dict, steps: int, compile_cfg: Any = None, ckpt_path: Any = None,
+def _joined(rank: int) -> None:
+    """This pool rank's Trainer joins the ranks' Gloo group, and compiles as a fresh process would."""
+    os.environ["LOCAL_RANK"] = str(rank)  # the process group exists: Lightning joins it instead of launching
+    torch._dynamo.reset()  # (nothing cached by an earlier fit on these ranks)
+
+
+def _fit(ranks: RankPool, tmp: str, compression: dict, steps: int, compile_cfg: Any = None, ckpt_path: Any = None,
          guard: Any = None) -> None:
+    """A char-GPT fit on the module's two ranks (the Trainer joins their group), each rank's :class:`_Probe` facts
+    and a ``last`` checkpoint in ``tmp``."""
+    ranks.run(_fit_on_this_rank, args=(tmp, compression, steps, compile_cfg, ckpt_path, guard), timeout=300)
+
+
+def _fit_on_this_rank(rank: int, world: int, tmp: str, compression: dict, steps: int, compile_cfg: Any,
+                      ckpt_path: Any, guard: Any) -> None:
     from lightning_static_dist.examples.charlm import CharDataModule
     from lightning_static_dist import StaticDistStrategy
 
+    _joined(rank)
     L.seed_everything(0)
-    strategy = StaticDistStrategy(start_method="spawn", compression=compression, compile=compile_cfg,
+    strategy = StaticDistStrategy(compression=compression, compile=compile_cfg,
                                   sync={"first_bucket_mb": 0.05, "bucket_mb": 0.2})
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False, default_root_dir=tmp,
@@ -239,9 +253,9 @@ def _fit(tmp: str, compression: dict, steps: int, compile_cfg: Any = None, ckpt_
     trainer.fit(_tiny_gpt(), datamodule=CharDataModule(block_size=32, batch_size=8, max_bytes=60_000), ckpt_path=ckpt_path)
 
 
-def test_each_rank_resumes_with_its_own_residual(tmp_path: Any) -> None:
+def test_each_rank_resumes_with_its_own_residual(ranks: RankPool, tmp_path: Any) -> None:
     compression = {"name": "powersgd", "rank": 2, "min_numel": 256}
-    _fit(str(tmp_path), compression, steps=6)
+    _fit(ranks, str(tmp_path), compression, steps=6)
     (ckpt,) = glob.glob(str(tmp_path / "last*.ckpt"))
     saved = torch.load(ckpt, weights_only=True)["static_dist_compression"]
     assert saved["world_size"] == 2 and [s["rounds"] for s in saved["ranks"]] == [6, 6]
@@ -252,7 +266,7 @@ def test_each_rank_resumes_with_its_own_residual(tmp_path: Any) -> None:
     assert any(not torch.equal(residuals[0][k], residuals[1][k]) for k in residuals[0])
     # and the warm-start Q, averaged, is the same on both
     assert all(torch.equal(saved["ranks"][0]["state"]["q"][k], saved["ranks"][1]["state"]["q"][k]) for k in saved["ranks"][0]["state"]["q"])
-    _fit(str(tmp_path), compression, steps=8, ckpt_path=ckpt)
+    _fit(ranks, str(tmp_path), compression, steps=8, ckpt_path=ckpt)
     for rank in (0, 1):
         start = torch.load(str(tmp_path / f"rank{rank}_start.pt"), weights_only=True)
         assert start["rounds"] == 6
@@ -266,7 +280,7 @@ def _fit_twice_in_one_process(rank: int, world: int, tmp: str) -> tuple[int, int
     from lightning_static_dist.examples.charlm import CharDataModule
     from lightning_static_dist import StaticDistStrategy
 
-    os.environ["LOCAL_RANK"] = str(rank)  # the process group exists: Lightning joins it instead of launching
+    _joined(rank)
     L.seed_everything(0)
     strategy = StaticDistStrategy(compression={"name": "topk", "density": 0.25, "min_numel": 256},
                                   sync={"first_bucket_mb": 0.05, "bucket_mb": 0.2})
@@ -284,15 +298,16 @@ def _fit_twice_in_one_process(rank: int, world: int, tmp: str) -> tuple[int, int
     return saved, torch.load(os.path.join(tmp, f"rank{rank}_start.pt"), weights_only=True)["rounds"]
 
 
-def test_a_second_fit_of_the_same_strategy_resumes_the_checkpoint_s_compressor_state(tmp_path: Any) -> None:
+def test_a_second_fit_of_the_same_strategy_resumes_the_checkpoint_s_compressor_state(ranks: RankPool,
+                                                                                     tmp_path: Any) -> None:
     # Lightning restores a checkpoint before the strategy's setup: the state must reach the second fit's new
     # reducer, not the first fit's (which it used to, leaving the new one at zero rounds)
-    for saved, resumed in run_ranks(_fit_twice_in_one_process, 2, args=(str(tmp_path),), timeout=300):
+    for saved, resumed in ranks.run(_fit_twice_in_one_process, args=(str(tmp_path),), timeout=300):
         assert saved == 4 and resumed == 4, (saved, resumed)
 
 
-def test_topk_indices_follow_the_gradients_under_compile(tmp_path: Any) -> None:
-    _fit(str(tmp_path), {"name": "topk", "density": 0.01, "min_numel": 256}, steps=6,
+def test_topk_indices_follow_the_gradients_under_compile(ranks: RankPool, tmp_path: Any) -> None:
+    _fit(ranks, str(tmp_path), {"name": "topk", "density": 0.01, "min_numel": 256}, steps=6,
          compile_cfg={"enabled": True, "backend": "aot_eager"})
     end = torch.load(str(tmp_path / "rank0_end.pt"), weights_only=True)
     assert end["compiled"] and len(end["indices"]) == 6
@@ -351,9 +366,10 @@ class GarbageCompressor(PerParameterState):
         return LowPrecisionCompressor(torch.bfloat16)
 
 
-def test_the_guard_switches_every_rank_on_the_same_step_and_resumes_at_that_level(tmp_path: Any) -> None:
+def test_the_guard_switches_every_rank_on_the_same_step_and_resumes_at_that_level(ranks: RankPool,
+                                                                                  tmp_path: Any) -> None:
     compression = {"name": "tests.compression.test_compression.GarbageCompressor", "min_numel": 256}
-    _fit(str(tmp_path), compression, steps=7, guard=CompressionGuard(check_every_n_steps=2, patience=2))
+    _fit(ranks, str(tmp_path), compression, steps=7, guard=CompressionGuard(check_every_n_steps=2, patience=2))
     ends = [torch.load(str(tmp_path / f"rank{r}_end.pt"), weights_only=False) for r in (0, 1)]
     for end in ends:
         assert end["compressor"] == "bf16"
@@ -363,7 +379,7 @@ def test_the_guard_switches_every_rank_on_the_same_step_and_resumes_at_that_leve
         assert event["reason"].startswith("relative gradient error 2.000"), event
     assert ends[0]["events"] == ends[1]["events"]
     (ckpt,) = glob.glob(str(tmp_path / "last*.ckpt"))
-    _fit(str(tmp_path), compression, steps=9, ckpt_path=ckpt, guard=CompressionGuard(check_every_n_steps=2, patience=2))
+    _fit(ranks, str(tmp_path), compression, steps=9, ckpt_path=ckpt, guard=CompressionGuard(check_every_n_steps=2, patience=2))
     for rank in (0, 1):
         assert torch.load(str(tmp_path / f"rank{rank}_start.pt"), weights_only=False)["compressor"] == "bf16"
 
@@ -567,12 +583,17 @@ class _AutoProbe(L.Callback):
                    os.path.join(self.directory, f"auto_rank{trainer.global_rank}.pt"))
 
 
-def _fit_auto(tmp: str, steps: int, ckpt_path: Any = None) -> None:
+def _fit_auto(ranks: RankPool, tmp: str, steps: int, ckpt_path: Any = None) -> None:
+    ranks.run(_fit_auto_on_this_rank, args=(tmp, steps, ckpt_path), timeout=300)
+
+
+def _fit_auto_on_this_rank(rank: int, world: int, tmp: str, steps: int, ckpt_path: Any) -> None:
     from lightning_static_dist.examples.charlm import CharDataModule
     from lightning_static_dist import StaticDistStrategy
 
+    _joined(rank)
     L.seed_everything(0)
-    strategy = StaticDistStrategy(start_method="spawn", sync={"first_bucket_mb": 0.05, "bucket_mb": 0.2},
+    strategy = StaticDistStrategy(sync={"first_bucket_mb": 0.05, "bucket_mb": 0.2},
                                   compression={"name": "auto", "rank": 2, "start_step": 1, "trial_steps": 2,
                                                "min_numel": 256})
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
@@ -582,8 +603,9 @@ def _fit_auto(tmp: str, steps: int, ckpt_path: Any = None) -> None:
                 ckpt_path=ckpt_path)
 
 
-def test_auto_times_every_candidate_on_the_real_group_and_every_rank_keeps_the_same(tmp_path: Any) -> None:
-    _fit_auto(str(tmp_path), steps=9)  # exact at step 0, then 2 steps each of exact, bf16, PowerSGD; chosen at 7
+def test_auto_times_every_candidate_on_the_real_group_and_every_rank_keeps_the_same(ranks: RankPool,
+                                                                                    tmp_path: Any) -> None:
+    _fit_auto(ranks, str(tmp_path), steps=9)  # exact at step 0, then 2 steps each of exact, bf16, PowerSGD; chosen at 7
     ends = [torch.load(str(tmp_path / f"auto_rank{r}.pt"), weights_only=False) for r in (0, 1)]
     assert ends[0] == ends[1]  # the slowest rank's times: the same on both, and so the same choice
     state = ends[0]["state"]
@@ -593,5 +615,5 @@ def test_auto_times_every_candidate_on_the_real_group_and_every_rank_keeps_the_s
     # resumed: the saved choice is kept, with no second trial
     (ckpt,) = glob.glob(str(tmp_path / "last*.ckpt"))
     assert torch.load(ckpt, weights_only=False)["static_dist_compression_auto"] == state
-    _fit_auto(str(tmp_path), steps=12, ckpt_path=ckpt)
+    _fit_auto(ranks, str(tmp_path), steps=12, ckpt_path=ckpt)
     assert torch.load(str(tmp_path / "auto_rank0.pt"), weights_only=False) == ends[0]

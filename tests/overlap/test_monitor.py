@@ -7,7 +7,8 @@ import csv
 import glob
 import math
 import os
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning as L
+from _dist import RankPool
 from lightning.pytorch.loggers import CSVLogger
 from lightning_static_dist import OverlapMonitor, StaticDistStrategy
 from lightning_static_dist.cli import report
@@ -23,6 +25,7 @@ from lightning_static_dist.overlap.monitor import METRICS
 from lightning_static_dist.overlap.trace import TRACE_METRICS, classify, load_trace
 
 pytestmark = pytest.mark.multiprocess
+MONITOR_BUCKETS = {"first_bucket_mb": 0.6, "bucket_mb": 1.2}
 
 
 class Stack(L.LightningModule):
@@ -50,10 +53,40 @@ class Stack(L.LightningModule):
         return DataLoader(TensorDataset(self.data), batch_size=256)  # backward compute well above bucket packing
 
 
-def fit(tmp_path: Any, compile_cfg: Any, steps: int = 12, checkpoint: Any = None, **monitor: Any) -> list[dict[str, float]]:
-    """Fit on 2 ranks (spawn); return the rows of metrics.csv. ``checkpoint``: a ``ModelCheckpoint`` to add."""
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[RankPool]:
+    """2 Gloo ranks for the module's fits that hand nothing back through Lightning's launcher: one start-up."""
+    with RankPool(2) as pool:
+        yield pool
+
+
+def _fit_on_this_rank(rank: int, world: int, tmp: str, strategy_kwargs: dict[str, Any], steps: int,
+                      callbacks: list[Any]) -> bool:
+    """A 2-rank fit of :class:`Stack` on a pool's rank (the Trainer joins the ranks' group) logging to ``tmp``'s
+    ``metrics.csv``; whether the Trainer had an :class:`OverlapMonitor` among its callbacks."""
+    os.environ["LOCAL_RANK"] = str(rank)  # the process group exists: Lightning joins it instead of launching
+    torch._dynamo.reset()  # (compiled as in a fresh process: nothing cached by an earlier fit on these ranks)
     L.seed_everything(0)
-    strategy = StaticDistStrategy(start_method="spawn", compile=compile_cfg, sync={"first_bucket_mb": 0.6, "bucket_mb": 1.2})
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=StaticDistStrategy(**strategy_kwargs),
+                        max_steps=steps, log_every_n_steps=1, logger=CSVLogger(tmp), callbacks=callbacks,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Stack())
+    return any(isinstance(c, OverlapMonitor) for c in trainer.callbacks)
+
+
+def fit_in(ranks: RankPool, tmp_path: Any, steps: int, callbacks: list[Any], **strategy_kwargs: Any) -> bool:
+    return ranks.run(_fit_on_this_rank, args=(str(tmp_path), strategy_kwargs, steps, callbacks), timeout=300)[0]
+
+
+def fit(tmp_path: Any, compile_cfg: Any, steps: int = 12, checkpoint: Any = None, ranks: Optional[RankPool] = None,
+        **monitor: Any) -> list[dict[str, float]]:
+    """Fit on 2 ranks (spawn, or with ``ranks`` on theirs); return the rows of metrics.csv. ``checkpoint``: a
+    ``ModelCheckpoint`` to add (spawn hands its best path back)."""
+    if ranks is not None:
+        fit_in(ranks, tmp_path, steps, [OverlapMonitor(**monitor)], compile=compile_cfg, sync=MONITOR_BUCKETS)
+        return metrics_rows(tmp_path)
+    L.seed_everything(0)
+    strategy = StaticDistStrategy(start_method="spawn", compile=compile_cfg, sync=MONITOR_BUCKETS)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, log_every_n_steps=1,
         logger=CSVLogger(str(tmp_path)), callbacks=[OverlapMonitor(**monitor), *([checkpoint] if checkpoint else [])],
@@ -74,16 +107,12 @@ def series(rows: list[dict[str, str]], key: str) -> list[float]:
     return [float(r[key]) for r in rows if r.get(key) not in (None, "")]
 
 
-def test_plain_static_dist_logs_no_metric_of_its_own(tmp_path: Any) -> None:
+def test_plain_static_dist_logs_no_metric_of_its_own(ranks: RankPool, tmp_path: Any) -> None:
     # plain strategy="static_dist" logs no static_dist/* figure: the monitor is a callback the user adds (the README's
     # first snippet does); it stays opt-in because it costs 1-7 % of a CUDA-graphed step (benchmarks/README.md)
-    strategy = StaticDistStrategy(start_method="spawn")
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=4, log_every_n_steps=1,
-                        logger=CSVLogger(str(tmp_path)), enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
-    trainer.fit(Stack())
+    monitored = fit_in(ranks, tmp_path, 4, [])
     logged = sorted({k for row in metrics_rows(tmp_path) for k, v in row.items() if k.startswith("static_dist/") and v})
-    assert logged == [] and not any(isinstance(c, OverlapMonitor) for c in trainer.callbacks)
+    assert logged == [] and not monitored
 
 
 def test_every_metric_is_logged_with_finite_values_and_a_timeline_is_drawn_and_a_checkpoint_callback_can_monitor_one(
@@ -157,8 +186,9 @@ def test_rank_aggregate_means_and_maxima_ignore_nan() -> None:
         assert result == [1.5, 5.0, 1.0, 2.0, 5.0, 2.0]
 
 
-def test_profiler_mode_writes_one_hta_loadable_trace_per_rank_and_logs_trace_metrics(tmp_path: Any) -> None:
-    rows = fit(tmp_path, None, steps=6, profiler={"enabled": True, "wait": 1, "warmup": 1, "active": 2})
+def test_profiler_mode_writes_one_hta_loadable_trace_per_rank_and_logs_trace_metrics(ranks: RankPool,
+                                                                                      tmp_path: Any) -> None:
+    rows = fit(tmp_path, None, steps=6, ranks=ranks, profiler={"enabled": True, "wait": 1, "warmup": 1, "active": 2})
     (log_dir,) = glob.glob(os.path.join(str(tmp_path), "lightning_logs", "version_*"))
     for rank in range(2):
         trace = load_trace(os.path.join(log_dir, "profiler", f"rank{rank}.pt.trace.json"))
@@ -193,15 +223,9 @@ class _RecompileOnRankOne(L.Callback):
             trainer.strategy.compile_report.recompiles.extend(["made up by the test, on rank 1 only"] * 100)
 
 
-def test_graph_report_logs_each_rank_s_worst_compile_figures_without_lightning_s_log(tmp_path: Any) -> None:
-    L.seed_everything(0)
-    strategy = StaticDistStrategy(start_method="spawn", compile={"enabled": True, "backend": "aot_eager"})
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=4, log_every_n_steps=1,
-        logger=CSVLogger(str(tmp_path)), callbacks=[_RecompileOnRankOne()], enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )
-    trainer.fit(Stack())
+def test_graph_report_logs_each_rank_s_worst_compile_figures_without_lightning_s_log(ranks: RankPool,
+                                                                                     tmp_path: Any) -> None:
+    fit_in(ranks, tmp_path, 4, [_RecompileOnRankOne()], compile={"enabled": True, "backend": "aot_eager"})
     rows = metrics_rows(tmp_path)
     # the strategy added the GraphReport; its figures are the maximum over ranks (taken over the host group): rank 0
     # logs rank 1's made-up recompiles from step 2 on (Stack's `self.log` stays in the graph: nothing else recompiles)

@@ -3,8 +3,9 @@
 
 A simulated world is the default process group of the process that starts it, so every simulated run here has a
 fresh spawned process of its own (:func:`_in_fresh_process`): nothing of it reaches the pytest process or another
-test. The real-rank comparisons start real Gloo ranks (``_dist.run_ranks``, or Lightning's spawn through the
-``fit`` helper of test_strategy.py), each rank with its own data where a synchronisation is checked.
+test. The real-rank comparisons run on real Gloo ranks (``_dist.run_ranks``; the fits against ``ddp`` on one
+module-scoped ``RankPool`` through test_strategy.py's ``fit_in``), each rank with its own data where a
+synchronisation is checked.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import pickle
 import queue as queue_module
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -30,7 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 import lightning as L
-from _dist import run_ranks
+from _dist import RankPool, run_ranks
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_static_dist import RunSummary, StaticDistStrategy
 from lightning_static_dist.compat import all_gather_single, reduce_scatter_single
@@ -42,7 +43,7 @@ from lightning_static_dist.processes.world import nccl_options
 from lightning_static_dist.simulate import BACKEND, LinkConfig, SimulatedGroup, init_simulated_world, set_link
 from lightning_static_dist.simulate import group as simulated_group
 from lightning_static_dist.sync.config import SyncConfig
-from tests.test_strategy import assert_same_weights, ddp, fit, static_dist
+from tests.test_strategy import assert_same_weights, fit_in
 
 multiprocess = pytest.mark.multiprocess
 OVERLAP, AFTER = "overlap/fp32/sms=default", "after_backward/fp32"  # sync.schedule auto's candidates on Gloo (fp32)
@@ -473,12 +474,21 @@ class ScheduleProbe(Callback):
             json.dump(self.facts, f)
 
 
-def _probed_fit(directory: Any, strategy: Any, callbacks: tuple = (), max_steps: int = STEPS,
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[RankPool]:
+    """The 2 Gloo ranks every fit of sections 4 and 5 runs on (``ddp``'s and ours): one start-up for them all."""
+    with RankPool(2) as pool:
+        yield pool
+
+
+def _probed_fit(ranks: RankPool, directory: Any, sync: dict[str, Any], callbacks: tuple = (), max_steps: int = STEPS,
                 **kwargs: Any) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """Fit TwoLayer on 2 Gloo ranks (test_strategy's ``fit``: each rank its own half of the data); rank 0's weights
-    and each rank's :class:`ScheduleProbe` facts."""
-    weights, _ = fit(TwoLayer, strategy, callbacks=[ScheduleProbe(str(directory)), *callbacks], max_steps=max_steps,
-                     **kwargs)
+    """Fit TwoLayer under static_dist with ``strategy.sync`` (and ``compile`` where given) on the 2 ranks
+    (test_strategy's ``fit_in``: each rank its own half of the data); rank 0's weights and each rank's
+    :class:`ScheduleProbe` facts."""
+    options = {"sync": sync, **({"compile": kwargs.pop("compile")} if "compile" in kwargs else {})}
+    weights, _ = fit_in(ranks, TwoLayer, "static_dist", options,
+                        callbacks=[ScheduleProbe(str(directory)), *callbacks], max_steps=max_steps, **kwargs)
     ranks = []
     for rank in range(2):
         with open(os.path.join(str(directory), f"rank{rank}.json")) as f:
@@ -491,28 +501,28 @@ def _issued_during_backward(facts: dict[str, Any]) -> list[bool]:
 
 
 @pytest.fixture(scope="module")
-def ddp_weights() -> dict[str, torch.Tensor]:
-    weights, _ = fit(TwoLayer, ddp(), max_steps=STEPS)
+def ddp_weights(ranks: RankPool) -> dict[str, torch.Tensor]:
+    weights, _ = fit_in(ranks, TwoLayer, "ddp", max_steps=STEPS)
     return weights
 
 
 @pytest.fixture(scope="module")
-def auto_run(tmp_path_factory: Any) -> dict[str, Any]:
+def auto_run(ranks: RankPool, tmp_path_factory: Any) -> dict[str, Any]:
     """A fit with sync.schedule auto (2 steps per schedule), checkpointed at its last step."""
     root = tmp_path_factory.mktemp("auto")
     checkpoint = ModelCheckpoint(dirpath=str(root / "ckpt"), filename="last", every_n_train_steps=STEPS, save_top_k=-1,
                                  save_on_train_epoch_end=False)
-    weights, ranks = _probed_fit(root / "probe", static_dist(sync={"schedule": "auto", "schedule_trial_steps": 2,
-                                                                   **BUCKETS}),
+    weights, facts = _probed_fit(ranks, root / "probe", {"schedule": "auto", "schedule_trial_steps": 2, **BUCKETS},
                                  callbacks=(checkpoint,), enable_checkpointing=True, default_root_dir=str(root))
-    return {"weights": weights, "ranks": ranks, "ckpt": str(root / "ckpt" / "last.ckpt"), "root": root}
+    return {"weights": weights, "ranks": facts, "ckpt": str(root / "ckpt" / "last.ckpt"), "root": root}
 
 
 @multiprocess
-def test_after_backward_trains_to_ddps_weights(tmp_path: Any, ddp_weights: dict[str, torch.Tensor]) -> None:
-    ours, ranks = _probed_fit(tmp_path, static_dist(sync={"schedule": "after_backward", **BUCKETS}))
+def test_after_backward_trains_to_ddps_weights(ranks: RankPool, tmp_path: Any,
+                                               ddp_weights: dict[str, torch.Tensor]) -> None:
+    ours, probed = _probed_fit(ranks, tmp_path, {"schedule": "after_backward", **BUCKETS})
     assert_same_weights(ours, ddp_weights)
-    for facts in ranks:  # every bucket waited for the end of backward, every step; then all were issued
+    for facts in probed:  # every bucket waited for the end of backward, every step; then all were issued
         assert facts["launch_during_backward"] == [False] * STEPS
         assert facts["issued_in_backward"] == [0] * STEPS
         assert all(n >= 2 for n in facts["issued"]), facts["issued"]  # (several buckets)
@@ -535,11 +545,11 @@ def test_auto_trains_to_ddps_weights_while_it_tries_both_schedules(
 
 @multiprocess
 def test_after_backward_compiled_is_one_uncut_graph_and_trains_to_ddps_weights(
-        tmp_path: Any, ddp_weights: dict[str, torch.Tensor]) -> None:
-    ours, ranks = _probed_fit(tmp_path, static_dist(compile={"enabled": True, "backend": "aot_eager"},
-                                                    sync={"schedule": "after_backward", **BUCKETS}))
+        ranks: RankPool, tmp_path: Any, ddp_weights: dict[str, torch.Tensor]) -> None:
+    ours, probed = _probed_fit(ranks, tmp_path, {"schedule": "after_backward", **BUCKETS},
+                               compile={"enabled": True, "backend": "aot_eager"})
     assert_same_weights(ours, ddp_weights, tol=1e-5)
-    for facts in ranks:
+    for facts in probed:
         assert facts["compiled"] and not facts["cut"]
         assert facts["launch_during_backward"] == [False] * STEPS
         assert facts["issued_in_backward"] == [0] * STEPS and all(n >= 2 for n in facts["issued"])
@@ -554,7 +564,8 @@ def test_after_backward_compiled_is_one_uncut_graph_and_trains_to_ddps_weights(
 
 
 @multiprocess
-def test_autos_choice_is_every_ranks_and_a_resumed_fit_keeps_it(auto_run: dict[str, Any], tmp_path: Any) -> None:
+def test_autos_choice_is_every_ranks_and_a_resumed_fit_keeps_it(ranks: RankPool, auto_run: dict[str, Any],
+                                                                 tmp_path: Any) -> None:
     first, second = auto_run["ranks"]
     assert first["choice"] == second["choice"] and first["choice"] in (OVERLAP, AFTER)
     assert first["step_s"] == second["step_s"]  # the slowest rank's times: one decision
@@ -562,7 +573,7 @@ def test_autos_choice_is_every_ranks_and_a_resumed_fit_keeps_it(auto_run: dict[s
     saved = torch.load(auto_run["ckpt"], weights_only=False)[SCHEDULE_KEY]
     assert saved["choice"] == first["choice"] and saved["step_s"] == pytest.approx(first["step_s"])
 
-    _, resumed = _probed_fit(tmp_path, static_dist(sync={"schedule": "auto", "schedule_trial_steps": 2, **BUCKETS}),
+    _, resumed = _probed_fit(ranks, tmp_path, {"schedule": "auto", "schedule_trial_steps": 2, **BUCKETS},
                              ckpt_path=auto_run["ckpt"], max_steps=2 * STEPS)
     for facts in resumed:
         # decided before the resumed fit's first step: the saved choice and times, no trial run again

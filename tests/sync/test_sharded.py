@@ -6,22 +6,37 @@ what it refuses by name (a parameter frozen during fit, an optimizer that is not
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 import lightning as L
-from _dist import reference_ddp
-from _mesh_fit import STEPS, assert_same, fit, static, tiny_gpt
+from _dist import RankPool
+from _mesh_fit import STEPS, assert_same, fit_in, static, tiny_gpt
 from lightning_static_dist import OverlapMonitor
 from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
 
 
 @pytest.fixture(scope="module")
-def ddp4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+def ranks4() -> Iterator[RankPool]:
+    """4 Gloo ranks for the mesh cases' fits (ddp's, reduce_scatter's, all_reduce's): one start-up for them all."""
+    with RankPool(4) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def ranks2() -> Iterator[RankPool]:
+    """2 Gloo ranks for the compiled and the accumulation cases' fits: one start-up for the five."""
+    with RankPool(2) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def ddp4(ranks4: RankPool, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """Lightning's own DDP on 4 ranks: the reference every mesh must reproduce."""
-    weights, _ = fit(str(tmp_path_factory.mktemp("ddp4")), 4, reference_ddp())
+    weights, _ = fit_in(ranks4, str(tmp_path_factory.mktemp("ddp4")), None)
     return weights
 
 
@@ -30,11 +45,11 @@ def ddp4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(("replicate", "shard"), [(2, 2), pytest.param(1, 4, marks=pytest.mark.slow),
                                                   pytest.param(4, 1, marks=pytest.mark.slow)], ids=["2x2", "1x4", "4x1"])
 def test_meshes_train_to_ddp_weights_with_state_split_by_dp_shard(
-    tmp_path: Any, ddp4: dict[str, torch.Tensor], replicate: int, shard: int
+    ranks4: RankPool, tmp_path: Any, ddp4: dict[str, torch.Tensor], replicate: int, shard: int
 ) -> None:
-    weights, records = fit(str(tmp_path), 4, static(replicate, shard, reduce="reduce_scatter"))
+    weights, records = fit_in(ranks4, str(tmp_path), (replicate, shard, "reduce_scatter"))
     assert_same(weights, ddp4)
-    _, reference = fit(str(tmp_path / "all_reduce"), 4, static(replicate, shard, reduce="all_reduce"))
+    _, reference = fit_in(ranks4, str(tmp_path / "all_reduce"), (replicate, shard, "all_reduce"))
     full_state = reference[0]["state_bytes"]
     assert full_state == 2 * reference[0]["param_bytes"]  # AdamW: exp_avg + exp_avg_sq, unsharded
     for record in records:
@@ -46,13 +61,15 @@ def test_meshes_train_to_ddp_weights_with_state_split_by_dp_shard(
 
 
 @pytest.mark.multiprocess
-def test_compiled_blocks_wait_for_their_own_gathers_and_the_model_is_whole_after_fit(tmp_path: Any) -> None:
+def test_compiled_blocks_wait_for_their_own_gathers_and_the_model_is_whole_after_fit(ranks2: RankPool,
+                                                                                      tmp_path: Any) -> None:
     compiled = {"enabled": True, "backend": "aot_eager", "regional": True}
-    weights, records = fit(str(tmp_path / "rs"), 2, static(1, 2, compile=compiled))
-    reference, _ = fit(str(tmp_path / "ar"), 2, static(2, 1, reduce="all_reduce"))
+    weights, records = fit_in(ranks2, str(tmp_path / "rs"), (1, 2, "auto"), {"compile": compiled})
+    reference, _ = fit_in(ranks2, str(tmp_path / "ar"), (2, 1, "all_reduce"))
     assert_same(weights, reference)
     # the default compile (the whole step cut at the buckets) waits for every gather at the start of the step
-    cut, _ = fit(str(tmp_path / "rs_cut"), 2, static(1, 2, compile={"enabled": True, "backend": "aot_eager"}))
+    cut, _ = fit_in(ranks2, str(tmp_path / "rs_cut"), (1, 2, "auto"),
+                    {"compile": {"enabled": True, "backend": "aot_eager"}})
     assert_same(cut, reference)
     for record in records:
         assert record["recompiles"] == 0  # parameters that are views of a bucket buffer: no recompile
@@ -74,13 +91,13 @@ class _ValLoss(L.Callback):
 
 
 @pytest.mark.multiprocess
-def test_accumulation_validation_and_the_monitor_work_with_reduce_scatter(tmp_path: Any) -> None:
+def test_accumulation_validation_and_the_monitor_work_with_reduce_scatter(ranks2: RankPool, tmp_path: Any) -> None:
     runs = {}
-    for name, strategy in (("rs", static(1, 2)), ("ar", static(2, 1, reduce="all_reduce"))):
+    for name, mesh in (("rs", (1, 2, "auto")), ("ar", (2, 1, "all_reduce"))):
         tmp = str(tmp_path / name)
         os.makedirs(tmp)
-        weights, records = fit(tmp, 2, strategy, steps=6, accumulate_grad_batches=2, limit_val_batches=2,
-                               val_check_interval=4, extra_callbacks=(_ValLoss(tmp), OverlapMonitor()))
+        weights, records = fit_in(ranks2, tmp, mesh, steps=6, accumulate_grad_batches=2, limit_val_batches=2,
+                                  val_check_interval=4, extra_callbacks=(_ValLoss(tmp), OverlapMonitor()))
         runs[name] = (weights, torch.load(os.path.join(tmp, "val_rank0.pt")), records)
     assert runs["rs"][2][0]["sharded"]
     assert_same(runs["rs"][0], runs["ar"][0])
