@@ -89,7 +89,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), tim
 def _pool_worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    except BaseException:  # (a port taken since it was probed): the first call fails naming it, not by its timeout
+        outbox.put((rank, "error", traceback.format_exc()))
+        return
     try:
         while (job := inbox.get()) is not None:
             fn, args = job

@@ -173,8 +173,9 @@ DAMAGES = {  # name: (the checkpoint it starts from, what is done to it, the res
 }
 
 
-# the default run keeps one damage of each format; the others, each one more job, run with `-m slow`
-_DAMAGES_KEPT = ("truncated", "no-distcp")
+# the default run keeps each kind of damage's words (torch's, load_state_dict's, DCP's); `-m slow` adds a second
+# missing file
+_DAMAGES_KEPT = ("truncated", "another-model", "no-distcp", "simulated-world-of-4")
 
 
 @pytest.mark.parametrize("damage", [d if d in _DAMAGES_KEPT else pytest.param(d, marks=pytest.mark.slow)

@@ -59,27 +59,41 @@ def _run(tmp_path: Any, args: list[str], env: Optional[dict[str, str]] = None) -
 # Each case as its own script would meet it: argv, environment and stderr its own; what the process's exit would show
 # (the SystemExit status, an escaping exception's traceback) recorded instead, one JSON line per case.
 _CASES_SCRIPT = """
-import contextlib, io, json, os, sys, traceback
+import contextlib, io, json, os, sys, tempfile, traceback, warnings
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 if __name__ == "__main__":
-    base = dict(os.environ)
+    base, filters = dict(os.environ), list(warnings.filters)
     for args, env in json.loads(sys.argv[1]):
         os.environ.clear()
         os.environ.update({**base, **(env or {})})
+        warnings.resetwarnings()  # (every warning shows once per case, as in a script of its own)
+        warnings.filters[:] = filters
         sys.argv = ["main.py", "fit", "--trainer.accelerator=cpu", "--trainer.logger=false", *args]
         err, code, built = io.StringIO(), 0, False
-        with contextlib.redirect_stderr(err):
+        # what reaches file descriptor 2 too: Lightning's log handlers hold the stderr of import time
+        with tempfile.TemporaryFile("w+") as raw:
+            sys.__stderr__.flush()
+            kept = os.dup(2)
+            os.dup2(raw.fileno(), 2)
             try:
-                LightningCLI(BoringModel)
-                built = True
-            except SystemExit as stop:
-                code = stop.code
-            except BaseException:
-                code = 1
-                traceback.print_exc()
-        print("CASE " + json.dumps({"code": code, "stderr": err.getvalue(), "built": built}), flush=True)
+                with contextlib.redirect_stderr(err):
+                    try:
+                        LightningCLI(BoringModel)
+                        built = True
+                    except SystemExit as stop:
+                        code = stop.code
+                    except BaseException:
+                        code = 1
+                        traceback.print_exc()
+            finally:
+                sys.__stderr__.flush()
+                os.dup2(kept, 2)
+                os.close(kept)
+            raw.seek(0)
+            printed = raw.read()
+        print("CASE " + json.dumps({"code": code, "stderr": printed + err.getvalue(), "built": built}), flush=True)
 """
 
 

@@ -92,12 +92,13 @@ def test_a_rank_killed_while_its_peer_is_blocked_ends_the_job_with_one_line(tmp_
     assert seconds < 60
 
 
-# one job each; the default run keeps the first, `-m slow` adds a backend's words and rank 0 (the store's host)
+# one job each; the default run keeps rank 1's and rank 0's (the store's host) own errors, `-m slow` adds a backend's
+# words
 @pytest.mark.parametrize("fault, rank, error", [
     ("raise_timeout", 1, "RuntimeError: timeout while waiting for the data server"),
     pytest.param("raise_peer_words", 1, "RuntimeError: Timed out waiting for the data server: Connection reset by peer",
                  marks=pytest.mark.slow),
-    pytest.param("raise_oom", 0, "torch.OutOfMemoryError: CUDA out of memory", marks=pytest.mark.slow),
+    ("raise_oom", 0, "torch.OutOfMemoryError: CUDA out of memory"),
 ])
 def test_an_exception_on_one_rank_prints_its_traceback_once_and_ends_the_job(tmp_path: Any, fault: str, rank: int,
                                                                            error: str) -> None:
