@@ -20,7 +20,6 @@ from datetime import timedelta
 from typing import Any, Optional
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning.fabric.strategies import DDPStrategy
@@ -30,14 +29,12 @@ from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.ddp_arguments import check_process_group_backend
 from lightning_static_dist.processes.ending import install_excepthook
 from lightning_static_dist.processes.faults import collective_failed, diagnose, is_collective_failure, post_own_failure
-from lightning_static_dist.processes.world import DataParallelWorld
+from lightning_static_dist.processes.world import DataParallelWorld, WorldFacts
 from lightning_static_dist.processes.launcher import FabricSpawnLauncher, StaticDistLauncher
-from lightning_static_dist.simulate.config import SimulateConfig
-from lightning_static_dist.step_plan import StepPlan
 from lightning_static_dist.strategy_config import StrategyConfig
 
 
-class FabricProcesses(DDPStrategy):
+class FabricProcesses(WorldFacts, DDPStrategy):
     """Fabric's ``DDPStrategy`` with the data-parallel mesh, this package's launchers, the validated ``strategy``
     block, and the process group the Trainer strategy starts (a simulated world: ``Fabric(devices=1)``, this process
     rank 0 of ``simulate.world_size``)."""
@@ -47,41 +44,16 @@ class FabricProcesses(DDPStrategy):
         self._world = DataParallelWorld(config, started="after `fabric.launch()`")
         self._failed = False
 
-    @property
-    def config(self) -> StrategyConfig:
-        return self._world.config
-
-    @property
-    def plan(self) -> StepPlan:
-        """The step plan of the world that started (resolved when the processes start)."""
-        return self._world.plan
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        return self._world.device_mesh
-
     # ------------------------------------------------------------------------------------- processes and ranks
-
-    @property
-    def dp_group(self) -> Optional[torch.distributed.ProcessGroup]:
-        return self._world.dp_group
 
     @property
     def host_group(self) -> Optional[torch.distributed.ProcessGroup]:
         return self.dp_group
 
     @property
-    def simulation(self) -> Optional[SimulateConfig]:
-        """``strategy.simulate`` when this run simulates a world (``None`` otherwise)."""
-        return self._world.simulation
-
-    @property
     @override
     def world_size(self) -> int:
         return self._world.world_size(super().world_size)
-
-    def _ranks_in_world(self) -> int:
-        return self._world.ranks(self.num_nodes, self.num_processes)
 
     @property
     @override
@@ -125,10 +97,6 @@ class FabricProcesses(DDPStrategy):
         if isinstance(self._launcher, StaticDistLauncher):
             self._launcher.kill(signal.SIGKILL)
         return True
-
-    def reduce_scatter(self) -> bool:
-        """``sync.reduce`` resolved against the mesh (:meth:`DataParallelWorld.reduce_scatter`)."""
-        return self._world.reduce_scatter(self.world_size)
 
     @override
     def _configure_launcher(self) -> None:

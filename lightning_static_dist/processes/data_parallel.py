@@ -24,7 +24,6 @@ import torch
 import torch.distributed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -54,14 +53,12 @@ from lightning_static_dist.processes.ending import in_chain, install_excepthook
 from lightning_static_dist.processes.faults import (diagnose, is_collective_failure, post_own_failure,
                                                     waiting_in)
 from lightning_static_dist.processes.launcher import StaticDistLauncher, StaticDistSpawnLauncher
-from lightning_static_dist.processes.world import DataParallelWorld, check_launch_environment
-from lightning_static_dist.step_plan import StepPlan
-from lightning_static_dist.simulate.config import SimulateConfig
+from lightning_static_dist.processes.world import DataParallelWorld, WorldFacts, check_launch_environment
 
 log = logging.getLogger(__name__)
 
 
-class DataParallelProcesses(ParallelStrategy):
+class DataParallelProcesses(WorldFacts, ParallelStrategy):
     """A Lightning strategy's processes, ranks, groups and collectives, for data parallelism over a ``DeviceMesh``
     that covers the world.
 
@@ -109,26 +106,6 @@ class DataParallelProcesses(ParallelStrategy):
         checkpoint could not be written or read, and why (every rank prints the same one)."""
 
     @property
-    def config(self) -> StrategyConfig:
-        """The validated strategy configuration (``strategy.config.sync.bucket_mb`` ...)."""
-        return self._world.config
-
-    @property
-    def plan(self) -> StepPlan:
-        """The step plan of the world that started (resolved in :meth:`setup_environment`)."""
-        return self._world.plan
-
-    @property
-    def simulation(self) -> Optional[SimulateConfig]:
-        """``strategy.simulate`` when this run simulates a world (``None`` otherwise)."""
-        return self._world.simulation
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """The data-parallel mesh, built in :meth:`setup_environment` from the world that actually started."""
-        return self._world.device_mesh
-
-    @property
     def is_distributed(self) -> bool:
         # Lightning asks this of strategies it does not know (sampler insertion, `self.log(sync_dist=True)`)
         return True
@@ -163,9 +140,6 @@ class DataParallelProcesses(ParallelStrategy):
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
-    def _ranks_in_world(self) -> int:
-        return self._world.ranks(self.num_nodes, self.num_processes)
-
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -180,19 +154,10 @@ class DataParallelProcesses(ParallelStrategy):
         return self._process_group_backend
 
     @property
-    def dp_group(self) -> Optional[torch.distributed.ProcessGroup]:
-        """Every data-parallel rank: the mesh covers the world."""
-        return self._world.dp_group
-
-    @property
     def host_group(self) -> Optional[torch.distributed.ProcessGroup]:
         """A Gloo group over every rank for figures held on the host (``None`` on one rank, or where none could be
         made)."""
         return self._host_group
-
-    def reduce_scatter(self) -> bool:
-        """``sync.reduce`` resolved against the mesh (:meth:`DataParallelWorld.reduce_scatter`)."""
-        return self._world.reduce_scatter(self.world_size)
 
     @override
     def _configure_launcher(self) -> None:

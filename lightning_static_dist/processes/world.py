@@ -209,6 +209,55 @@ class DataParallelWorld:
         self._plan = plan
 
 
+class WorldFacts:
+    """What either front end's processes answer from the :class:`DataParallelWorld` they hold as ``self._world``
+    (mixed in before Lightning's strategy class; ``world_size``, ``num_nodes`` and ``num_processes`` are the
+    strategy's).
+
+    Example::
+
+        class FabricProcesses(WorldFacts, DDPStrategy): ...
+        strategy.plan.schedule, strategy.device_mesh, strategy.reduce_scatter()
+    """
+
+    _world: DataParallelWorld
+    world_size: int
+    num_nodes: int
+    num_processes: int
+
+    @property
+    def config(self) -> StrategyConfig:
+        """The validated strategy configuration (``strategy.config.sync.bucket_mb`` ...)."""
+        return self._world.config
+
+    @property
+    def plan(self) -> StepPlan:
+        """The step plan of the world that started (resolved when the processes start)."""
+        return self._world.plan
+
+    @property
+    def simulation(self) -> Optional[SimulateConfig]:
+        """``strategy.simulate`` when this run simulates a world (``None`` otherwise)."""
+        return self._world.simulation
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The data-parallel mesh, built when the processes start from the world that actually started."""
+        return self._world.device_mesh
+
+    @property
+    def dp_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        """Every data-parallel rank: the mesh covers the world."""
+        return self._world.dp_group
+
+    def reduce_scatter(self) -> bool:
+        """``sync.reduce`` resolved against the mesh (:meth:`DataParallelWorld.reduce_scatter`)."""
+        return self._world.reduce_scatter(self.world_size)
+
+    def _ranks_in_world(self) -> int:
+        return self._world.ranks(self.num_nodes, self.num_processes)
+
+
 def ranks_in_world(simulation: Optional[SimulateConfig], num_nodes: int, num_processes: int) -> int:
     """The world's size, before any process starts: every node's processes, or the simulated world's ranks."""
     return simulation.world_size if simulation is not None else num_nodes * num_processes
