@@ -230,9 +230,8 @@ class RunSummary(Callback):
             "bucket_plan": sync.bucket_plan if sync else None,
         }
         schedule = offer.schedule_choice() if offer is not None else None
-        config = getattr(trainer.strategy, "config", None)
-        if config is not None and sync is not None:  # the schedule this run used (by_topology: what it became)
-            self.summary["sync_schedule"] = config.sync.schedule
+        if sync is not None:  # the schedule this run used, as its plan resolved it (by_topology: what it became)
+            self.summary["sync_schedule"] = trainer.strategy.plan.schedule
         if schedule is not None:  # sync.schedule: auto: what it chose, and what choosing cost
             self.summary["sync_schedule"] = schedule.choice
             self.summary["sync_schedule_trial_steps"] = schedule.trial_steps or None

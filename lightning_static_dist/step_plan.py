@@ -2,8 +2,8 @@
 
 The config says what the user asked (``sync.schedule: by_topology``, ``sync.reduce: auto``, ``bucket_mb`` in MiB);
 the world (its size, device type, nodes and mesh) decides what that becomes. :func:`resolve_plan` makes that decision
-once, when the processes have started and the mesh is built (``processes/world.py``'s ``resolve_for_world``, for both
-front ends), and the participants read the frozen result as ``view.plan``: none re-reads or re-converts the config
+once, when the processes have started and the mesh is built (``processes/world.py``'s ``DataParallelWorld.build``,
+for both front ends), and the participants read the frozen result as ``view.plan``: none re-reads or re-converts the config
 at phase time, and no ``by_topology`` is left to read.
 
 Example::

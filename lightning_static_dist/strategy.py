@@ -8,7 +8,6 @@ which run every feature's participant in their one order; ``docs/architecture.md
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Callable, Generator, Mapping
@@ -37,7 +36,6 @@ from lightning_static_dist.compile import CompileReport
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.trial import StepTrial
 from lightning_static_dist.compression.config import CompressionConfig
-from lightning_static_dist.ddp_arguments import DDPArguments, yield_to
 from lightning_static_dist.embedding import EmbeddingConfig, EmbeddingSharder
 from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.processes.launcher import register_names
@@ -117,11 +115,7 @@ class StaticDistStrategy(DataParallelProcesses):
         ddp_comm_wrapper: Any = None,
         model_averaging_period: Optional[int] = None,
     ) -> None:
-        ddp = DDPArguments(timeout, find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb,
-                           broadcast_buffers, ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper, model_averaging_period)
-        sections = dict(compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding,
-                        checkpoint=checkpoint, simulate=simulate)
-        config, notes = StrategyConfig.from_arguments(ddp, sections, timeout_s, start_method)
+        config, notes = StrategyConfig.from_keywords(locals())  # (the keywords by name: the signature stays explicit)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
                          config=config, start_method=start_method, process_group_backend=process_group_backend,
                          num_nodes=num_nodes)
@@ -135,7 +129,7 @@ class StaticDistStrategy(DataParallelProcesses):
         self._offer = RosterOffer(self._parts, self, host_max=self.host_max)
         self._context: Optional[TrainerContext] = None
         self._layers_synced = False  # ``Trainer(sync_batchnorm=True)`` applied to the model in setup
-        log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
+        log.debug(f"{self.__class__.__name__}: initialised with {self.config}")
 
     @classmethod
     def from_config(cls, config: StrategyConfig, **kwargs: Any) -> StaticDistStrategy:
@@ -146,8 +140,7 @@ class StaticDistStrategy(DataParallelProcesses):
 
             strategy = StaticDistStrategy.from_config(load_run_config("charlm_cpu").strategy, start_method="spawn")
         """
-        sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-        return cls(**{**yield_to(sections, kwargs), **kwargs})
+        return cls(**config.as_keywords(kwargs))
 
     # ------------------------------------------------------------------------------- what the participants hold
 

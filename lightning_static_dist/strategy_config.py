@@ -33,7 +33,7 @@ from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compile.cudagraphs import hazards
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.config.check import ConfigError, check_value, fail, section_from_dict
-from lightning_static_dist.ddp_arguments import START_METHODS, DDPArguments, translate
+from lightning_static_dist.ddp_arguments import START_METHODS, DDPArguments, translate, yield_to
 from lightning_static_dist.embedding import EmbeddingConfig
 from lightning_static_dist.mesh import MeshConfig
 from lightning_static_dist.simulate.config import SimulateConfig
@@ -179,3 +179,29 @@ class StrategyConfig:
         if start_method not in START_METHODS:
             raise ConfigError(f"start_method={start_method!r}: allowed: {', '.join(map(repr, START_METHODS))}")
         return config, notes
+
+    @classmethod
+    def from_keywords(cls, keywords: Mapping[str, Any]) -> tuple[StrategyConfig, list[str]]:
+        """:meth:`from_arguments` for a front end's ``__init__``, given its keywords by name (its ``locals()``): each
+        section, ``timeout_s``, ``start_method`` and whichever of DDP's arguments that front end takes. Both front
+        ends build their block here; each keeps its own explicit signature, which LightningCLI reads.
+
+        Example::
+
+            config, notes = StrategyConfig.from_keywords({"sync": {"bucket_mb": 10}, "timeout_s": None,
+                                                          "start_method": "popen", "bucket_cap_mb": None})
+        """
+        ddp = DDPArguments(**{f.name: keywords[f.name] for f in dataclasses.fields(DDPArguments) if f.name in keywords})
+        sections = {f.name: keywords.get(f.name) for f in dataclasses.fields(cls) if f.name != "timeout_s"}
+        return cls.from_arguments(ddp, sections, keywords.get("timeout_s"), keywords["start_method"])
+
+    def as_keywords(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        """A front end's keywords for this block with ``overrides`` winning (a DDP argument over the key it stands
+        for: :func:`~lightning_static_dist.ddp_arguments.yield_to`): what ``from_config`` builds the front end with.
+
+        Example::
+
+            StaticDistStrategy(**config.as_keywords({"start_method": "spawn"}))
+        """
+        sections = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**yield_to(sections, overrides), **overrides}

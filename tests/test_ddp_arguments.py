@@ -4,6 +4,7 @@ ddp_arguments`): those that stand for a ``strategy`` key, the ones refused by na
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from typing import Any
 
@@ -72,3 +73,18 @@ def test_a_num_nodes_given_to_the_strategy_that_the_trainer_replaces_is_warned_a
 
     with pytest.warns(UserWarning, match="num_nodes=2 given to the strategy is replaced by the Trainer's num_nodes=1"):
         L.Trainer(accelerator="cpu", devices=1, strategy=StaticDistStrategy(num_nodes=2), logger=False)
+
+
+def test_both_front_ends_build_one_block_from_the_same_keywords() -> None:
+    from lightning_static_dist.fabric import StaticDistFabricStrategy
+
+    keywords: dict[str, Any] = dict(sync={"first_bucket_mb": 2.0}, compression={"name": "bf16"}, bucket_cap_mb=5,
+                                    timeout=timedelta(seconds=30), start_method="spawn")
+    trainer, fabric = StaticDistStrategy(**keywords).config, StaticDistFabricStrategy(**keywords).config
+    # (Fabric writes one file: its checkpoint.format auto reads full, fabric/checkpoints.py)
+    assert trainer == dataclasses.replace(fabric, checkpoint=trainer.checkpoint)
+    assert fabric.sync.bucket_mb == 5.0 and fabric.sync.first_bucket_mb == 2.0 and fabric.timeout_s == 30.0
+    config = load_run_config(CPU_CONFIG).strategy
+    trainer = StaticDistStrategy.from_config(config, timeout_s=60, bucket_cap_mb=3).config
+    fabric = StaticDistFabricStrategy.from_config(config, timeout_s=60, bucket_cap_mb=3).config
+    assert trainer == dataclasses.replace(fabric, checkpoint=trainer.checkpoint) and trainer.sync.bucket_mb == 3.0

@@ -240,7 +240,7 @@ def test_omitted_sections_take_their_defaults(tmp_path: Path) -> None:
     assert cfg.trainer == {} and cfg.callbacks == {}
     assert cfg.strategy == StrategyConfig()
     assert cfg.strategy.sync == SyncConfig(mode="hooks", bucket_mb=100.0, first_bucket_mb=1.0, broadcast_buffers=True)
-    assert StaticDistStrategy()._config == StrategyConfig()
+    assert StaticDistStrategy().config == StrategyConfig()
 
 
 def test_empty_file_and_no_file_are_all_defaults(tmp_path: Path) -> None:

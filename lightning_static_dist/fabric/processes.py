@@ -1,9 +1,9 @@
 """The processes, ranks, mesh and groups of the Fabric strategy, below its step
 (:class:`~lightning_static_dist.fabric.strategy.StaticDistFabricStrategy`): Fabric's ``DDPStrategy`` with the
-process group started as the Trainer strategy starts it
-(:func:`~lightning_static_dist.processes.world.start_process_group`: ``strategy.simulate``'s world,
-``sync.comm_sms``), the data-parallel ``DeviceMesh``, this package's launchers, and what the step participants read
-of the processes (:class:`~lightning_static_dist.participants.StrategyView`).
+process group started as the Trainer strategy starts it (``strategy.simulate``'s world, ``sync.comm_sms``) and the
+data-parallel ``DeviceMesh``, both held by a :class:`~lightning_static_dist.processes.world.DataParallelWorld` as the
+Trainer's processes hold theirs; this package's launchers; and what the step participants read of the processes
+(:class:`~lightning_static_dist.participants.StrategyView`).
 
 Example::
 
@@ -20,81 +20,40 @@ from datetime import timedelta
 from typing import Any, Optional
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.utilities.distributed import group as _group
 
 from lightning_static_dist.compat import mark_run_failed
 from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.ddp_arguments import check_process_group_backend
-from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
 from lightning_static_dist.processes.ending import install_excepthook
 from lightning_static_dist.processes.faults import collective_failed, diagnose, is_collective_failure, post_own_failure
-from lightning_static_dist.processes.world import (
-    check_simulation,
-    ranks_in_world,
-    resolve_for_world,
-    start_process_group,
-)
+from lightning_static_dist.processes.world import DataParallelWorld, WorldFacts
 from lightning_static_dist.processes.launcher import FabricSpawnLauncher, StaticDistLauncher
-from lightning_static_dist.simulate.config import SimulateConfig
-from lightning_static_dist.step_plan import StepPlan
 from lightning_static_dist.strategy_config import StrategyConfig
 
 
-class FabricProcesses(DDPStrategy):
+class FabricProcesses(WorldFacts, DDPStrategy):
     """Fabric's ``DDPStrategy`` with the data-parallel mesh, this package's launchers, the validated ``strategy``
     block, and the process group the Trainer strategy starts (a simulated world: ``Fabric(devices=1)``, this process
     rank 0 of ``simulate.world_size``)."""
 
     def __init__(self, config: StrategyConfig, **kwargs: Any) -> None:
         super().__init__(timeout=timedelta(seconds=config.timeout_s), **kwargs)
-        self._config = config
-        self._mesh: Optional[DeviceMesh] = None
-        self._plan: Optional[StepPlan] = None
+        self._world = DataParallelWorld(config, started="after `fabric.launch()`")
         self._failed = False
 
-    @property
-    def config(self) -> StrategyConfig:
-        return self._config
-
-    @property
-    def plan(self) -> StepPlan:
-        """The step plan of the world that started (resolved when the processes start)."""
-        if self._plan is None:
-            raise RuntimeError("The step plan is resolved when the processes start: access it after `fabric.launch()`.")
-        return self._plan
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        if self._mesh is None:
-            raise RuntimeError("The device mesh is built when the processes start: access it after `fabric.launch()`.")
-        return self._mesh
-
     # ------------------------------------------------------------------------------------- processes and ranks
-
-    @property
-    def dp_group(self) -> Optional[torch.distributed.ProcessGroup]:
-        return _group.WORLD if self._mesh is not None else None
 
     @property
     def host_group(self) -> Optional[torch.distributed.ProcessGroup]:
         return self.dp_group
 
     @property
-    def simulation(self) -> Optional[SimulateConfig]:
-        """``strategy.simulate`` when this run simulates a world (``None`` otherwise)."""
-        return self._config.simulate if self._config.simulate.enabled else None
-
-    @property
     @override
     def world_size(self) -> int:
-        return self._ranks_in_world() if self.simulation is not None else super().world_size
-
-    def _ranks_in_world(self) -> int:
-        return ranks_in_world(self.simulation, self.num_nodes, self.num_processes)
+        return self._world.world_size(super().world_size)
 
     @property
     @override
@@ -139,20 +98,12 @@ class FabricProcesses(DDPStrategy):
             self._launcher.kill(signal.SIGKILL)
         return True
 
-    def reduce_scatter(self) -> bool:
-        """``sync.reduce`` resolved against the mesh (the plan's ``reduce_by_scatter`` once the processes started;
-        before, from the config and whatever mesh exists, as it was answered before the plan)."""
-        if self._plan is None:
-            return reduces_by_scatter(self._config.sync.reduce, self._mesh, self.world_size)
-        return self._plan.reduce_by_scatter
-
     @override
     def _configure_launcher(self) -> None:
         # before any rank starts: a mesh that cannot fit the world, or an unknown backend, is a config error
         with parse_errors_of(self):  # (a strategy jsonargparse built: its command line's error, in one line)
-            check_simulation(self.simulation, self.num_processes, self.num_nodes, self.parallel_devices,
-                             "Fabric(devices=1, num_nodes=1)")
-            resolve_mesh_shape(self._config.mesh, self._ranks_in_world())
+            self._world.check_before_launch(self.num_processes, self.num_nodes, self.parallel_devices,
+                                            "Fabric(devices=1, num_nodes=1)")
             check_process_group_backend(self._process_group_backend)
         if self._start_method == "popen":  # the Trainer's: a grace period for a survivor's one line
             self._launcher = StaticDistLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -163,15 +114,14 @@ class FabricProcesses(DDPStrategy):
     def setup_environment(self) -> None:
         check_process_group_backend(self._process_group_backend)
         super().setup_environment()
-        self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
-        resolve_for_world(self)
+        self._world.build(self, self.root_device, self.world_size, self.num_nodes)
 
     @override
     def _setup_distributed(self) -> None:
         # DDPStrategy's, with the Trainer strategy's start of the group (a simulated world, NCCL's options)
         self._set_world_ranks()
         assert self.cluster_environment is not None
-        self._process_group_backend = start_process_group(self.cluster_environment, self._get_process_group_backend(),
-                                                          self.root_device, self._config, os.getcwd())
+        self._process_group_backend = self._world.start(self.cluster_environment, self._get_process_group_backend(),
+                                                        self.root_device, os.getcwd())
         if self.world_size > 1 and self.simulation is None:
             install_excepthook(self._explain)

@@ -26,7 +26,6 @@ from lightning_static_dist.compile import CompileReport
 from lightning_static_dist.compression import CompressingReducer
 from lightning_static_dist.compression.reducer_state import compressing_reducer_of
 from lightning_static_dist.config import ConfigError
-from lightning_static_dist.ddp_arguments import DDPArguments, yield_to
 from lightning_static_dist.fabric.metrics import StepFigures
 from lightning_static_dist.fabric.checkpoints import FabricCheckpoints
 from lightning_static_dist.fabric.model import LocalAccumulation, FabricModel, run_backward, teardown_models
@@ -68,12 +67,7 @@ class StaticDistFabricStrategy(FabricCheckpoints):
                  timeout: Optional[timedelta] = None, find_unused_parameters: Optional[bool] = None,
                  static_graph: Optional[bool] = None, gradient_as_bucket_view: Optional[bool] = None,
                  bucket_cap_mb: Optional[float] = None, broadcast_buffers: Optional[bool] = None) -> None:
-        ddp = DDPArguments(timeout=timeout, find_unused_parameters=find_unused_parameters, static_graph=static_graph,
-                           gradient_as_bucket_view=gradient_as_bucket_view, bucket_cap_mb=bucket_cap_mb,
-                           broadcast_buffers=broadcast_buffers)
-        sections = dict(compile=compile, mesh=mesh, sync=sync, compression=compression, embedding=embedding,
-                        checkpoint=checkpoint, simulate=simulate)
-        config, notes = StrategyConfig.from_arguments(ddp, sections, timeout_s, start_method)
+        config, notes = StrategyConfig.from_keywords(locals())  # (the keywords by name: the signature stays explicit)
         if isinstance(monitor_every_n_steps, bool) or not isinstance(monitor_every_n_steps, int) or monitor_every_n_steps < 0:
             raise ConfigError(f"monitor_every_n_steps={monitor_every_n_steps!r}: must be an integer >= 0 (0: never)")
         super().__init__(config, accelerator=accelerator, parallel_devices=parallel_devices,
@@ -84,13 +78,12 @@ class StaticDistFabricStrategy(FabricCheckpoints):
         self._figures = StepFigures()  # (on the root device, read when it first combines: not known before launch)
         self._backward_sync_control = LocalAccumulation(self._model_of)
         self._monitor_every = monitor_every_n_steps
-        log.debug(f"{self.__class__.__name__}: initialised with {self._config}")
+        log.debug(f"{self.__class__.__name__}: initialised with {self.config}")
 
     @classmethod
     def from_config(cls, config: StrategyConfig, **kwargs: Any) -> StaticDistFabricStrategy:
         """Build the strategy from a validated ``strategy`` block; ``kwargs`` win over it (as the Trainer's)."""
-        sections = {name: getattr(config, name) for name in StrategyConfig.__dataclass_fields__}
-        return cls(**{**yield_to(sections, kwargs), **kwargs})
+        return cls(**config.as_keywords(kwargs))
 
     # ------------------------------------------------------------------------------------------ what users read
 

@@ -24,7 +24,6 @@ import torch
 import torch.distributed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -54,16 +53,12 @@ from lightning_static_dist.processes.ending import in_chain, install_excepthook
 from lightning_static_dist.processes.faults import (diagnose, is_collective_failure, post_own_failure,
                                                     waiting_in)
 from lightning_static_dist.processes.launcher import StaticDistLauncher, StaticDistSpawnLauncher
-from lightning_static_dist.processes.world import (check_launch_environment, check_simulation, ranks_in_world,
-                                                   resolve_for_world, start_process_group)
-from lightning_static_dist.step_plan import StepPlan
-from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
-from lightning_static_dist.simulate.config import SimulateConfig
+from lightning_static_dist.processes.world import DataParallelWorld, WorldFacts, check_launch_environment
 
 log = logging.getLogger(__name__)
 
 
-class DataParallelProcesses(ParallelStrategy):
+class DataParallelProcesses(WorldFacts, ParallelStrategy):
     """A Lightning strategy's processes, ranks, groups and collectives, for data parallelism over a ``DeviceMesh``
     that covers the world.
 
@@ -98,12 +93,10 @@ class DataParallelProcesses(ParallelStrategy):
         )
         if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
             raise ConfigError(f"num_nodes={num_nodes!r}: must be an integer >= 1")
-        self._config = config
+        self._world = DataParallelWorld(config, started="in or after `setup`")
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._num_nodes = num_nodes
-        self._mesh: Optional[DeviceMesh] = None
-        self._plan: Optional[StepPlan] = None
         self._host_group: Optional[torch.distributed.ProcessGroup] = None
         self._failed = False
         self._preempted = False  # the ranks' agreed SIGTERM stop (processes/sigterm.py): every rank saved, none failed
@@ -111,30 +104,6 @@ class DataParallelProcesses(ParallelStrategy):
         self.failure: Optional[str] = None
         """One line saying which rank stopped participating, and where, after a communication failure; or which
         checkpoint could not be written or read, and why (every rank prints the same one)."""
-
-    @property
-    def config(self) -> StrategyConfig:
-        """The validated strategy configuration (``strategy.config.sync.bucket_mb`` ...)."""
-        return self._config
-
-    @property
-    def plan(self) -> StepPlan:
-        """The step plan of the world that started (resolved in :meth:`setup_environment`)."""
-        if self._plan is None:
-            raise RuntimeError("The step plan is resolved when the processes start: access it in or after `setup`.")
-        return self._plan
-
-    @property
-    def simulation(self) -> Optional[SimulateConfig]:
-        """``strategy.simulate`` when this run simulates a world (``None`` otherwise)."""
-        return self._config.simulate if self._config.simulate.enabled else None
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """The data-parallel mesh, built in :meth:`setup_environment` from the world that actually started."""
-        if self._mesh is None:
-            raise RuntimeError("The device mesh is built when the processes start: access it in or after `setup`.")
-        return self._mesh
 
     @property
     def is_distributed(self) -> bool:
@@ -153,8 +122,7 @@ class DataParallelProcesses(ParallelStrategy):
     @override
     def world_size(self) -> int:
         # a cluster environment (SLURM, torchrun ...) reports its own world of one process: the simulated one counts
-        simulation = self.simulation
-        return simulation.world_size if simulation is not None else super().world_size
+        return self._world.world_size(super().world_size)
 
     @property
     def num_nodes(self) -> int:
@@ -172,9 +140,6 @@ class DataParallelProcesses(ParallelStrategy):
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
-    def _ranks_in_world(self) -> int:
-        return ranks_in_world(self.simulation, self.num_nodes, self.num_processes)
-
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -189,22 +154,10 @@ class DataParallelProcesses(ParallelStrategy):
         return self._process_group_backend
 
     @property
-    def dp_group(self) -> Optional[torch.distributed.ProcessGroup]:
-        """Every data-parallel rank: the mesh covers the world."""
-        return _group.WORLD if self._mesh is not None else None
-
-    @property
     def host_group(self) -> Optional[torch.distributed.ProcessGroup]:
         """A Gloo group over every rank for figures held on the host (``None`` on one rank, or where none could be
         made)."""
         return self._host_group
-
-    def reduce_scatter(self) -> bool:
-        """``sync.reduce`` resolved against the mesh (the plan's ``reduce_by_scatter`` once the processes started;
-        before, from the config and whatever mesh exists, as it was answered before the plan)."""
-        if self._plan is None:
-            return reduces_by_scatter(self._config.sync.reduce, self._mesh, self.world_size)
-        return self._plan.reduce_by_scatter
 
     @override
     def _configure_launcher(self) -> None:
@@ -216,10 +169,8 @@ class DataParallelProcesses(ParallelStrategy):
                                      and environment.node_rank() == 0)
             # before any rank starts, against the backends torch knows now (again in each rank, at setup_distributed)
             check_process_group_backend(self._process_group_backend)
-            check_simulation(self.simulation, self.num_processes, self.num_nodes, self.parallel_devices,
-                             "Trainer(devices=1, num_nodes=1)")
-            # in the launching process, before any rank starts: a mesh that cannot fit the world is a config error
-            resolve_mesh_shape(self._config.mesh, self._ranks_in_world())
+            self._world.check_before_launch(self.num_processes, self.num_nodes, self.parallel_devices,
+                                            "Trainer(devices=1, num_nodes=1)")
         if self._start_method == "popen":
             self._launcher = StaticDistLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
@@ -231,7 +182,7 @@ class DataParallelProcesses(ParallelStrategy):
         self.setup_distributed()
         if self.lightning_module is not None:
             # the same hand-over ModelParallelStrategy uses: `self.device_mesh` inside the LightningModule
-            self.lightning_module._device_mesh = self._mesh
+            self.lightning_module._device_mesh = self._world.device_mesh
 
     def setup_distributed(self) -> None:
         """Initialise the process group and build the data-parallel mesh over it."""
@@ -242,11 +193,10 @@ class DataParallelProcesses(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        self._process_group_backend = start_process_group(
-            self.cluster_environment, backend, self.root_device, self._config,
+        self._process_group_backend = self._world.start(
+            self.cluster_environment, backend, self.root_device,
             trainer.default_root_dir if trainer is not None else os.getcwd())
-        self._mesh = build_dp_mesh(self.root_device.type, self._config.mesh)
-        resolve_for_world(self)
+        self._world.build(self, self.root_device, self.world_size, self.num_nodes)
         if self.world_size > 1 and self._host_group is None:  # once per strategy: every later stage reuses it
             self._host_group = loop_patches.host_group(self.plan.start_up_timeout)
         if self.world_size > 1 and self.simulation is None:
@@ -263,9 +213,11 @@ class DataParallelProcesses(ParallelStrategy):
         reuses, stay): each stage builds its own mesh, and groups left behind would outlive the fit, into the
         interpreter's teardown. Not after a failure (a peer may be gone; the process ends without teardown anyway),
         and not in a simulated world (its groups are the world)."""
-        mesh = self._mesh
-        if mesh is None or self._failed or self.simulation is not None or not torch.distributed.is_initialized():
+        if not self._world.has_mesh or self._failed or self.simulation is not None:
             return
+        if not torch.distributed.is_initialized():
+            return
+        mesh = self._world.device_mesh
         keep = {id(_group.WORLD), id(self._host_group)}
         for dim in range(mesh.ndim):
             group = mesh.get_group(dim)

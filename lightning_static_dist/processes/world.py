@@ -1,13 +1,14 @@
 """How a data-parallel world starts, for both front ends (the Trainer's
 :class:`~lightning_static_dist.processes.data_parallel.DataParallelProcesses` and Fabric's ``FabricProcesses``): the
 launch environment and a simulated world checked before any rank starts, the default process group started (bound to
-the rank's device where that helps, with ``sync.comm_sms``'s NCCL options), and the config resolved for the world
-that started.
+the rank's device where that helps, with ``sync.comm_sms``'s NCCL options), and the mesh and the config resolved for
+the world that started, held by one :class:`DataParallelWorld` per front end.
 
 Example::
 
-    backend = start_process_group(environment, "gloo", torch.device("cpu"), config, run_dir)
-    resolve_for_world(strategy)   # strategy.plan: the step plan of this world
+    world = DataParallelWorld(config, started="in or after `setup`")
+    backend = world.start(environment, "gloo", torch.device("cpu"), run_dir)
+    world.build(strategy, torch.device("cpu"), world_size=2, num_nodes=1)   # world.plan: this world's step plan
 """
 
 from __future__ import annotations
@@ -21,20 +22,23 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed
+from torch.distributed.device_mesh import DeviceMesh
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.distributed import group as _group
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_static_dist.compat import destroy_process_groups_at_exit
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.ddp_arguments import device_backend
+from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
 from lightning_static_dist.processes.faults import record_nccl_flight
 from lightning_static_dist.simulate import BACKEND as SIMULATED_BACKEND
 from lightning_static_dist.simulate import init_simulated_world, is_simulated, set_link
 from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.simulate.link import check_available as check_link_available
-from lightning_static_dist.step_plan import resolve_plan, start_up_timeout
+from lightning_static_dist.step_plan import StepPlan, resolve_plan, start_up_timeout
 from lightning_static_dist.strategy_config import StrategyConfig
 
 #: backends whose communicator is created eagerly on the rank's device when the process group is bound to it
@@ -111,19 +115,147 @@ def start_simulated_world(simulation: SimulateConfig, comm_sms: Optional[int], d
                    " crosses a link")
 
 
-def resolve_for_world(strategy: Any) -> None:
-    """Either front end's step plan for this setup's world (:func:`~lightning_static_dist.step_plan.resolve_plan`),
-    from the config as asked, so that a strategy reused in another world resolves again: ``strategy._plan``, and
-    ``strategy._config`` with ``sync.schedule: by_topology`` made concrete; the line saying what it became printed on
-    rank 0, and a refusal in one line (``parse_errors_of``). At setup, once the mesh is built."""
-    asked = strategy.__dict__.setdefault("_asked_config", strategy._config)
-    with parse_errors_of(strategy):
-        plan = resolve_plan(asked, world_size=strategy.world_size, device_type=strategy.root_device.type,
-                            num_nodes=strategy.num_nodes, mesh=strategy.device_mesh)
-    if plan.schedule_line is not None:
-        rank_zero_info(f"static_dist: {plan.schedule_line}")
-    strategy._config = asked if plan.sync is asked.sync else dataclasses.replace(asked, sync=plan.sync)
-    strategy._plan = plan
+class DataParallelWorld:
+    """The one owner of what both front ends' processes know of their world (the Trainer's
+    :class:`~lightning_static_dist.processes.data_parallel.DataParallelProcesses`, Fabric's ``FabricProcesses``; each
+    holds one and answers from it, as Lightning's two strategies share ``_setup_device_mesh``): the ``strategy``
+    block as asked, read here once; the checks before any rank starts; the default group started; the data-parallel
+    mesh over it and the step plan resolved for that world, again at each setup (a strategy reused in another world).
+
+    Example::
+
+        world = DataParallelWorld(config, started="after `fabric.launch()`")
+        world.check_before_launch(num_processes=2, num_nodes=1, devices=None, front_end="Fabric(devices=1)")
+        backend = world.start(environment, "gloo", torch.device("cpu"), run_dir)
+        world.build(strategy, torch.device("cpu"), world_size=2, num_nodes=1)
+        world.plan.schedule, world.device_mesh, world.reduce_scatter(2)
+    """
+
+    def __init__(self, config: StrategyConfig, started: str) -> None:
+        self._asked = config
+        self._config = config  # (``sync.schedule: by_topology`` made concrete once the plan is resolved)
+        self._started = started  # when the mesh and plan exist, in the front end's words
+        self.simulation: Optional[SimulateConfig] = config.simulate if config.simulate.enabled else None
+        """``strategy.simulate`` when this run simulates a world (``None`` otherwise)."""
+        self._mesh: Optional[DeviceMesh] = None
+        self._plan: Optional[StepPlan] = None
+
+    @property
+    def plan(self) -> StepPlan:
+        """The step plan of the world that started."""
+        if self._plan is None:
+            raise RuntimeError(f"The step plan is resolved when the processes start: access it {self._started}.")
+        return self._plan
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The data-parallel mesh, built from the world that actually started."""
+        if self._mesh is None:
+            raise RuntimeError(f"The device mesh is built when the processes start: access it {self._started}.")
+        return self._mesh
+
+    @property
+    def config(self) -> StrategyConfig:
+        """The validated ``strategy`` block (``sync.schedule`` as the plan resolved it, once it is)."""
+        return self._config
+
+    @property
+    def has_mesh(self) -> bool:
+        return self._mesh is not None
+
+    @property
+    def dp_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        """Every data-parallel rank (the mesh covers the world); ``None`` before the mesh is built."""
+        return _group.WORLD if self._mesh is not None else None
+
+    def world_size(self, started: int) -> int:
+        """The simulated world's ranks, else ``started``'s (a cluster environment reports its own world of one)."""
+        return self.simulation.world_size if self.simulation is not None else started
+
+    def ranks(self, num_nodes: int, num_processes: int) -> int:
+        """The world's size before any process starts (:func:`ranks_in_world`)."""
+        return ranks_in_world(self.simulation, num_nodes, num_processes)
+
+    def reduce_scatter(self, world_size: int) -> bool:
+        """``sync.reduce`` resolved against the mesh (the plan's ``reduce_by_scatter`` once the processes started;
+        before, from the config and whatever mesh exists, as it was answered before the plan)."""
+        if self._plan is None:
+            return reduces_by_scatter(self._asked.sync.reduce, self._mesh, world_size)
+        return self._plan.reduce_by_scatter
+
+    def check_before_launch(self, num_processes: int, num_nodes: int, devices: Optional[list[torch.device]],
+                            front_end: str) -> None:
+        """In the launching process, before any rank starts: a simulation the launch cannot hold
+        (:func:`check_simulation`), or a mesh that cannot fit the world, is a config error."""
+        check_simulation(self.simulation, num_processes, num_nodes, devices, front_end)
+        resolve_mesh_shape(self._asked.mesh, self.ranks(num_nodes, num_processes))
+
+    def start(self, environment: ClusterEnvironment, backend: str, device: torch.device, run_dir: str) -> str:
+        """The default process group (:func:`start_process_group`); returns the backend that runs."""
+        return start_process_group(environment, backend, device, self._asked, run_dir)
+
+    def build(self, owner: Any, device: torch.device, world_size: int, num_nodes: int) -> None:
+        """The mesh over the started group, and the step plan for it (:func:`~lightning_static_dist.step_plan.
+        resolve_plan`) from the config as asked: the line saying what ``by_topology`` became printed on rank 0, a
+        refusal in one line (``parse_errors_of(owner)``). At setup, once the group is up."""
+        self._mesh = build_dp_mesh(device.type, self._asked.mesh)
+        with parse_errors_of(owner):
+            plan = resolve_plan(self._asked, world_size=world_size, device_type=device.type, num_nodes=num_nodes,
+                                mesh=self._mesh)
+        if plan.schedule_line is not None:
+            rank_zero_info(f"static_dist: {plan.schedule_line}")
+        asked = self._asked
+        self._config = asked if plan.sync is asked.sync else dataclasses.replace(asked, sync=plan.sync)
+        self._plan = plan
+
+
+class WorldFacts:
+    """What either front end's processes answer from the :class:`DataParallelWorld` they hold as ``self._world``
+    (mixed in before Lightning's strategy class; ``world_size``, ``num_nodes`` and ``num_processes`` are the
+    strategy's).
+
+    Example::
+
+        class FabricProcesses(WorldFacts, DDPStrategy): ...
+        strategy.plan.schedule, strategy.device_mesh, strategy.reduce_scatter()
+    """
+
+    _world: DataParallelWorld
+    world_size: int
+    num_nodes: int
+    num_processes: int
+
+    @property
+    def config(self) -> StrategyConfig:
+        """The validated strategy configuration (``strategy.config.sync.bucket_mb`` ...)."""
+        return self._world.config
+
+    @property
+    def plan(self) -> StepPlan:
+        """The step plan of the world that started (resolved when the processes start)."""
+        return self._world.plan
+
+    @property
+    def simulation(self) -> Optional[SimulateConfig]:
+        """``strategy.simulate`` when this run simulates a world (``None`` otherwise)."""
+        return self._world.simulation
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The data-parallel mesh, built when the processes start from the world that actually started."""
+        return self._world.device_mesh
+
+    @property
+    def dp_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        """Every data-parallel rank: the mesh covers the world."""
+        return self._world.dp_group
+
+    def reduce_scatter(self) -> bool:
+        """``sync.reduce`` resolved against the mesh (:meth:`DataParallelWorld.reduce_scatter`)."""
+        return self._world.reduce_scatter(self.world_size)
+
+    def _ranks_in_world(self) -> int:
+        return self._world.ranks(self.num_nodes, self.num_processes)
 
 
 def ranks_in_world(simulation: Optional[SimulateConfig], num_nodes: int, num_processes: int) -> int:

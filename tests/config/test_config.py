@@ -132,7 +132,7 @@ def test_int_for_a_float_field_is_stored_as_float() -> None:
 def test_strategy_accepts_dataclasses_and_dicts() -> None:
     sync = SyncConfig(bucket_mb=5)
     strategy = StaticDistStrategy(sync=sync, mesh={"dp_replicate": -1}, compile=CompileConfig(), timeout_s=60)
-    config = strategy._config
+    config = strategy.config
     assert config.sync is sync and config.sync.bucket_mb == 5.0
     assert config.mesh == MeshConfig(dp_replicate=-1, dp_shard=1)
     assert config.timeout_s == 60.0
