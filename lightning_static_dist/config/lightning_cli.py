@@ -100,7 +100,7 @@ def parse_errors_of(owner: Any) -> Iterator[None]:
     Example::
 
         with parse_errors_of(self):
-            resolve_mesh_shape(self._config.mesh, world_size)
+            resolve_mesh_shape(self.config.mesh, world_size)
     """
     try:
         yield
