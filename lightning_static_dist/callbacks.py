@@ -230,8 +230,9 @@ class RunSummary(Callback):
             "bucket_plan": sync.bucket_plan if sync else None,
         }
         schedule = offer.schedule_choice() if offer is not None else None
-        if sync is not None:  # the schedule this run used, as its plan resolved it (by_topology: what it became)
-            self.summary["sync_schedule"] = trainer.strategy.plan.schedule
+        plan = getattr(trainer.strategy, "plan", None)  # (a strategy of one's own may offer figures and no plan)
+        if sync is not None and plan is not None:  # the schedule this run used, as its plan resolved it
+            self.summary["sync_schedule"] = plan.schedule
         if schedule is not None:  # sync.schedule: auto: what it chose, and what choosing cost
             self.summary["sync_schedule"] = schedule.choice
             self.summary["sync_schedule_trial_steps"] = schedule.trial_steps or None

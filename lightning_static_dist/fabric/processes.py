@@ -53,7 +53,7 @@ class FabricProcesses(WorldFacts, DDPStrategy):
     @property
     @override
     def world_size(self) -> int:
-        return self._world.world_size(super().world_size)
+        return self._world.world_size(lambda: super(FabricProcesses, self).world_size)
 
     @property
     @override

@@ -122,7 +122,7 @@ class DataParallelProcesses(WorldFacts, ParallelStrategy):
     @override
     def world_size(self) -> int:
         # a cluster environment (SLURM, torchrun ...) reports its own world of one process: the simulated one counts
-        return self._world.world_size(super().world_size)
+        return self._world.world_size(lambda: super(DataParallelProcesses, self).world_size)
 
     @property
     def num_nodes(self) -> int:

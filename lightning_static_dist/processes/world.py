@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -168,9 +168,10 @@ class DataParallelWorld:
         """Every data-parallel rank (the mesh covers the world); ``None`` before the mesh is built."""
         return _group.WORLD if self._mesh is not None else None
 
-    def world_size(self, started: int) -> int:
-        """The simulated world's ranks, else ``started``'s (a cluster environment reports its own world of one)."""
-        return self.simulation.world_size if self.simulation is not None else started
+    def world_size(self, started: Callable[[], int]) -> int:
+        """The simulated world's ranks, else ``started()``'s (asked only then: a cluster environment outside its
+        cluster, given to a simulated run, has no world to report)."""
+        return self.simulation.world_size if self.simulation is not None else started()
 
     def ranks(self, num_nodes: int, num_processes: int) -> int:
         """The world's size before any process starts (:func:`ranks_in_world`)."""
