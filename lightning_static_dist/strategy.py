@@ -280,7 +280,7 @@ class StaticDistStrategy(DataParallelProcesses):
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         # (sync.optimizer_overlap: the plugin steps a stand-in that runs the closure, then steps bucket by bucket)
-        output = super().optimizer_step(self._parts.optimizer_to_step(optimizer), closure, model, **kwargs)
+        output = super().optimizer_step(self._phases.optimizer_to_step(optimizer), closure, model, **kwargs)
         self._phases.after_optimizer_step()
         return output
 

@@ -168,6 +168,11 @@ class StepPhases:
         self.after_backward()
         self.finish_gradients()
 
+    def optimizer_to_step(self, optimizer: Any) -> Any:
+        """The optimizer the front end's precision plugin steps, as the participants wrap it (the optimizer overlap's
+        stand-in steps bucket by bucket)."""
+        return self.participants.optimizer_to_step(optimizer)
+
     def after_optimizer_step(self) -> None:
         for participant in self.participants.ordered:
             participant.after_optimizer_step()
