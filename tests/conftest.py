@@ -1,4 +1,4 @@
-"""Each test starts from the environment pytest started with.
+"""Each test starts from the environment pytest started with, and with no process group in this process.
 
 Lightning writes launch variables (LOCAL_RANK, MASTER_PORT, WORLD_SIZE, PL_GLOBAL_SEED ...) into ``os.environ``
 while it sets up a job; left there, they change how the next test's Trainer, or a job it starts, launches.
@@ -24,6 +24,10 @@ def _environment_as_pytest_found_it() -> Iterator[None]:
     yield
     os.environ.clear()
     os.environ.update(saved)
+    # a one-device Trainer fit (ours, or Lightning's `ddp`) keeps its one-rank group after `fit`, as DDP does; left
+    # there, it would be the next test's default group, whichever test runs next
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest.fixture
