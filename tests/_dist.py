@@ -56,6 +56,21 @@ def _context() -> Any:
     return ctx
 
 
+class _CallersStdio:
+    """The caller's file descriptors 1 and 2, handed to a rank as it starts (a fork server's child would write to the
+    server's, whichever test's capture that was): a rank's output goes where the test reads it, as a spawned one's."""
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction  # (DupFd: only while the rank's process object is pickled to start it)
+
+        return _write_to, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _write_to(out: Any, err: Any) -> None:
+    for fd, handed in ((1, out), (2, err)):
+        os.dup2(handed.detach(), fd)
+
+
 def _enter(rank: int, world_size: int, port: int, environ: dict[str, str]) -> None:
     """A rank takes the caller's environment (a fork server's child inherits the server's, from its start)."""
     os.environ.clear()
@@ -65,7 +80,7 @@ def _enter(rank: int, world_size: int, port: int, environ: dict[str, str]) -> No
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, queue: Any,
-            environ: dict[str, str]) -> None:
+            environ: dict[str, str], stdio: None) -> None:
     _enter(rank, world_size, port, environ)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -84,7 +99,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), tim
     queue = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, environ))
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, environ, _CallersStdio()))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -111,7 +126,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), tim
     return [results[r] for r in range(world_size)]
 
 
-def _pool_worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any, environ: dict[str, str]) -> None:
+def _pool_worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any, environ: dict[str, str],
+                 stdio: None) -> None:
     _enter(rank, world_size, port, environ)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -154,7 +170,8 @@ class RankPool:
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [ctx.Process(target=_pool_worker,
-                                   args=(r, self.world_size, port, self._inboxes[r], self._outbox, environ))
+                                   args=(r, self.world_size, port, self._inboxes[r], self._outbox, environ,
+                                         _CallersStdio()))
                        for r in range(self.world_size)]
         for p in self._procs:
             p.start()
@@ -199,6 +216,35 @@ class RankPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _joined(rank: int, world_size: int, fn: Callable[..., Any], args: tuple) -> Any:
+    os.environ["LOCAL_RANK"] = str(rank)  # the process group exists: the Trainer joins it instead of launching ranks
+    return fn(*args)
+
+
+def fit_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2) -> Any:
+    """``fn(*args)`` (a function that builds a Trainer of ``devices=world_size`` and fits) on fresh ranks that
+    :func:`run_ranks` started: rank 0's result. The Trainer finds the ranks' group and joins it, as under torchrun;
+    build the strategy inside ``fn`` with the default start method (one made for ``spawn`` would start ranks of its
+    own). Only for cases that do not check how the ranks start or end (the launchers)."""
+    return run_ranks(_joined, world_size, args=(fn, args), timeout=300)[0]
+
+
+def _fabric_on_this_rank(rank: int, world_size: int, make_strategy: Callable[[], Any], fn: Callable[..., Any],
+                         args: tuple) -> Any:
+    from lightning.fabric import Fabric
+
+    os.environ["LOCAL_RANK"] = str(rank)  # the process group exists: Fabric joins it instead of launching ranks
+    return Fabric(accelerator="cpu", devices=world_size, strategy=make_strategy()).launch(fn, *args)
+
+
+def fabric_launch(make_strategy: Callable[[], Any], fn: Callable[..., Any], *args: Any, world_size: int = 2) -> Any:
+    """``Fabric(accelerator="cpu", devices=world_size, strategy=make_strategy()).launch(fn, *args)`` on fresh ranks
+    that :func:`run_ranks` started: rank 0's result. ``make_strategy`` (a class, or a ``functools.partial`` of one)
+    builds the strategy on each rank, where Fabric finds the ranks' group and joins it, as under torchrun. Only for
+    cases that do not check how the ranks start or end (Fabric's own launchers)."""
+    return run_ranks(_fabric_on_this_rank, world_size, args=(make_strategy, fn, args), timeout=300)[0]
 
 
 class ReferenceDDP(DDPStrategy):

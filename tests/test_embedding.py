@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import lightning as L
-from _dist import RankPool
+from _dist import RankPool, fit_on_ranks
 from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_static_dist import StaticDistStrategy
@@ -163,6 +163,15 @@ def test_checkpoints_are_plain_lightning_and_resume_on_another_world_size(ranks:
                 fit(ranks, str(plain_dir), False, steps=10, ckpt_path=plain_ckpt))
 
 
+def _fit_boring_with_shard_true() -> None:
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=StaticDistStrategy(embedding={"shard": True}),
+                        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(BoringModel())
+
+
 def test_shard_true_without_embeddings_warns_and_does_nothing(tmp_path: Any, capfd: Any) -> None:
     from lightning.pytorch.demos.boring_classes import BoringModel
 
@@ -170,8 +179,5 @@ def test_shard_true_without_embeddings_warns_and_does_nothing(tmp_path: Any, cap
     assert find_embeddings(tiny_gpt(), EmbeddingConfig(shard="auto")) == []  # 301 rows < min_rows 8192
     (names, owners), = find_embeddings(tiny_gpt(), EmbeddingConfig(shard="auto", min_rows=300))
     assert names == ["wte.weight", "lm_head.weight"] and len(owners) == 2
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=StaticDistStrategy(start_method="spawn", embedding={"shard": True}),
-                        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0)
-    trainer.fit(BoringModel())
+    fit_on_ranks(_fit_boring_with_shard_true)
     assert "strategy.embedding.shard=True found no nn.Embedding; nothing is sharded" in capfd.readouterr().err

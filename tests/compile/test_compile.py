@@ -6,10 +6,12 @@ cross-rank comparison that stops ranks with different models is in test_fingerpr
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any, Optional
 
 import pytest
@@ -18,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning as L
-from _dist import reference_ddp
+from _dist import fit_on_ranks
+from lightning.pytorch.strategies import DDPStrategy
 from lightning_static_dist.examples.charlm import Block, CharDataModule, CharGPT
 from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.compile import CompileFailure, compile_regions, find_regions
@@ -341,7 +344,7 @@ def _fit_charlm(tmp: str, compile_cfg: Any, user_compiled: bool = False, steps: 
     model = tiny_gpt()
     if user_compiled:
         model = torch.compile(model, backend="aot_eager")
-    strategy = StaticDistStrategy(start_method="spawn", compile=compile_cfg)
+    strategy = StaticDistStrategy(compile=compile_cfg)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -353,8 +356,8 @@ def _fit_charlm(tmp: str, compile_cfg: Any, user_compiled: bool = False, steps: 
 
 @pytest.mark.multiprocess
 def test_static_dist_accepts_torch_compile(tmp_path: Any) -> None:
-    eager = _fit_charlm(str(tmp_path), None)
-    user = _fit_charlm(str(tmp_path), None, user_compiled=True)
+    eager = fit_on_ranks(_fit_charlm, str(tmp_path), None)
+    user = fit_on_ranks(_fit_charlm, str(tmp_path), None, True)
     for key in eager:
         torch.testing.assert_close(user[key], eager[key], atol=1e-4, rtol=1e-4)
 
@@ -362,8 +365,8 @@ def test_static_dist_accepts_torch_compile(tmp_path: Any) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow  # the default run's compiled steps end with ddp's weights (below), and ddp's with eager's
 def test_static_dist_compiled_equals_eager(tmp_path: Any) -> None:
-    eager = _fit_charlm(str(tmp_path), None)
-    compiled = _fit_charlm(str(tmp_path), {"enabled": True, "backend": "aot_eager"})
+    eager = fit_on_ranks(_fit_charlm, str(tmp_path), None)
+    compiled = fit_on_ranks(_fit_charlm, str(tmp_path), {"enabled": True, "backend": "aot_eager"})
     for key in eager:
         torch.testing.assert_close(compiled[key], eager[key], atol=1e-4, rtol=1e-4)
 
@@ -394,11 +397,11 @@ class CompileFacts(L.Callback):
             json.dump(facts, f)
 
 
-def _fit_nested(strategy: Any, facts: Optional[str] = None) -> dict[str, torch.Tensor]:
+def _fit_nested(make_strategy: Callable[[], Any], facts: Optional[str] = None) -> dict[str, torch.Tensor]:
     L.seed_everything(0)
     model = nested_gpt()
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=4, accumulate_grad_batches=2, logger=False,
+        accelerator="cpu", devices=2, strategy=make_strategy(), max_steps=4, accumulate_grad_batches=2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[CompileFacts(facts)] if facts else [],
     )
@@ -409,7 +412,7 @@ def _fit_nested(strategy: Any, facts: Optional[str] = None) -> dict[str, torch.T
 @pytest.fixture(scope="module")
 def ddp_nested() -> dict[str, torch.Tensor]:
     """Lightning's ddp on the nested GPT: the one reference every mode and backend below is compared with."""
-    return _fit_nested(reference_ddp(find_unused_parameters=True))
+    return fit_on_ranks(_fit_nested, functools.partial(DDPStrategy, find_unused_parameters=True))
 
 
 # inductor fuses and reorders floating-point work: 1e-4 over 4 SGD steps (aot_eager runs eager's kernels: 1e-5)
@@ -424,8 +427,8 @@ def test_the_compiled_step_trains_to_lightning_ddp_weights(ddp_nested: dict[str,
     # tied weights, an unused branch, accumulation over 2 micro-batches and blocks looped inside a nested forward;
     # hooks: the default compile (the whole step cut at the buckets); graph: the collectives inside the graph
     facts_path = str(tmp_path / "facts.json")
-    ours = _fit_nested(StaticDistStrategy(start_method="spawn", compile={"enabled": True, "backend": backend},
-                                          sync={"mode": mode, **SMALL_BUCKETS}), facts_path)
+    ours = fit_on_ranks(_fit_nested, functools.partial(StaticDistStrategy, compile={"enabled": True, "backend": backend},
+                                                       sync={"mode": mode, **SMALL_BUCKETS}), facts_path)
     theirs = ddp_nested
     for key in theirs:
         torch.testing.assert_close(ours[key], theirs[key], atol=TOLERANCE[backend], rtol=TOLERANCE[backend],

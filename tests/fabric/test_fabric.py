@@ -1,13 +1,17 @@
 """StaticDistFabricStrategy inside real Fabric runs on 2 CPU ranks (Gloo), side by side with Fabric's own ``ddp``.
 
-Each run is ``fabric.launch(fn)`` with the spawn start method, so that rank 0's result (its trained state dict and a
-few facts) comes back to the test process; one case runs a script as a user does, with ``strategy="static_dist"``
-(Fabric re-runs the script for rank 1) and logs the metrics through ``fabric.log_dict``.
+Each run is ``fabric.launch(fn)`` on two fresh ranks that already share a Gloo group (``fabric_launch`` in
+``tests/_dist.py``: Fabric joins the group, as under torchrun), so that rank 0's result (its trained state dict and a
+few facts) comes back to the test process. One case launches with the spawn start method, and one runs a script as a
+user does, with ``strategy="static_dist"`` (Fabric re-runs the script for rank 1) and logs the metrics through
+``fabric.log_dict``.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
+import os
 import pickle
 import subprocess
 import sys
@@ -22,11 +26,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning as L
-from _dist import fresh_job_env
+from _dist import fabric_launch, fresh_job_env, run_ranks
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning_static_dist import StaticDistFabricStrategy
 from lightning_static_dist.config import ConfigError
-from lightning_static_dist.fabric import _SpawnLauncher
 
 pytestmark = pytest.mark.multiprocess
 
@@ -103,29 +106,19 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-class _ReferenceDDP(DDPStrategy):
-    """Fabric's own ``DDPStrategy`` — the reference — started with spawn, its ranks leaving like ours (os._exit once
-    their result is handed over: a finished Gloo rank sometimes aborts in the interpreter's teardown)."""
-
-    def __init__(self) -> None:
-        super().__init__(start_method="spawn")
-
-    def _configure_launcher(self) -> None:
-        self._launcher = _SpawnLauncher(self, start_method="spawn")
-
-
-def _train_pickled(fabric: L.Fabric, **kwargs: Any) -> bytes:
+def _train_pickled(fabric: L.Fabric, kwargs: dict[str, Any]) -> bytes:
     # plain pickle (by value): tensors put on the launcher's queue travel as file descriptors that die with the rank
     return pickle.dumps(train(fabric, **kwargs))
 
 
-def launch(strategy: Any, **kwargs: Any) -> dict[str, Any]:
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
-    return pickle.loads(fabric.launch(_train_pickled, **kwargs))
+def launch(make_strategy: Any, **kwargs: Any) -> dict[str, Any]:
+    """``train(fabric, **kwargs)`` on two fresh ranks under the strategy ``make_strategy()``: rank 0's facts."""
+    return pickle.loads(fabric_launch(make_strategy, _train_pickled, kwargs))
 
 
-def static_dist(**kwargs: Any) -> StaticDistFabricStrategy:
-    return StaticDistFabricStrategy(start_method="spawn", **kwargs)
+def static_dist(**kwargs: Any) -> Any:
+    """Our Fabric strategy with ``kwargs``, built on each rank (:func:`launch`)."""
+    return functools.partial(StaticDistFabricStrategy, **kwargs)
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float = 1e-6) -> None:
@@ -137,7 +130,7 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 @pytest.fixture(scope="module")
 def ddp_weights() -> dict[str, torch.Tensor]:
     """Fabric ``ddp``'s weights after the plain run (shared by the cases that must end with them)."""
-    return launch(_ReferenceDDP())["state"]
+    return launch(DDPStrategy)["state"]
 
 
 # ------------------------------------------------------------------------------------------- no processes
@@ -245,7 +238,7 @@ def test_trains_to_the_weights_fabric_ddp_gives(ddp_weights: dict[str, torch.Ten
 
 def test_no_backward_sync_accumulates_locally_like_ddp() -> None:
     ours = launch(static_dist(), accumulate=3)
-    theirs = launch(_ReferenceDDP(), accumulate=3)
+    theirs = launch(DDPStrategy, accumulate=3)
     assert_same_weights(ours["state"], theirs["state"])
     assert ours["ranks_agree"]
     # one synchronisation per optimizer step; the two micro-batches before each stayed local
@@ -282,8 +275,9 @@ def _metrics_on_rank_zero_only(fabric: L.Fabric) -> bytes:
 def test_metrics_are_rank_local_and_always_hold_the_synchronisers_figures() -> None:
     # called on rank 0 alone, every step, with the timeline recorded every other step: no collective inside (rank 1
     # never calls it), the synchroniser's own figures at every step, the overlap figures once per recorded step
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=static_dist(monitor_every_n_steps=2, timeout_s=60))
-    facts = pickle.loads(fabric.launch(_metrics_on_rank_zero_only))
+    # (launched as a user launches it from a notebook: the spawn start method, each rank pickled over)
+    strategy = StaticDistFabricStrategy(start_method="spawn", monitor_every_n_steps=2, timeout_s=60)
+    facts = pickle.loads(L.Fabric(accelerator="cpu", devices=2, strategy=strategy).launch(_metrics_on_rank_zero_only))
     assert facts["ranks_agree"]
     for step, figures in enumerate(facts["seen"]):
         assert figures["static_dist/sync_rounds"] == step + 1, figures
@@ -313,18 +307,25 @@ class _PowerSGDModule(L.LightningModule):
 POWERSGD = {"name": "powersgd", "rank": 1, "min_numel": 64}
 
 
-def test_compression_matches_the_trainer_strategy(ddp_weights: dict[str, torch.Tensor]) -> None:
+def _trainer_with_powersgd(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """The Trainer strategy's fit of the same run, on ranks that share a group already (the Trainer joins it)."""
     from lightning_static_dist import StaticDistStrategy
 
-    ours = launch(static_dist(compression=POWERSGD))
+    os.environ["LOCAL_RANK"] = str(rank)
     L.seed_everything(7)
     module = _PowerSGDModule()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=StaticDistStrategy(start_method="spawn",
-                        compression=POWERSGD), max_steps=STEPS, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=StaticDistStrategy(compression=POWERSGD),
+                        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
     trainer.fit(module)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_compression_matches_the_trainer_strategy(ddp_weights: dict[str, torch.Tensor]) -> None:
+    ours = launch(static_dist(compression=POWERSGD))
+    trainers = run_ranks(_trainer_with_powersgd, timeout=300)[0]
     named_as_in_the_module = {f"net.{k}": v for k, v in ours["state"].items()}
-    assert_same_weights(named_as_in_the_module, dict(module.state_dict()))  # the same engine underneath
+    assert_same_weights(named_as_in_the_module, trainers)  # the same engine underneath
     assert ours["ranks_agree"]
     # rank-1 PowerSGD sent fewer bytes than the dense gradients and moved the weights off the exact path, not far
     assert ours["stats"]["last_round_bytes"] < ours["stats"]["last_round_dense_bytes"] / 2
@@ -411,8 +412,7 @@ def _a_second_optimizer_set_up_late(fabric: L.Fabric) -> bytes:
 
 
 def test_an_optimizer_set_up_after_its_models_step_is_refused_in_one_line() -> None:
-    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=static_dist())
-    assert pickle.loads(fabric.launch(_a_second_optimizer_set_up_late)) == (
+    assert pickle.loads(fabric_launch(static_dist(), _a_second_optimizer_set_up_late, world_size=1)) == (
         "fabric.setup_optimizers: an optimizer over a model whose step is set up already (with an optimizer, or at its"
         " first forward); allowed: set the model up with all its optimizers at once, fabric.setup(model, optimizer1,"
         " optimizer2)")
@@ -446,7 +446,6 @@ def _out_of_step_then_teardown(fabric: L.Fabric) -> bytes:
 
 
 def test_teardown_of_ranks_out_of_step_raises_after_taking_the_hooks_out() -> None:
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=static_dist(timeout_s=60))
-    facts = pickle.loads(fabric.launch(_out_of_step_then_teardown))
+    facts = pickle.loads(fabric_launch(static_dist(timeout_s=60), _out_of_step_then_teardown))
     assert facts["raised"] is not None and facts["raised"].startswith("static_dist: ranks are in different steps")
     assert facts["hooks"] == 0 and facts["failed"], facts

@@ -16,7 +16,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning as L
-from tests.fabric.test_fabric import _ReferenceDDP, assert_same_weights, static_dist
+from _dist import fabric_launch
+from lightning.fabric.strategies import DDPStrategy
+from tests.fabric.test_fabric import assert_same_weights, static_dist
 
 pytestmark = pytest.mark.multiprocess
 
@@ -99,9 +101,9 @@ def _gan(fabric: L.Fabric) -> bytes:
     return pickle.dumps({"state": state, "metrics": metrics})
 
 
-def launch(strategy: Any, fn: Any, *args: Any) -> dict[str, Any]:
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
-    return pickle.loads(fabric.launch(fn, *args))
+def launch(make_strategy: Any, fn: Any, *args: Any) -> dict[str, Any]:
+    """``fn(fabric, *args)`` on two fresh ranks under the strategy ``make_strategy()``: rank 0's results."""
+    return pickle.loads(fabric_launch(make_strategy, fn, *args))
 
 
 # Launched once and shared by the cases that read the same run (a launch is two process start-ups); the results are
@@ -109,7 +111,7 @@ def launch(strategy: Any, fn: Any, *args: Any) -> dict[str, Any]:
 @functools.cache
 def fabric_ddp(fn: Any, *args: Any) -> dict[str, Any]:
     """Fabric ``ddp``'s results of ``fn(fabric, *args)``: the reference."""
-    return launch(_ReferenceDDP(), fn, *args)
+    return launch(DDPStrategy, fn, *args)
 
 
 @functools.cache
@@ -184,7 +186,7 @@ def _adam_steps(fabric: L.Fabric, first: int, last: int, load: Any = None, save:
 
 def test_a_reduce_scatter_run_saved_and_loaded_into_fresh_processes_ends_as_an_uninterrupted_one(tmp_path: Any) -> None:
     path = tmp_path / "step2.ckpt"
-    reference = launch(_ReferenceDDP(), _adam_steps, 0, RESUME_STEPS)
+    reference = launch(DDPStrategy, _adam_steps, 0, RESUME_STEPS)
     straight = launch(static_dist(**REDUCE_SCATTER), _adam_steps, 0, RESUME_STEPS)
     launch(static_dist(**REDUCE_SCATTER), _adam_steps, 0, SAVED_AT, None, path)
     resumed = launch(static_dist(**REDUCE_SCATTER), _adam_steps, SAVED_AT, RESUME_STEPS, path)
@@ -210,8 +212,7 @@ def _nan_in_the_critics_loss(fabric: L.Fabric) -> bytes:
 
 
 def test_the_nonfinite_check_of_a_second_model_sees_the_backwards_gradients() -> None:
-    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=static_dist(sync={"nonfinite": "error"}))
-    facts = pickle.loads(fabric.launch(_nan_in_the_critics_loss))
+    facts = pickle.loads(fabric_launch(static_dist(sync={"nonfinite": "error"}), _nan_in_the_critics_loss, world_size=1))
     assert facts["raised"] is not None, facts  # (before the fix: nothing raised, the critic's gradients NaN)
     assert facts["raised"].startswith("static_dist: non-finite gradient at step 0, first offending parameter '0.weight'")
 

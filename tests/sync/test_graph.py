@@ -5,15 +5,19 @@ when a region falls back to eager, identical blocks keep one class, and freezing
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any
+import os
+import re
+from typing import Any, Optional
 
 import pytest
 import torch
 from torch import nn
 
 import lightning as L
-from _dist import reference_ddp, run_ranks
+from _dist import fit_on_ranks, run_ranks
+from lightning.pytorch.strategies import DDPStrategy
 # importing test_compile also registers its "lsd_test_failing" backend (here and in every spawned rank)
 from tests.compile.test_compile import CompileFacts, nested_gpt
 from lightning_static_dist import StaticDistStrategy
@@ -47,13 +51,23 @@ def _trainer(strategy: Any, max_steps: int = 3) -> L.Trainer:
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 
 
+def _refused_fit(rank: int, world_size: int, options: dict[str, Any], model_class: type) -> str:
+    """This rank's fit of ``model_class()`` under ``static_dist`` with ``options`` (the Trainer joins the ranks'
+    group): what it raised."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        _trainer(StaticDistStrategy(**options)).fit(model_class())
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "nothing raised"
+
+
 @pytest.mark.multiprocess
 def test_graph_mode_stops_ranks_that_compiled_different_graphs_before_any_collective() -> None:
-    strategy = StaticDistStrategy(start_method="spawn", sync={"mode": "graph"},
-                                  compile={"enabled": True, "backend": "aot_eager"}, timeout_s=60)
-    with pytest.raises(Exception, match=r"sync.mode=graph needs every rank to compile the same graphs .* ranks disagree"
-                                        r" on what they compiled .*strategy.sync.mode=hooks"):
-        _trainer(strategy).fit(RankBranch())
+    options = {"sync": {"mode": "graph"}, "compile": {"enabled": True, "backend": "aot_eager"}, "timeout_s": 60}
+    for said in run_ranks(_refused_fit, args=(options, RankBranch), timeout=300):
+        assert re.search(r"sync.mode=graph needs every rank to compile the same graphs .* ranks disagree"
+                         r" on what they compiled .*strategy.sync.mode=hooks", said), said
 
 
 class Dense(RankBranch):
@@ -65,26 +79,30 @@ class Dense(RankBranch):
 
 @pytest.mark.multiprocess
 def test_graph_mode_needs_compile_and_an_eager_fallback_still_averages(tmp_path: Any) -> None:
-    with pytest.raises(Exception, match=r"strategy.sync.mode='graph': .* needs strategy.compile.enabled=true"):
-        _trainer(StaticDistStrategy(start_method="spawn", sync={"mode": "graph"})).fit(Dense())
+    for said in run_ranks(_refused_fit, args=({"sync": {"mode": "graph"}}, Dense), timeout=300):
+        assert re.search(r"strategy.sync.mode='graph': .* needs strategy.compile.enabled=true", said), said
     # a backend that cannot compile: the step runs eagerly, each parameter read still averaged (one collective
     # per read), and the compile report says so — slow, never silent
     facts_path = str(tmp_path / "facts.json")
-    failing = StaticDistStrategy(start_method="spawn", sync={"mode": "graph"},
-                                 compile={"enabled": True, "backend": "lsd_test_failing"})
-    trainer = _trainer(failing)
-    trainer.callbacks.append(CompileFacts(facts_path))
-    L.seed_everything(0)
-    model = Dense()
-    trainer.fit(model)
-    L.seed_everything(0)
-    reference = Dense()
-    _trainer(reference_ddp()).fit(reference)
-    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
-        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    failing = functools.partial(StaticDistStrategy, sync={"mode": "graph"},
+                                compile={"enabled": True, "backend": "lsd_test_failing"})
+    ours = fit_on_ranks(_fit_dense, failing, facts_path)
+    reference = fit_on_ranks(_fit_dense, DDPStrategy)
+    for name, a in reference.items():
+        torch.testing.assert_close(ours[name], a, atol=1e-6, rtol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     with open(facts_path) as f:
         facts = json.load(f)
     assert "cannot compile anything" in facts["fallbacks"]["<training_step>"] and facts["graph_rounds"] == 3
+
+
+def _fit_dense(make_strategy: Any, facts_path: Optional[str] = None) -> dict[str, torch.Tensor]:
+    trainer = _trainer(make_strategy())
+    if facts_path is not None:
+        trainer.callbacks.append(CompileFacts(facts_path))
+    L.seed_everything(0)
+    model = Dense()
+    trainer.fit(model)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def _graph_sync_on_blocks(rank: int, world: int) -> dict[str, Any]:
