@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+import _jobs as jobs
 from _dist import fresh_job_env
 
 from lightning_static_dist.cli import report, train_main
@@ -31,8 +32,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def lsd_train(*args: str, timeout: float) -> subprocess.CompletedProcess:
     """``lsd-train ARGS`` from the repository root."""
-    return subprocess.run([sys.executable, "-m", "lightning_static_dist", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env=fresh_job_env())
+    return jobs.run("lsd-train", list(args), cwd=str(REPO), env=fresh_job_env(), timeout=timeout)  # (tests/_jobs.py)
 
 
 def lsd_report(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

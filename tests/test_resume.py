@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import _jobs as jobs
 from _dist import fresh_job_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,10 +26,13 @@ TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_siz
 
 def lsd_train(root: Path, *args: str, launcher: tuple[str, ...] = (), timeout: float = 240) -> str:
     """A 2-rank ``lsd-train charlm_cpu`` job of the tiny model under ``root``; its output (it must succeed)."""
-    cmd = [sys.executable, *(launcher or ("-m",)), "lightning_static_dist", "charlm_cpu", *TINY,
-           f"trainer.default_root_dir={root}", *args]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**fresh_job_env(), "PYTHONPATH": f"{REPO}{':'}{REPO / 'tests'}"})
+    job_args = ["charlm_cpu", *TINY, f"trainer.default_root_dir={root}", *args]
+    env = {**fresh_job_env(), "PYTHONPATH": f"{REPO}{':'}{REPO / 'tests'}"}
+    if launcher:
+        done = subprocess.run([sys.executable, *launcher, "lightning_static_dist", *job_args], cwd=REPO,
+                              capture_output=True, text=True, timeout=timeout, env=env)
+    else:  # (forked: tests/_jobs.py)
+        done = jobs.run("lsd-train", job_args, cwd=str(REPO), env=env, timeout=timeout)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     return output

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from _jobs import ForkedJob
 from _dist import fresh_job_env
 
 from lightning_static_dist.processes.faults import STORE_HOST_GONE
@@ -47,11 +48,15 @@ def lsd_train(tmp: Any, *overrides: str, timeout: float = 120, config: str = "ch
     """Run the real console script (or ``launch`` + ``python -m lightning_static_dist``, e.g. torchrun's command) on
     a shipped run file; return (exit code, stderr, seconds). The job runs in a session of its own, killed whole when
     it ends or times out: a rank left behind (a stuck one holds the pipe) cannot outlive the test."""
-    script = [*launch, "-m", "lightning_static_dist"] if launch else [os.path.join(os.path.dirname(sys.executable), "lsd-train")]
-    cmd = [*script, os.path.join(ROOT, "configs", f"{config}.yaml"), *TINY, f"trainer.default_root_dir={tmp}", *overrides]
+    args = [os.path.join(ROOT, "configs", f"{config}.yaml"), *TINY, f"trainer.default_root_dir={tmp}", *overrides]
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=fresh_job_env(), start_new_session=True)
+    proc: Any
+    if launch:
+        proc = subprocess.Popen([*launch, "-m", "lightning_static_dist", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, env=fresh_job_env(), start_new_session=True)
+    else:  # (forked: tests/_jobs.py)
+        proc = ForkedJob("lsd-train", args, cwd=ROOT, env=fresh_job_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, start_new_session=True)
     try:
         _, err = proc.communicate(timeout=timeout)
         return proc.returncode, err, time.monotonic() - started

@@ -1,0 +1,163 @@
+"""A console script's job (``lsd-train ...``) for a test, as ``subprocess`` starts it, minus the interpreter's start.
+
+The job's first process is forked from the fork server that ``tests/_dist.py``'s ranks come from (torch, Lightning
+and this package imported once per pytest process), then made what a shell would have started: the caller's
+environment, working directory and file descriptors, its own session if asked, ``sys.argv`` as the console script
+sees it. It runs the script's entry point in its main thread, and leaves as an interpreter does: non-daemon threads
+joined, ``atexit`` handlers run, the entry point's exit status (``SystemExit``'s rules). The ranks it launches are
+started by the job itself, as always (Lightning re-runs ``sys.argv`` for rank 1: a real interpreter).
+
+For the cases that read how a job ends; a case about the interpreter itself (the installed wheel, a script file the
+user runs with ``python``) keeps ``subprocess``.
+
+    job = ForkedJob("lsd-train", ["configs/charlm_cpu.yaml", "trainer.max_steps=4"], cwd=REPO, env=fresh_job_env(),
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    _, err = job.communicate(timeout=120)
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import subprocess
+import sys
+import threading
+import traceback
+from typing import Any, Optional
+
+from _dist import _context
+
+ENTRY_POINTS = {
+    "lsd-train": "lightning_static_dist.cli:train_main",
+    "lsd-report": "lightning_static_dist.cli:report_main",
+    "lsd-consolidate": "lightning_static_dist.cli:consolidate_main",
+}
+
+
+class _HandedFd:
+    """One of the caller's file descriptors, handed to the job as it starts (``None``: the job's /dev/null)."""
+
+    def __init__(self, fd: Optional[int]) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction  # (DupFd: only while the job's process object is pickled to start it)
+
+        return _take, (None if self.fd is None else reduction.DupFd(self.fd),)
+
+
+def _take(handed: Any) -> Optional[int]:
+    return None if handed is None else handed.detach()
+
+
+def _exit_status(code: Any) -> int:
+    """What the interpreter makes of ``SystemExit(code)``: ``None`` is 0, an int itself, anything else printed and 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run_job(entry: str, argv: list[str], cwd: str, environ: dict[str, str], session: bool,
+             fds: tuple[Optional[int], Optional[int]]) -> None:
+    if session:
+        os.setsid()
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    for target, fd in zip((1, 2), fds):
+        os.dup2(null if fd is None else fd, target)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.argv = argv
+    module, name = ENTRY_POINTS[entry].split(":")
+    try:
+        getattr(importlib.import_module(module), name)()
+        status = 0
+    except SystemExit as exit_:
+        status = _exit_status(exit_.code)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    threading._shutdown()  # (what the interpreter does at exit, in its order: threads, then atexit)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+class ForkedJob:
+    """``subprocess.Popen([script, *args], ...)`` for one of this package's console scripts (``ENTRY_POINTS``),
+    started from the fork server: ``pid``, ``returncode``, ``poll``, ``wait``, ``communicate``, ``send_signal``,
+    ``kill``, and ``stdout``/``stderr`` as text pipes where ``subprocess.PIPE`` was asked."""
+
+    def __init__(self, script: str, args: list[str], cwd: str, env: dict[str, str], stdout: Any = subprocess.PIPE,
+                 stderr: Any = subprocess.PIPE, start_new_session: bool = False) -> None:
+        reads: list[Optional[int]] = []
+        writes: list[Optional[int]] = []
+        for wanted in (stdout, stderr):
+            if wanted == subprocess.PIPE:
+                read, write = os.pipe()
+                reads.append(read)
+                writes.append(write)
+            else:  # subprocess.DEVNULL
+                reads.append(None)
+                writes.append(None)
+        argv = [os.path.join(os.path.dirname(sys.executable), script), *args]
+        self._process = _context().Process(target=_run_job, args=(
+            script, argv, str(cwd), dict(env), start_new_session, tuple(_HandedFd(fd) for fd in writes)))
+        self._process.start()
+        for fd in writes:
+            if fd is not None:
+                os.close(fd)
+        self.stdout, self.stderr = (None if fd is None else open(fd, encoding="utf-8", errors="replace")
+                                    for fd in reads)
+        self.pid: int = self._process.pid
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None and not self._process.is_alive():
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self._process.name, timeout)
+        return self.returncode
+
+    def communicate(self, timeout: Optional[float] = None) -> tuple[Optional[str], Optional[str]]:
+        """Read both pipes to their end and wait; ``TimeoutExpired`` if the job is not over within ``timeout``."""
+        texts: dict[str, str] = {}
+        readers = [threading.Thread(target=lambda name=name, pipe=pipe: texts.__setitem__(name, pipe.read()),
+                                    daemon=True) for name, pipe in (("out", self.stdout), ("err", self.stderr))
+                   if pipe is not None]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(timeout)
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self._process.name, timeout)
+        self.wait(timeout)
+        return texts.get("out"), texts.get("err")
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
+def run(script: str, args: list[str], cwd: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run([script, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)``, forked."""
+    job = ForkedJob(script, args, cwd, env)
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        raise
+    return subprocess.CompletedProcess([script, *args], job.returncode, out, err)
