@@ -20,6 +20,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from _dist import run_ranks
 from tests.participants._view import Context, gradient_participant
+from tests._parts import Deprecated, check_deprecated, deprecated_reads, synchronizer_of
 from lightning_static_dist.callbacks import GraphReport, RunSummary
 from lightning_static_dist.compression import CompressionGuard, LowPrecisionCompressor
 from lightning_static_dist.offer import StaticDistOffer, offer_of
@@ -62,9 +63,23 @@ def _fit_through_the_offer(rank: int, world: int, tmp: str) -> dict[str, Any]:
     assert offer is strategy.offer and isinstance(offer, StaticDistOffer)
     figures = offer.sync_figures()
     assert figures is not None
+    sync = synchronizer_of(strategy)
+    offer.wait_for_parameters()  # (all_reduce: the parameters are current, it returns at once)
     return {"summary": summary.summary, "figures": figures, "events": [(e["old"], e["new"]) for e in guard.events],
-            "reducer": type(strategy.synchronizer.reducer).__name__, "compressing": offer.compressing_reducer,
-            "dense": strategy.synchronizer.stats.last_round_dense_bytes, "monitored": len(monitor.history)}
+            "reducer": type(sync.reducer).__name__, "compressing": offer.compressing_reducer,
+            "dense": sync.stats.last_round_dense_bytes, "monitored": len(monitor.history),
+            "deprecated": deprecated_reads(strategy, TRAINER_DEPRECATED)}
+
+
+#: each deprecated property of the Trainer strategy, the internal object it still returns, and what its warning names
+TRAINER_DEPRECATED: Deprecated = {
+    "synchronizer": (lambda parts: parts.gradients.synchronizer, "strategy.offer.sync_figures()"),
+    "sharded_sync": (lambda parts: parts.gradients.sharded_sync, "strategy.offer.wait_for_parameters()"),
+    "embedding_sharder": (lambda parts: parts.embeddings.sharder, "internal, no replacement"),
+    "optimizer_overlap": (lambda parts: parts.overlap.choice, "strategy.offer.sync_figures().optimizer_overlap"),
+    "schedule_trial": (lambda parts: parts.schedule.trial, "strategy.offer.schedule_choice()"),
+    "compile_report": (lambda parts: parts.compile.report, "strategy.offer.compile_report"),
+}
 
 
 @pytest.mark.multiprocess
@@ -78,6 +93,7 @@ def test_the_callbacks_read_and_swap_through_the_offer_on_two_ranks(tmp_path: An
         assert summary["bytes_per_round"] == figures.bytes_per_round
         assert summary["bucket_plan"] == figures.bucket_plan and summary["sync_mode"] == "hooks"
         assert r["monitored"] == 4  # the monitor's recorder was attached through the offer
+        check_deprecated(r["deprecated"], TRAINER_DEPRECATED)  # the old surface: still the same objects, each warns once
 
 
 def _swapped_rounds(rank: int, world: int) -> dict[str, Any]:
