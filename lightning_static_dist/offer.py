@@ -26,10 +26,10 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Protocol, runtime_checkable
-import warnings
 
 import torch
 
@@ -56,6 +56,9 @@ class SyncFigures:
     optimizer_overlap: Optional[str] = None
     """``sync.optimizer_overlap`` as resolved, with its reason (``on (...)`` / ``off (...)``), where the schedule makes
     it mean anything (``after_backward``, ``auto``, or asked for with ``true``); else ``None``."""
+    dense_bytes_per_round: int = 0
+    """Payload bytes the round of ``bytes_per_round`` would have sent uncompressed (its compression ratio's
+    denominator; equal to ``bytes_per_round`` without compression)."""
 
 
 @dataclass(frozen=True)

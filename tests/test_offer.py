@@ -21,6 +21,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from _dist import run_ranks
 from tests.participants._view import Context, gradient_participant
 from tests._parts import Deprecated, check_deprecated, deprecated_reads, synchronizer_of
+from lightning_static_dist import StaticDistFabricStrategy
 from lightning_static_dist.callbacks import GraphReport, RunSummary
 from lightning_static_dist.compression import CompressionGuard, LowPrecisionCompressor
 from lightning_static_dist.offer import StaticDistOffer, offer_of
@@ -44,6 +45,13 @@ def test_callbacks_under_another_strategy_get_no_offer_and_say_so_naming_it(tmp_
             " nothing.") in said
     assert summary.summary["steps"] == 2 and summary.summary["sync_rounds"] is None
     assert "simulated_world_size" not in summary.summary
+
+
+def test_offer_of_is_none_without_a_static_dist_offer_yet() -> None:
+    # a Fabric object as a Trainer: its strategy's offer; before the first fabric.setup there is none
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=StaticDistFabricStrategy())
+    assert offer_of(fabric) is None and fabric.strategy.offers == []
+    assert offer_of(L.Fabric(accelerator="cpu", devices=1)) is None and offer_of(object()) is None
 
 
 def _fit_through_the_offer(rank: int, world: int, tmp: str) -> dict[str, Any]:
@@ -89,6 +97,7 @@ def test_the_callbacks_read_and_swap_through_the_offer_on_two_ranks(tmp_path: An
         assert r["events"] == [("bf16", "none")]  # the guard's swap went through the reducer's owner
         assert r["reducer"] == "MeanAllReduce" and r["compressing"] is None
         assert figures.mode == "hooks" and figures.rounds == 4 and figures.bytes_per_round == r["dense"]
+        assert figures.dense_bytes_per_round == r["dense"]  # (the exact mean since the swap: nothing compressed)
         assert summary["sync_rounds"] == figures.rounds and summary["bytes_sent_per_rank"] == figures.bytes_sent
         assert summary["bytes_per_round"] == figures.bytes_per_round
         assert summary["bucket_plan"] == figures.bucket_plan and summary["sync_mode"] == "hooks"

@@ -68,6 +68,7 @@ class RosterOffer(StaticDistOffer):
             bytes_per_round=graph_bytes or (stats.last_round_bytes if stats else 0),
             bucket_plan=sync.plan.describe() if sync is not None else None,
             optimizer_overlap=self._parts.overlap.announced,
+            dense_bytes_per_round=graph_bytes or (stats.last_round_dense_bytes if stats else 0),
         )
 
     @property
