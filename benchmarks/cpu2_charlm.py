@@ -81,7 +81,7 @@ def worker(contender: str, steps: int, warmup: int, out: str) -> None:
         if contender == "static_dist_graph":
             strategy_cfg.sync = dataclasses.replace(strategy_cfg.sync, mode="graph")
         strategy = StaticDistStrategy.from_config(strategy_cfg)
-    from lightning_static_dist import OverlapMonitor
+    from lightning_static_dist import OverlapMonitor, offer_of
 
     summary = RunSummary(warmup_steps=warmup)
     monitor = OverlapMonitor(every_n_steps=5)
@@ -90,14 +90,14 @@ def worker(contender: str, steps: int, warmup: int, out: str) -> None:
     trainer.fit(model, datamodule=data)
     if trainer.is_global_zero:
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        sync = getattr(trainer.strategy, "synchronizer", None)
+        figures = offer.sync_figures() if (offer := offer_of(trainer)) is not None else None
         record = {
             "step_s": summary.step_seconds[warmup:],
             "tokens_per_step": summary.items_per_step * trainer.world_size,
             "final_loss": summary.summary["train_loss_last10"],
             # ddp all-reduces every gradient once per step; static_dist reports what it actually sent
-            "bytes_per_step": sync.stats.last_round_bytes if sync is not None else grad_bytes,
-            "bytes_source": "measured (synchroniser)" if sync is not None else "gradient bytes (DDP all-reduces all)",
+            "bytes_per_step": figures.bytes_per_round if figures is not None else grad_bytes,
+            "bytes_source": "measured (synchroniser)" if figures is not None else "gradient bytes (DDP all-reduces all)",
             "overlap": {
                 key: median_of([row[f"static_dist/{key}"] for row in monitor.history[1:]])
                 for key in ("overlap_ratio", "hidden_comm_fraction", "exposed_comm_ms", "comm_ms", "trigger_delay_ms")

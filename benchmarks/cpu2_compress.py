@@ -73,12 +73,12 @@ def worker(contender: str, steps: int, out: str) -> None:
     trainer = L.Trainer(strategy=StaticDistStrategy.from_config(cfg.strategy), callbacks=callbacks, **cfg.trainer)
     trainer.fit(model, datamodule=data)
     if trainer.is_global_zero:
-        stats = trainer.strategy.synchronizer.stats
+        figures = trainer.strategy.offer.sync_figures()
         record = {
             "step_s": summary.step_seconds[5:],
-            "bytes_per_step": stats.last_round_bytes,
-            "mean_bytes_per_step": stats.bytes_sent / stats.rounds,
-            "uncompressed_bytes_per_step": stats.last_round_dense_bytes,
+            "bytes_per_step": figures.bytes_per_round,
+            "mean_bytes_per_step": figures.bytes_sent / figures.rounds,
+            "uncompressed_bytes_per_step": figures.dense_bytes_per_round,
             "final_train_loss": summary.summary["train_loss_last10"],
             "val_loss": float(trainer.callback_metrics["val_loss"]),
             "guard_events": guard.events,

@@ -51,9 +51,9 @@ def worker(contender: str, steps: int, out: str) -> None:
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
             if trainer.global_step != steps:
                 return
-            sync = trainer.strategy.synchronizer
+            gradients = trainer.strategy._parts.gradients  # (white-box: the bytes the synchronisers hold)
+            sync, sharded = gradients.synchronizer, gradients.sharded_sync
             optimizer = trainer.optimizers[0]
-            sharded = trainer.strategy.sharded_sync
             if sharded is not None:
                 held["params"] = nbytes(s.full for s in sharded.shards) + (
                     nbytes(s.chunk for s in sharded.shards) if sharded.shard_size > 1 else 0)

@@ -294,7 +294,7 @@ def worker(setting: str, steps: int, warmup: int, backend: str, out: str) -> Non
         def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             super().on_train_end(trainer, pl_module)
             # while fitting: the synchroniser and the process group are gone after fit()
-            self.plan = trainer.strategy.synchronizer.plan.describe()
+            self.plan = trainer.strategy.offer.sync_figures().bucket_plan
             used = resource.getrusage(resource.RUSAGE_SELF)
             self.ranks = [None] * trainer.world_size
             torch.distributed.all_gather_object(self.ranks, (self.kept, used.ru_utime + used.ru_stime))
@@ -308,7 +308,7 @@ def worker(setting: str, steps: int, warmup: int, backend: str, out: str) -> Non
     trainer.fit(model, datamodule=data)
     if not trainer.is_global_zero:
         return
-    report = trainer.strategy.compile_report
+    report = trainer.strategy.offer.compile_report
     with open(out, "w") as f:
         json.dump({
             "step_s": summary.step_seconds[warmup:],

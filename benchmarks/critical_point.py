@@ -151,7 +151,7 @@ def worker(setting: str, args: argparse.Namespace, out: str) -> None:
             self.losses.append(loss.detach().float())
             if setting in TORCH_POWERSGD:  # DDP's hook counts nothing
                 return
-            sent = trainer.strategy.synchronizer.stats.bytes_sent
+            sent = trainer.strategy.offer.sync_figures().bytes_sent
             self.step_bytes.append(sent - self._sent)
             self._sent = sent
             step = trainer.global_step - 1  # the step that just ran (the guard measured it if it was a check step)
@@ -189,14 +189,17 @@ def worker(setting: str, args: argparse.Namespace, out: str) -> None:
         raise
     if trainer.is_global_zero:
         hook_state = getattr(trainer.strategy, "powersgd_state", None)
-        sync = getattr(trainer.strategy, "synchronizer", None)
-        reducer = offer.compressing_reducer if (offer := offer_of(trainer)) is not None else None
+        offer = offer_of(trainer)
+        figures = offer.sync_figures() if offer is not None else None
+        reducer = offer.compressing_reducer if offer is not None else None
+        # (white-box: the parameters the compressor takes, from the synchroniser the offer summarises)
+        sync = trainer.strategy._parts.gradients.synchronizer if reducer is not None else None
         taken = 0 if reducer is None else sum(p.numel() for p in sync.parameters if reducer.compressor.takes(p.shape))
         record = {
             "losses": [float(x) for x in log.losses],
             "val_loss": float(trainer.callback_metrics["val_loss"]),
             "step_bytes": log.step_bytes,
-            "dense_bytes_per_step": None if sync is None else sync.stats.last_round_dense_bytes,
+            "dense_bytes_per_step": None if figures is None else figures.dense_bytes_per_round,
             "rel_errors": log.rel_errors,
             "compressed_numel": taken,
             "step_s": summary.step_seconds[5:],

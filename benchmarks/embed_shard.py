@@ -47,7 +47,7 @@ def worker(contender: str, steps: int, vocab: int, out: str) -> None:
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
             if trainer.global_step != steps:
                 return
-            sharder = trainer.strategy.embedding_sharder
+            sharder = trainer.strategy._parts.embeddings.sharder  # (white-box: the shard's own bytes)
             weight = sharder.weights[0].shard if sharder is not None else pl_module.wte.weight
             state = trainer.optimizers[0].state[weight]
             held["weight"] = weight.numel() * weight.element_size()

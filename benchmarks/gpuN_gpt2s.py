@@ -255,7 +255,7 @@ def _lightning_fit(name: str, model: Any, batches: Any, timer: Any, args: argpar
     import torch
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_static_dist import OverlapMonitor, StaticDistStrategy
+    from lightning_static_dist import OverlapMonitor, StaticDistStrategy, offer_of
     from lightning_static_dist.overlap.intervals import median_of
 
     tail_start = total_steps(args) - args.tail
@@ -294,13 +294,14 @@ def _lightning_fit(name: str, model: Any, batches: Any, timer: Any, args: argpar
         use_distributed_sampler=False, default_root_dir=args.profile or tempfile.gettempdir(),
     )
     trainer.fit(torch.compile(model) if name in ("ddp_compile", "lightning_compile") else model, train_dataloaders=batches)
-    sync = getattr(trainer.strategy, "synchronizer", None)
-    extra: dict[str, Any] = {"bytes_per_step": sync.stats.last_round_bytes if sync is not None else None}
-    choice = trainer.strategy.offer.schedule_choice() if hasattr(trainer.strategy, "offer") else None
+    offer = offer_of(trainer)
+    figures = offer.sync_figures() if offer is not None else None
+    extra: dict[str, Any] = {"bytes_per_step": figures.bytes_per_round if figures is not None else None}
+    choice = offer.schedule_choice() if offer is not None else None
     if choice is not None:  # sync.schedule: auto: what it chose, and what the trial cost
         extra["schedule_choice"] = {"choice": choice.choice, "trial_steps": choice.trial_steps,
                                     "trial_s": choice.trial_s, "step_s": choice.step_s}
-    report = getattr(trainer.strategy, "compile_report", None)
+    report = offer.compile_report if offer is not None else None
     if report is not None:
         extra["compile"] = {"graphs": len(report.graphs), "graph_breaks": len(report.graph_breaks),
                             "recompiles": len(report.recompiles), "fallbacks": len(report.fallbacks),

@@ -1,9 +1,13 @@
-"""What the static_dist strategy offers its callbacks: :class:`StaticDistOffer`, and :func:`offer_of` to get it.
+"""What the static_dist strategy offers its users and callbacks: :class:`StaticDistOffer`, and :func:`offer_of` to
+get it.
 
-A callback (the run summary, the graph report, the overlap monitor, the compression guard, a user's own) reads the
-strategy's parts through this one declared protocol, never by attribute names of the strategy. The Trainer strategy
-provides it as ``strategy.offer`` (:class:`ProvidesOffer`); :func:`offer_of` returns it, or ``None`` when the
-Trainer runs another strategy, so that a callback can say in one line that it does nothing there.
+The one public surface of a run's facts: a callback (the run summary, the graph report, the overlap monitor, the
+compression guard, a user's own) or a Fabric loop reads the strategy's parts through this declared protocol, never by
+attribute names of the strategy. Both front ends provide it as ``strategy.offer`` (:class:`ProvidesOffer`; under
+Fabric the first trainable model's, ``strategy.offers`` one per model); :func:`offer_of` returns it for a Trainer or a
+Fabric object, or ``None`` where the strategy is another one, so that a callback can say in one line that it does
+nothing there. The strategies' older properties (``strategy.synchronizer`` ...) are deprecated:
+:func:`warn_deprecated_read` names each one's replacement here.
 
 The offer names what a callback may read by its shape (:class:`CompileFacts`, :class:`CompressionCheck` ...), not
 by the classes that hold it: this module is a leaf, so that every callback can import it, the overlap monitor in
@@ -22,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Protocol, runtime_checkable
@@ -51,6 +56,9 @@ class SyncFigures:
     optimizer_overlap: Optional[str] = None
     """``sync.optimizer_overlap`` as resolved, with its reason (``on (...)`` / ``off (...)``), where the schedule makes
     it mean anything (``after_backward``, ``auto``, or asked for with ``true``); else ``None``."""
+    dense_bytes_per_round: int = 0
+    """Payload bytes the round of ``bytes_per_round`` would have sent uncompressed (its compression ratio's
+    denominator; equal to ``bytes_per_round`` without compression)."""
 
 
 @dataclass(frozen=True)
@@ -158,24 +166,47 @@ class StaticDistOffer(Protocol):
         """The maximum over ranks of host figures, with no device synchronisation. A collective."""
         ...
 
+    def wait_for_parameters(self) -> None:
+        """Return once every parameter holds this step's values. With ``sync.reduce: reduce_scatter`` the all-gathers
+        of the updated shards run in the background until the next forward needs them: this waits for those in
+        flight (read the weights between ``optimizer.step()`` and the next forward only after it). Elsewhere the
+        parameters are current already, and it returns at once."""
+        ...
+
 
 @runtime_checkable
 class ProvidesOffer(Protocol):
-    """A strategy that offers callbacks a :class:`StaticDistOffer` (the Trainer's ``StaticDistStrategy``)."""
+    """A strategy that offers a :class:`StaticDistOffer` (the Trainer's ``StaticDistStrategy``; the Fabric strategy,
+    whose offer is ``None`` before the first ``fabric.setup``)."""
 
     @property
-    def offer(self) -> StaticDistOffer: ...
+    def offer(self) -> Optional[StaticDistOffer]: ...
 
 
-def offer_of(trainer: Any) -> Optional[StaticDistOffer]:
-    """The offer of the Trainer's strategy; ``None`` when the strategy is not static_dist.
+def offer_of(owner: Any) -> Optional[StaticDistOffer]:
+    """The offer of ``owner.strategy`` (a Trainer, or a Fabric object); ``None`` when the strategy is not static_dist,
+    or has no offer yet (Fabric before its first ``fabric.setup`` of a trainable model).
 
     Example::
 
-        offer = offer_of(trainer)
+        offer = offer_of(trainer)            # or offer_of(fabric)
         if offer is None:
             rank_zero_warn("MyCallback measures the static_dist strategy only; it does nothing here.")
     """
-    strategy = trainer.strategy
+    strategy = getattr(owner, "strategy", None)
     return strategy.offer if isinstance(strategy, ProvidesOffer) else None
+
+
+_WARNED: set[str] = set()
+
+
+def warn_deprecated_read(name: str, instead: str) -> None:
+    """A :class:`FutureWarning`, once per ``name`` per process, that ``strategy.<name>`` is deprecated for the offer
+    (``instead`` says what to read). The strategies' properties that duplicated the offer call it before returning
+    what they returned before, so that a user's code keeps working while it says where to move."""
+    if name in _WARNED:
+        return
+    _WARNED.add(name)
+    warnings.warn(f"static_dist: strategy.{name} is deprecated (removed in 0.3): {instead}", FutureWarning,
+                  stacklevel=3)
 

@@ -40,7 +40,7 @@ from lightning_static_dist.embedding import EmbeddingConfig, EmbeddingSharder
 from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.processes.launcher import register_names
 from lightning_static_dist.mesh import MeshConfig
-from lightning_static_dist.offer import StaticDistOffer
+from lightning_static_dist.offer import StaticDistOffer, warn_deprecated_read
 from lightning_static_dist.participants import Participants, StepPhases
 from lightning_static_dist.participants.roster_offer import RosterOffer
 from lightning_static_dist.processes.data_parallel import DataParallelProcesses
@@ -155,35 +155,42 @@ class StaticDistStrategy(DataParallelProcesses):
         :func:`~lightning_static_dist.offer.offer_of`): the protocol's members, nothing else of the strategy."""
         return self._offer
 
+    # ------------------------------------------------- deprecated: the offer says the same (removed in 0.3)
+
     @property
     def synchronizer(self) -> Optional[RoundSynchronizer]:
-        """The gradient synchroniser whose rounds run after each backward while fitting (with ``reduce_scatter`` the
-        sharded one; ``None`` before ``setup``, outside ``fit``, on one rank and with ``sync.mode: graph``)."""
+        """Deprecated: ``offer.sync_figures()``. The gradient synchroniser (``None`` outside a multi-rank hooks fit)."""
+        warn_deprecated_read("synchronizer", "read strategy.offer.sync_figures() (bucket_plan, rounds, bytes_sent ...)")
         return self._parts.gradients.synchronizer
 
     @property
     def sharded_sync(self) -> Optional[ShardedSynchronizer]:
-        """With ``sync.reduce: reduce_scatter`` while fitting: the synchroniser holding this rank's shards."""
+        """Deprecated: ``offer.wait_for_parameters()``. With ``sync.reduce: reduce_scatter``: the sharded synchroniser."""
+        warn_deprecated_read("sharded_sync", "call strategy.offer.wait_for_parameters() (figures: offer.sync_figures())")
         return self._parts.gradients.sharded_sync
 
     @property
     def embedding_sharder(self) -> Optional[EmbeddingSharder]:
-        """The sharded embeddings (``None`` when ``strategy.embedding.shard`` is off or at world size 1)."""
+        """Deprecated, internal: the sharded embeddings (``None`` when ``strategy.embedding.shard`` is off)."""
+        warn_deprecated_read("embedding_sharder", "internal, no replacement (full weights: the checkpoint's state_dict)")
         return self._parts.embeddings.sharder
 
     @property
     def optimizer_overlap(self) -> Optional[OverlapChoice]:
-        """``strategy.sync.optimizer_overlap`` as resolved for this fit, and why (``None`` where nothing is averaged)."""
+        """Deprecated: ``offer.sync_figures().optimizer_overlap``. ``sync.optimizer_overlap`` as resolved, and why."""
+        warn_deprecated_read("optimizer_overlap", "read strategy.offer.sync_figures().optimizer_overlap")
         return self._parts.overlap.choice
 
     @property
     def schedule_trial(self) -> Optional[StepTrial]:
-        """``strategy.sync.schedule: auto``: the trial of the two schedules and, once made, its choice."""
+        """Deprecated: ``offer.schedule_choice()``. ``sync.schedule: auto``'s trial of the candidates."""
+        warn_deprecated_read("schedule_trial", "call strategy.offer.schedule_choice()")
         return self._parts.schedule.trial
 
     @property
     def compile_report(self) -> Optional[CompileReport]:
-        """What static compilation did on this rank (``None`` when the model is not compiled)."""
+        """Deprecated: ``offer.compile_report``. What static compilation did on this rank."""
+        warn_deprecated_read("compile_report", "read strategy.offer.compile_report")
         return self._parts.compile.report
 
     def adopt_compiled_model(self, dynamo_ctx: Any) -> None:

@@ -17,7 +17,8 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from _dist import RankPool
-from lightning_static_dist import StaticDistStrategy
+from tests._parts import parts_of
+from lightning_static_dist import StaticDistStrategy, offer_of
 from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
 
 
@@ -38,7 +39,7 @@ class _Record(L.Callback):
         self.in_flight_at_batch_start: list[int] = []
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        sync = getattr(trainer.strategy, "sharded_sync", None)
+        sync = _sharded_sync(trainer)
         if sync is not None:  # gathers issued after the last optimizer step and not waited for yet
             self.in_flight_at_batch_start.append(sum(shard.work is not None for shard in sync.shards))
 
@@ -48,7 +49,10 @@ class _Record(L.Callback):
         optimizer = trainer.optimizers[0]
         state_bytes = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                           if torch.is_tensor(v) and v.dim() > 0)
-        sync = getattr(trainer.strategy, "sharded_sync", None)
+        sync = _sharded_sync(trainer)
+        in_flight = sum(shard.work is not None for shard in sync.shards) if sync is not None else 0
+        if (offer := offer_of(trainer)) is not None:
+            offer.wait_for_parameters()  # (the strategy would wait before the next read; a user's callback asks now)
         record = {
             "state_bytes": state_bytes,
             "param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
@@ -56,7 +60,9 @@ class _Record(L.Callback):
             "groups": [len(g["params"]) for g in optimizer.param_groups],
             "sharded": sync is not None,
             "in_flight": self.in_flight_at_batch_start,
-            "recompiles": len(report.recompiles) if (report := getattr(trainer.strategy, "compile_report", None)) else None,
+            # gathers in flight after the last optimizer step, before and after the offer's wait_for_parameters()
+            "wait_for_parameters": (in_flight, sum(s.work is not None for s in sync.shards) if sync is not None else 0),
+            "recompiles": len(report.recompiles) if offer is not None and (report := offer.compile_report) else None,
         }
         torch.save(record, os.path.join(self.directory, f"record_rank{trainer.global_rank}.pt"))
 
@@ -72,6 +78,12 @@ class _Record(L.Callback):
             "full_state": all(optimizer.state[p]["exp_avg"].shape == p.shape for p in params),
         }
         torch.save(record, path)
+
+
+def _sharded_sync(trainer: L.Trainer) -> Any:
+    """The sharded synchroniser holding this rank's shards (``None`` without ``reduce_scatter``, or under ``ddp``)."""
+    parts = parts_of(trainer.strategy)
+    return parts.gradients.sharded_sync if parts is not None else None
 
 
 def fit(tmp: str, devices: int, strategy: Any, steps: int = STEPS, ckpt_path: Optional[str] = None,

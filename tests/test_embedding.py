@@ -15,6 +15,7 @@ from torch import nn
 
 import lightning as L
 from _dist import RankPool, fit_on_ranks
+from tests._parts import parts_of
 from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_static_dist import StaticDistStrategy
@@ -41,7 +42,7 @@ class _Memory(L.Callback):
         self.directory = directory
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        sharder = getattr(trainer.strategy, "embedding_sharder", None)
+        sharder = parts.embeddings.sharder if (parts := parts_of(trainer.strategy)) is not None else None
         if sharder is None or trainer.global_step != trainer.max_steps:
             return
         shard = sharder.weights[0].shard
@@ -50,7 +51,7 @@ class _Memory(L.Callback):
             "weight": shard.numel() * shard.element_size(),
             "grad": shard.grad.numel() * shard.grad.element_size(),
             "optimizer": sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0),
-            "recompiles": list(trainer.strategy.compile_report.recompiles) if trainer.strategy.compile_report else None,
+            "recompiles": list(report.recompiles) if (report := trainer.strategy.offer.compile_report) else None,
             "gather_ms": sharder.timing.gather_s * 1e3,
         }
         torch.save(record, os.path.join(self.directory, f"memory_rank{trainer.global_rank}.pt"))

@@ -20,6 +20,8 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from _dist import run_ranks
 from tests.participants._view import Context, gradient_participant
+from tests._parts import Deprecated, check_deprecated, deprecated_reads, synchronizer_of
+from lightning_static_dist import StaticDistFabricStrategy
 from lightning_static_dist.callbacks import GraphReport, RunSummary
 from lightning_static_dist.compression import CompressionGuard, LowPrecisionCompressor
 from lightning_static_dist.offer import StaticDistOffer, offer_of
@@ -45,6 +47,13 @@ def test_callbacks_under_another_strategy_get_no_offer_and_say_so_naming_it(tmp_
     assert "simulated_world_size" not in summary.summary
 
 
+def test_offer_of_is_none_without_a_static_dist_offer_yet() -> None:
+    # a Fabric object as a Trainer: its strategy's offer; before the first fabric.setup there is none
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=StaticDistFabricStrategy())
+    assert offer_of(fabric) is None and fabric.strategy.offers == []
+    assert offer_of(L.Fabric(accelerator="cpu", devices=1)) is None and offer_of(object()) is None
+
+
 def _fit_through_the_offer(rank: int, world: int, tmp: str) -> dict[str, Any]:
     from lightning_static_dist import StaticDistStrategy
 
@@ -62,9 +71,23 @@ def _fit_through_the_offer(rank: int, world: int, tmp: str) -> dict[str, Any]:
     assert offer is strategy.offer and isinstance(offer, StaticDistOffer)
     figures = offer.sync_figures()
     assert figures is not None
+    sync = synchronizer_of(strategy)
+    offer.wait_for_parameters()  # (all_reduce: the parameters are current, it returns at once)
     return {"summary": summary.summary, "figures": figures, "events": [(e["old"], e["new"]) for e in guard.events],
-            "reducer": type(strategy.synchronizer.reducer).__name__, "compressing": offer.compressing_reducer,
-            "dense": strategy.synchronizer.stats.last_round_dense_bytes, "monitored": len(monitor.history)}
+            "reducer": type(sync.reducer).__name__, "compressing": offer.compressing_reducer,
+            "dense": sync.stats.last_round_dense_bytes, "monitored": len(monitor.history),
+            "deprecated": deprecated_reads(strategy, TRAINER_DEPRECATED)}
+
+
+#: each deprecated property of the Trainer strategy, the internal object it still returns, and what its warning names
+TRAINER_DEPRECATED: Deprecated = {
+    "synchronizer": (lambda parts: parts.gradients.synchronizer, "strategy.offer.sync_figures()"),
+    "sharded_sync": (lambda parts: parts.gradients.sharded_sync, "strategy.offer.wait_for_parameters()"),
+    "embedding_sharder": (lambda parts: parts.embeddings.sharder, "internal, no replacement"),
+    "optimizer_overlap": (lambda parts: parts.overlap.choice, "strategy.offer.sync_figures().optimizer_overlap"),
+    "schedule_trial": (lambda parts: parts.schedule.trial, "strategy.offer.schedule_choice()"),
+    "compile_report": (lambda parts: parts.compile.report, "strategy.offer.compile_report"),
+}
 
 
 @pytest.mark.multiprocess
@@ -74,10 +97,12 @@ def test_the_callbacks_read_and_swap_through_the_offer_on_two_ranks(tmp_path: An
         assert r["events"] == [("bf16", "none")]  # the guard's swap went through the reducer's owner
         assert r["reducer"] == "MeanAllReduce" and r["compressing"] is None
         assert figures.mode == "hooks" and figures.rounds == 4 and figures.bytes_per_round == r["dense"]
+        assert figures.dense_bytes_per_round == r["dense"]  # (the exact mean since the swap: nothing compressed)
         assert summary["sync_rounds"] == figures.rounds and summary["bytes_sent_per_rank"] == figures.bytes_sent
         assert summary["bytes_per_round"] == figures.bytes_per_round
         assert summary["bucket_plan"] == figures.bucket_plan and summary["sync_mode"] == "hooks"
         assert r["monitored"] == 4  # the monitor's recorder was attached through the offer
+        check_deprecated(r["deprecated"], TRAINER_DEPRECATED)  # the old surface: still the same objects, each warns once
 
 
 def _swapped_rounds(rank: int, world: int) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_static_dist.offer import offer_of
 from lightning_static_dist.trainer_context import TrainerContext
 from _dist import RankPool
+from tests._parts import parts_of, synchronizer_of
 from tests.test_strategy import assert_same_weights, ddp, fit, fit_in, rank_reports, static_dist
 
 pytestmark = pytest.mark.multiprocess
@@ -65,13 +66,13 @@ class SubSteps(Callback):
         self.seen: list[tuple[int, int, bool]] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        sync = trainer.strategy.synchronizer
+        sync = synchronizer_of(trainer.strategy)
         trainer.optimizers[0].register_step_pre_hook(lambda opt, args, kwargs: self.seen.append(
             (sum(len(g["params"]) for g in opt.param_groups), sync.settled_buckets, sync.unsettled)))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        facts = {"choice": trainer.strategy.optimizer_overlap.describe(), "seen": self.seen,
-                 "buckets": len(trainer.strategy.synchronizer.plan.buckets),
+        facts = {"choice": parts_of(trainer.strategy).overlap.choice.describe(), "seen": self.seen,
+                 "buckets": len(synchronizer_of(trainer.strategy).plan.buckets),
                  "summary": offer_of(trainer).sync_figures().optimizer_overlap}  # (what RunSummary records)
         with open(os.path.join(self.directory, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(facts, f)

@@ -24,6 +24,7 @@ import lightning_static_dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from _dist import RankPool, fresh_job_env, reference_ddp
+from tests._parts import synchronizer_of
 from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.processes.world import binds_device
 
@@ -192,7 +193,7 @@ class RankReport(Callback):
             self.sampler_indices = list(iter(sampler))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        sync = getattr(trainer.strategy, "synchronizer", None)
+        sync = synchronizer_of(trainer.strategy)
         facts = {
             "rank": trainer.global_rank,
             "sampler": type(trainer.train_dataloader.sampler).__name__,

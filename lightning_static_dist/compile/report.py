@@ -49,7 +49,7 @@ class CompileReport:
 
     Example::
 
-        report = strategy.compile_report
+        report = strategy.offer.compile_report
         print(report.summary())    # regions, graphs, breaks, recompiles, seconds
     """
 

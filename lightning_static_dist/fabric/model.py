@@ -30,6 +30,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.participants import Participants, StepPhases
+from lightning_static_dist.participants.roster_offer import RosterOffer
 from lightning_static_dist.participants.phases import run_backward as phases_run_backward
 from lightning_static_dist.participants.phases import teardown_all
 from lightning_static_dist.processes.fingerprint import RankMismatchError
@@ -205,6 +206,7 @@ class FabricModel:
         self.context = FabricContext(module)
         self.parts = Participants(self.view, failed=failed)
         self.phases = StepPhases(self.parts)
+        self.offer = RosterOffer(self.parts, self.view, host_max=strategy.host_max)
         self._recorder = recorder
         self._monitor_every = monitor_every
         self._hooks = [module.register_forward_pre_hook(self._before_forward),

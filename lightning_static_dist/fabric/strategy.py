@@ -30,7 +30,9 @@ from lightning_static_dist.fabric.metrics import StepFigures
 from lightning_static_dist.fabric.checkpoints import FabricCheckpoints
 from lightning_static_dist.fabric.model import LocalAccumulation, FabricModel, run_backward, teardown_models
 from lightning_static_dist.processes.launcher import register_names
+from lightning_static_dist.offer import warn_deprecated_read
 from lightning_static_dist.overlap.recorder import StepRecorder
+from lightning_static_dist.participants.roster_offer import RosterOffer
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.sync.broadcast import start_from_rank_zero
 
@@ -56,6 +58,7 @@ class StaticDistFabricStrategy(FabricCheckpoints):
         model, optimizer = fabric.setup(model, optimizer)
         fabric.backward(loss_fn(model(x), y)); optimizer.step()
         fabric.log_dict(fabric.strategy.metrics(), step=step)  # rank-local: on every rank, or on one
+        print(offer_of(fabric).sync_figures().bucket_plan)     # the run's facts: the offer, as under the Trainer
     """
 
     def __init__(self, accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
@@ -88,17 +91,36 @@ class StaticDistFabricStrategy(FabricCheckpoints):
     # ------------------------------------------------------------------------------------------ what users read
 
     @property
+    def offer(self) -> Optional[RosterOffer]:
+        """What the run offers its user (:class:`~lightning_static_dist.offer.StaticDistOffer`, also through
+        ``offer_of(fabric)``): the first trainable model's (``None`` before its ``fabric.setup``), as the Trainer's."""
+        return self._models[0].offer if self._models else None
+
+    @property
+    def offers(self) -> list[RosterOffer]:
+        """One :class:`~lightning_static_dist.offer.StaticDistOffer` per trainable model, in set-up order (a GAN's
+        generator's, then its discriminator's)."""
+        return [model.offer for model in self._models]
+
+    # ------------------------------------------------- deprecated: the offer says the same (removed in 0.3)
+
+    @property
     def synchronizer(self) -> Any:
-        """The first trainable model's gradient synchroniser (``None`` before ``fabric.setup`` and on one rank); the
-        overlap recorder, ``compressing_reducer`` and ``compile_report`` are that model's too (``metrics()`` has all)."""
+        """Deprecated: ``offer.sync_figures()``. The first trainable model's gradient synchroniser (``None`` before
+        ``fabric.setup`` and on one rank)."""
+        warn_deprecated_read("synchronizer", "read strategy.offer.sync_figures() (bucket_plan, rounds, bytes_sent ...)")
         return self._models[0].parts.gradients.synchronizer if self._models else None
 
     @property
     def compressing_reducer(self) -> Optional[CompressingReducer]:
-        return compressing_reducer_of(self.synchronizer)
+        """Deprecated: ``offer.compressing_reducer``. The first trainable model's compressing reducer."""
+        warn_deprecated_read("compressing_reducer", "read strategy.offer.compressing_reducer")
+        return compressing_reducer_of(self._models[0].parts.gradients.synchronizer) if self._models else None
 
     @property
     def compile_report(self) -> Optional[CompileReport]:
+        """Deprecated: ``offer.compile_report``. What static compilation did to the first trainable model."""
+        warn_deprecated_read("compile_report", "read strategy.offer.compile_report")
         return self._models[0].parts.compile.report if self._models else None
 
     def metrics(self) -> dict[str, float]:

@@ -4,7 +4,7 @@
 else ``"graph"`` or ``"hooks"`` (``sync.mode``), and composes the buffer broadcast and the non-finite check. The
 participants that act on the synchroniser are handed this participant when they are built.
 
-Example (the roster builds it; ``strategy.synchronizer`` reads ``gradients.synchronizer``)::
+Example (the roster builds it; the offer's ``sync_figures()`` reads ``gradients.synchronizer``)::
 
     gradients = GradientAveraging(strategy, compile, embeddings, recording)
     gradients.setup(context)                        # gradients.mode: "hooks", "graph", "sharded" or None

@@ -29,7 +29,7 @@ from lightning_static_dist.participants.parameter_shards import ParameterShards
 
 
 class Participants:
-    """The participants of one strategy, named (``strategy.synchronizer`` is ``participants.gradients.synchronizer``)
+    """The participants of one strategy, named (``participants.gradients.synchronizer`` ...)
     and in the one order every phase calls them (each one's part: docs/architecture.md, Layers).
 
     The order keeps what must come first first: the buffers before the embeddings' gather before the recorder's

@@ -2,7 +2,8 @@
 the one way it changes the reducer (through its owner,
 :class:`~lightning_static_dist.participants.compression_state.CompressionState`).
 
-Example (what ``StaticDistStrategy.__init__`` does; callbacks get it with ``offer_of(trainer)``)::
+Example (what ``StaticDistStrategy.__init__`` does, and the Fabric strategy per trainable model; users and callbacks
+get it with ``offer_of(trainer)`` or ``offer_of(fabric)``)::
 
     offer = RosterOffer(participants, strategy, host_max=strategy.host_max)
     offer.sync_figures()          # SyncFigures(mode="hooks", rounds=..., bytes_sent=..., ...)
@@ -67,6 +68,7 @@ class RosterOffer(StaticDistOffer):
             bytes_per_round=graph_bytes or (stats.last_round_bytes if stats else 0),
             bucket_plan=sync.plan.describe() if sync is not None else None,
             optimizer_overlap=self._parts.overlap.announced,
+            dense_bytes_per_round=graph_bytes or (stats.last_round_dense_bytes if stats else 0),
         )
 
     @property
@@ -98,3 +100,8 @@ class RosterOffer(StaticDistOffer):
 
     def host_max(self, values: Sequence[float]) -> list[float]:
         return self._host_max(values)
+
+    def wait_for_parameters(self) -> None:
+        sharded = self._parts.gradients.sharded_sync
+        if sharded is not None:
+            sharded.wait_gather()

@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -274,19 +273,6 @@ class DataParallelProcesses(WorldFacts, ParallelStrategy):
             return -1
 
     # ------------------------------------------------------------------------------------------ collectives
-
-    def host_max(self, values: Sequence[float]) -> list[float]:
-        """The maximum over ranks of figures held on the host, through the host (Gloo) group: no device tensor, so
-        no GPU synchronisation (a device all-reduce read back with ``.item()`` waits for the GPU's queue). A
-        collective: every rank calls it."""
-        if self.world_size == 1:
-            return [float(v) for v in values]
-        # where no Gloo group could be made (loop.host_group warned), through the default group and the device
-        device = torch.device("cpu") if self._host_group is not None else self.root_device
-        flat = torch.tensor(values, dtype=torch.float64, device=device)
-        with waiting_in("the maximum over ranks of host figures (strategy.host_max)"):
-            torch.distributed.all_reduce(flat, op=ReduceOp.MAX, group=self._host_group)
-        return flat.tolist()
 
     @override
     def barrier(self, name: Optional[str] = None, *args: Any, **kwargs: Any) -> None:

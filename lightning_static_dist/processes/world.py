@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -33,7 +33,7 @@ from lightning_static_dist.config import ConfigError
 from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.ddp_arguments import device_backend
 from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
-from lightning_static_dist.processes.faults import record_nccl_flight
+from lightning_static_dist.processes.faults import record_nccl_flight, waiting_in
 from lightning_static_dist.simulate import BACKEND as SIMULATED_BACKEND
 from lightning_static_dist.simulate import init_simulated_world, is_simulated, set_link
 from lightning_static_dist.simulate.config import SimulateConfig
@@ -223,6 +223,8 @@ class WorldFacts:
 
     _world: DataParallelWorld
     world_size: int
+    root_device: torch.device
+    host_group: Optional[torch.distributed.ProcessGroup]
     num_nodes: int
     num_processes: int
 
@@ -254,6 +256,20 @@ class WorldFacts:
     def reduce_scatter(self) -> bool:
         """``sync.reduce`` resolved against the mesh (:meth:`DataParallelWorld.reduce_scatter`)."""
         return self._world.reduce_scatter(self.world_size)
+
+    def host_max(self, values: Sequence[float]) -> list[float]:
+        """The maximum over ranks of figures held on the host. Through the Trainer's Gloo ``host_group``: no device
+        tensor, so no GPU synchronisation (a device all-reduce read back with ``.item()`` waits for the GPU's queue);
+        where the host group is the device's (Fabric's), or none could be made, through it on the device. A
+        collective: every rank calls it."""
+        if self.world_size == 1:
+            return [float(v) for v in values]
+        group = self.host_group
+        device = torch.device("cpu") if group is not None and group is not self.dp_group else self.root_device
+        flat = torch.tensor(values, dtype=torch.float64, device=device)
+        with waiting_in("the maximum over ranks of host figures (strategy.host_max)"):
+            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=group)
+        return flat.tolist()
 
     def _ranks_in_world(self) -> int:
         return self._world.ranks(self.num_nodes, self.num_processes)

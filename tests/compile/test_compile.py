@@ -21,6 +21,7 @@ from torch import nn
 
 import lightning as L
 from _dist import fit_on_ranks
+from tests._parts import synchronizer_of
 from lightning.pytorch.strategies import DDPStrategy
 from lightning_static_dist.examples.charlm import Block, CharDataModule, CharGPT
 from lightning_static_dist import StaticDistStrategy
@@ -383,7 +384,7 @@ class CompileFacts(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        report, sync = trainer.strategy.compile_report, trainer.strategy.synchronizer
+        report, sync = offer_of(trainer).compile_report, synchronizer_of(trainer.strategy)
         names = sync.parameter_names if sync is not None else []
         figures = offer_of(trainer).sync_figures()
         facts = {
@@ -512,7 +513,7 @@ def test_static_shapes_drop_the_short_last_batch_and_keep_the_validation_schedul
             torch.distributed.destroy_process_group()
     assert trainer.global_step == 4  # 2 full batches per epoch
     assert model.val_steps == 2  # validation still ran at the end of each epoch
-    assert strategy.compile_report is not None and strategy.compile_report.recompiles == []
+    assert strategy.offer.compile_report is not None and strategy.offer.compile_report.recompiles == []
 
 
 def test_one_piece_and_one_bucket_are_said_in_the_singular() -> None:
@@ -559,7 +560,7 @@ def test_library_moves_that_stay_on_their_device_say_nothing(caplog: pytest.LogC
     with caplog.at_level(logging.WARNING, logger="lightning_static_dist"):
         trainer.fit(_WithAMetric())
     warned = [r.getMessage() for r in caplog.records if "device transfer" in r.getMessage()]
-    report = trainer.strategy.compile_report
+    report = trainer.strategy.offer.compile_report
     assert warned == [] and report.library_transfers == [] and report.placement == [], (warned, report.summary())
     assert "device transfer" not in report.summary() and len(report.graphs) >= 1, report.summary()
 

@@ -69,7 +69,7 @@ for cudagraphs in ("auto", False):
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[launches])
     trainer.fit(model)
-    report = strategy.compile_report
+    report = strategy.offer.compile_report
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}  # read after the last step's replay
     out[str(cudagraphs)] = {
         "weights": {k: v.detach().cpu().tolist() for k, v in model.state_dict().items()},
@@ -118,7 +118,7 @@ from tests.test_host_syncs import EveryParameterUsed
 
 strategy = StaticDistStrategy(compile={"enabled": True}, sync={**SMALL_BUCKETS, "schedule": "overlap"}, simulate={"world_size": 2})
 (report,) = count_syncs(tempfile.mkdtemp(), strategy, EveryParameterUsed(), devices=1)
-print(json.dumps({**report, "cudagraphs": strategy.compile_report.cudagraphs}))
+print(json.dumps({**report, "cudagraphs": strategy.offer.compile_report.cudagraphs}))
 """
 
 
@@ -142,7 +142,7 @@ trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision="
                     accumulate_grad_batches=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                     enable_model_summary=False)
 trainer.fit(model)
-print(json.dumps({"cudagraphs": strategy.compile_report.cudagraphs, "steps": trainer.global_step}))
+print(json.dumps({"cudagraphs": strategy.offer.compile_report.cudagraphs, "steps": trainer.global_step}))
 """
 
 

@@ -19,7 +19,7 @@ import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 from _dist import RankPool, free_port
 from lightning.pytorch.strategies import DDPStrategy
-from lightning_static_dist import StaticDistStrategy
+from lightning_static_dist import StaticDistStrategy, offer_of
 
 
 class LoggingModel(L.LightningModule):
@@ -79,7 +79,7 @@ class RankMetrics(L.Callback):
                            "prog_bar": _model_metrics(trainer.progress_bar_metrics)})
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        report = getattr(trainer.strategy, "compile_report", None)
+        report = offer.compile_report if (offer := offer_of(trainer)) is not None else None
         facts = {"steps": self.steps, "final": _model_metrics(trainer.callback_metrics)}
         if report is not None:
             facts.update(graph_breaks=report.graph_breaks, recompiles=report.recompiles, fallbacks=report.fallbacks,
@@ -227,7 +227,7 @@ def test_self_log_under_a_batch_idx_branch_logs_what_eager_logs(tmp_path: Any, m
     rows, trainer = _fit_one(str(tmp_path / "compiled"),
                              StaticDistStrategy(compile={"enabled": True, "backend": "aot_eager"}))
     _assert_same_numbers(rows, eager_rows, "metrics.csv")
-    report = trainer.strategy.compile_report
+    report = trainer.strategy.offer.compile_report
     # the branch on batch_idx is traced, so each new batch_idx recompiles (static shapes, dynamic=false): every
     # recompile says so; no graph break is Lightning's log (the metric's own update may break: its lines are named)
     assert report.recompiles and all("batch_idx ==" in r for r in report.recompiles), report.summary()

@@ -217,7 +217,7 @@ class _Probe(L.Callback):
         reducer = offer_of(trainer).compressing_reducer
         guards = [c for c in trainer.callbacks if isinstance(c, CompressionGuard)]
         self._dump(trainer, "end", {"rounds": reducer.rounds, "state": reducer.state_dict()["state"],
-                                    "indices": self.indices, "compiled": trainer.strategy.compile_report is not None,
+                                    "indices": self.indices, "compiled": offer_of(trainer).compile_report is not None,
                                     "compressor": reducer.compressor.name,
                                     "events": guards[0].events if guards else None})
 

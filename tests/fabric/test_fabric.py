@@ -27,8 +27,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning as L
 from _dist import fabric_launch, fresh_job_env, run_ranks
+from tests._parts import synchronizer_of
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
-from lightning_static_dist import StaticDistFabricStrategy
+from lightning_static_dist import StaticDistFabricStrategy, offer_of
 from lightning_static_dist.config import ConfigError
 
 pytestmark = pytest.mark.multiprocess
@@ -87,11 +88,11 @@ def train(fabric: L.Fabric, steps: int = STEPS, accumulate: int = 1, checkpoint:
     gathered = fabric.all_gather(flat)
     facts["ranks_agree"] = bool(torch.equal(gathered[0], gathered[1]))
     facts["state"] = _state(model)
-    sync = getattr(fabric.strategy, "synchronizer", None)
+    sync = synchronizer_of(fabric.strategy)
     if sync is not None:
         facts["stats"] = dict(vars(sync.stats))
         facts["buckets"] = len(sync.plan.buckets)
-    report = getattr(fabric.strategy, "compile_report", None)
+    report = offer.compile_report if (offer := offer_of(fabric)) is not None else None
     if report is not None:
         facts["pieces"] = report.splitter.pieces if report.splitter is not None else 0
         facts["recompiles"] = len(report.recompiles)
@@ -371,7 +372,7 @@ def main(fabric):
         optimizer.zero_grad()
         fabric.log_dict(fabric.strategy.metrics(), step=step)
     fabric.logger.finalize("success")
-    rounds = fabric.strategy.synchronizer.stats.rounds
+    rounds = fabric.strategy.offer.sync_figures().rounds
     sys.stdout.write(f"TRAINED {fabric.global_rank} {type(fabric.strategy).__name__} {rounds}\\n")  # one write: the ranks share the pipe
     sys.stdout.flush()
 

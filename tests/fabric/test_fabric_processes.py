@@ -5,6 +5,7 @@ under Fabric (a killed rank ends its survivor with one line, as under the Traine
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import signal
@@ -24,7 +25,8 @@ from torch.utils.data import DataLoader
 
 import lightning as L
 from _dist import fresh_job_env
-from lightning_static_dist import StaticDistFabricStrategy, StaticDistStrategy
+from tests._parts import Deprecated, check_deprecated, deprecated_reads, synchronizer_of
+from lightning_static_dist import StaticDistFabricStrategy, StaticDistStrategy, offer_of
 from lightning_static_dist.simulate import BACKEND
 from lightning_static_dist.simulate import group as simulated_group
 from tests.processes.test_faults import failure_lines
@@ -39,11 +41,24 @@ STEPS = 5
 BATCH = 5  # rank 0 of 4 reads 16 samples an epoch: 3 batches of 5 and a short one of 1 (dropped: static shapes)
 
 
+#: the Fabric strategy's deprecated properties, the internal object each still returns, and what its warning names
+FABRIC_DEPRECATED: Deprecated = {
+    "synchronizer": (lambda parts: parts.gradients.synchronizer, "strategy.offer.sync_figures()"),
+    "compressing_reducer": (lambda parts: parts.compression.reducer, "strategy.offer.compressing_reducer"),
+    "compile_report": (lambda parts: parts.compile.report, "strategy.offer.compile_report"),
+}
+
+
 def _figures(strategy: Any, state: dict[str, torch.Tensor]) -> dict[str, Any]:
-    sync, report = strategy.synchronizer, strategy.compile_report
+    # the facts both front ends offer (strategy.offer), and the synchroniser's own counters (white-box)
+    sync, offer = synchronizer_of(strategy), strategy.offer
+    report = offer.compile_report
     return {"stats": dict(vars(sync.stats)), "buckets": len(sync.plan.buckets), "world_size": strategy.world_size,
             "global_rank": strategy.global_rank, "backend": dist.get_backend(), "sms": simulated_group.WORLD.sms,
-            "recompiles": len(report.recompiles), "state": {k: v.detach().clone() for k, v in state.items()}}
+            "figures": dataclasses.asdict(offer.sync_figures()),
+            "compile": {"breaks": len(report.graph_breaks), "recompiles": len(report.recompiles),
+                        "regions": len(report.regions), "graphs": len(report.graphs)},
+            "state": {k: v.detach().clone() for k, v in state.items()}}
 
 
 class _Unlogged(Regression):
@@ -81,8 +96,11 @@ def _fabric_in_a_simulated_world() -> dict[str, Any]:
             steps, per_epoch[-1] = steps + 1, per_epoch[-1] + 1
     sampler = loader.sampler
     facts = _figures(fabric.strategy, net.state_dict())
+    offers = fabric.strategy.offers
     return {**facts, "metrics": fabric.strategy.metrics(), "batches": per_epoch, "world": fabric.world_size,
-            "sampler": (type(sampler).__name__, sampler.num_replicas, sampler.rank)}
+            "sampler": (type(sampler).__name__, sampler.num_replicas, sampler.rank),
+            "offer_of": offer_of(fabric) is fabric.strategy.offer and len(offers) == 1 and offers[0] is offer_of(fabric),
+            "deprecated": deprecated_reads(fabric.strategy, FABRIC_DEPRECATED)}
 
 
 def test_a_simulated_world_under_fabric_gives_the_trainer_strategys_figures() -> None:
@@ -95,7 +113,12 @@ def test_a_simulated_world_under_fabric_gives_the_trainer_strategys_figures() ->
     assert fabric["buckets"] > 1 and fabric["buckets"] == trainer["buckets"]
     assert fabric["stats"] == trainer["stats"] and fabric["stats"]["rounds"] == STEPS
     assert fabric["metrics"]["static_dist/sync_bytes_sent"] == trainer["stats"]["bytes_sent"] > 0
-    assert fabric["recompiles"] == trainer["recompiles"] == 0
+    # the one surface: the same facts under both front ends
+    assert fabric["figures"] == trainer["figures"] and fabric["figures"]["rounds"] == STEPS
+    assert fabric["figures"]["bucket_plan"].startswith(f"{fabric['buckets']} buckets")
+    assert fabric["compile"] == trainer["compile"] and fabric["compile"]["recompiles"] == 0
+    assert fabric["offer_of"]
+    check_deprecated(fabric["deprecated"], FABRIC_DEPRECATED)
     for key, value in trainer["state"].items():
         torch.testing.assert_close(fabric["state"][key], value, atol=1e-6, rtol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
 

@@ -93,7 +93,7 @@ def test_a_simulated_fit_over_an_emulated_link_runs_and_says_so(tmp_path) -> Non
         from lightning_static_dist.simulate.group import WORLD
         import torch.distributed as dist
         print(json.dumps({{"summary": trainer.callbacks[0].summary, "sms": dist.group.WORLD.sms,
-                          "rounds": strategy.synchronizer.stats.rounds}}))
+                          "rounds": strategy.offer.sync_figures().rounds}}))
     """)
     assert out["summary"]["simulated_world_size"] == 2
     assert out["sms"] == 2  # sync.comm_sms replaces the link's SMs

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 
 import lightning as L
 from _dist import RankPool, run_ranks
+from tests._parts import parts_of, synchronizer_of
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_static_dist import RunSummary, StaticDistStrategy
 from lightning_static_dist.compat import all_gather_single, reduce_scatter_single
@@ -314,7 +315,7 @@ class _StateSize(Callback):
             "exp_avg_numel": sum(s["exp_avg"].numel() for s in optimizer.state.values() if "exp_avg" in s),
             "exp_avg_sq_numel": sum(s["exp_avg_sq"].numel() for s in optimizer.state.values() if "exp_avg_sq" in s),
             "param_numel": sum(p.numel() for p in pl_module.parameters()),
-            "sharded": trainer.strategy.sharded_sync is not None,
+            "sharded": parts_of(trainer.strategy).gradients.sharded_sync is not None,
             "mesh": tuple(trainer.strategy.device_mesh.shape),
             "world_size": trainer.world_size,
         }
@@ -444,11 +445,11 @@ class ScheduleProbe(Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.facts["first"] is None:  # (before the strategy's own batch-start hook: a trial would start there)
-            trial = trainer.strategy.schedule_trial
+            trial = parts_of(trainer.strategy).schedule.trial
             self.facts["first"] = {"step": trainer.global_step, "trial": trial is not None,
                                    "choice": trial.choice if trial is not None else None,
                                    "step_s": dict(trial.step_s) if trial is not None else None}
-        synchronizer = trainer.strategy.synchronizer
+        synchronizer = synchronizer_of(trainer.strategy)
         if synchronizer.recorder is not self._log or self._log is None:
             self._log = synchronizer.recorder = _IssueLog(synchronizer.recorder)
         self._log.events.clear()
@@ -456,13 +457,13 @@ class ScheduleProbe(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         events = self._log.events
         end = events.index("end of backward") if "end of backward" in events else len(events)
-        self.facts["launch_during_backward"].append(trainer.strategy.synchronizer.launch_during_backward)
+        self.facts["launch_during_backward"].append(synchronizer_of(trainer.strategy).launch_during_backward)
         self.facts["issued_in_backward"].append(events[:end].count("issued"))
         self.facts["issued"].append(events.count("issued"))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trial = trainer.strategy.schedule_trial  # (the strategy's teardown, after this hook, forgets it)
-        report = trainer.strategy.compile_report
+        trial = parts_of(trainer.strategy).schedule.trial  # (the strategy's teardown, after this hook, forgets it)
+        report = trainer.strategy.offer.compile_report
         self.facts.update(
             choice=trial.choice if trial is not None else None,
             step_s=dict(trial.step_s) if trial is not None else None,
@@ -637,7 +638,7 @@ class _SmsPerStep(Callback):
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.sms.append(simulated_group.WORLD.sms)
-        self.candidates = [c.name for c in trainer.strategy.schedule_trial.candidates]
+        self.candidates = [c.name for c in parts_of(trainer.strategy).schedule.trial.candidates]
 
 
 class _FailsAt(Regression):
