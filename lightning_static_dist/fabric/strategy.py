@@ -81,6 +81,7 @@ class StaticDistFabricStrategy(FabricCheckpoints):
         self._figures = StepFigures()  # (on the root device, read when it first combines: not known before launch)
         self._backward_sync_control = LocalAccumulation(self._model_of)
         self._monitor_every = monitor_every_n_steps
+        self._torn_down_offers: list[RosterOffer] = []
         log.debug(f"{self.__class__.__name__}: initialised with {self.config}")
 
     @classmethod
@@ -93,14 +94,16 @@ class StaticDistFabricStrategy(FabricCheckpoints):
     @property
     def offer(self) -> Optional[RosterOffer]:
         """What the run offers its user (:class:`~lightning_static_dist.offer.StaticDistOffer`, also through
-        ``offer_of(fabric)``): the first trainable model's (``None`` before its ``fabric.setup``), as the Trainer's."""
-        return self._models[0].offer if self._models else None
+        ``offer_of(fabric)``): the first trainable model's (``None`` before its ``fabric.setup``), as the Trainer's;
+        still readable after teardown, as the Trainer's after ``fit``."""
+        offers = self.offers
+        return offers[0] if offers else None
 
     @property
     def offers(self) -> list[RosterOffer]:
         """One :class:`~lightning_static_dist.offer.StaticDistOffer` per trainable model, in set-up order (a GAN's
-        generator's, then its discriminator's)."""
-        return [model.offer for model in self._models]
+        generator's, then its discriminator's); after teardown, those of the models torn down."""
+        return [model.offer for model in self._models] if self._models else list(self._torn_down_offers)
 
     # ------------------------------------------------- deprecated: the offer says the same (removed in 0.3)
 
@@ -198,6 +201,7 @@ class StaticDistFabricStrategy(FabricCheckpoints):
         """The models' participants and hooks, then Fabric's. After a failure (:meth:`failed_at_teardown`) or with the
         ranks out of step (raised at the end, as under the Trainer), with no collective."""
         models, self._models = self._models, []
+        self._torn_down_offers = [model.offer for model in models] or self._torn_down_offers
         try:
             mismatch = teardown_models(models, self.failed_at_teardown())
             if mismatch is not None:

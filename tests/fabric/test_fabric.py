@@ -443,10 +443,13 @@ def _out_of_step_then_teardown(fabric: L.Fabric) -> bytes:
         raised = str(err)
     hooks = len(net._forward_pre_hooks) + len(net._forward_hooks) + sum(
         len(p._post_accumulate_grad_hooks or {}) for p in net.parameters())
-    return pickle.dumps({"raised": raised, "hooks": hooks, "failed": getattr(fabric.strategy, "has_failed", bool)()})
+    offer = fabric.strategy.offer  # (still readable after teardown, as the Trainer's after fit)
+    return pickle.dumps({"raised": raised, "hooks": hooks, "failed": getattr(fabric.strategy, "has_failed", bool)(),
+                         "rounds_after_teardown": offer.sync_figures().rounds if offer is not None else None})
 
 
 def test_teardown_of_ranks_out_of_step_raises_after_taking_the_hooks_out() -> None:
     facts = pickle.loads(fabric_launch(static_dist(timeout_s=60), _out_of_step_then_teardown))
     assert facts["raised"] is not None and facts["raised"].startswith("static_dist: ranks are in different steps")
     assert facts["hooks"] == 0 and facts["failed"], facts
+    assert facts["rounds_after_teardown"] == 3, facts
