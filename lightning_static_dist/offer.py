@@ -167,10 +167,11 @@ class StaticDistOffer(Protocol):
         ...
 
     def wait_for_parameters(self) -> None:
-        """Return once every parameter holds this step's values. With ``sync.reduce: reduce_scatter`` the all-gathers
-        of the updated shards run in the background until the next forward needs them: this waits for those in
-        flight (read the weights between ``optimizer.step()`` and the next forward only after it). Elsewhere the
-        parameters are current already, and it returns at once."""
+        """Return once every parameter the data-parallel step keeps whole holds this step's values. With
+        ``sync.reduce: reduce_scatter`` the all-gathers of the updated shards run in the background until the next
+        forward needs them: this waits for those in flight (read the weights between ``optimizer.step()`` and the next
+        forward only after it). Elsewhere they are current already, and it returns at once. (Sharded embeddings,
+        ``embedding.shard``, stay sharded between steps: their full rows are in the checkpoint's ``state_dict``.)"""
         ...
 
 
@@ -197,16 +198,17 @@ def offer_of(owner: Any) -> Optional[StaticDistOffer]:
     return strategy.offer if isinstance(strategy, ProvidesOffer) else None
 
 
-_WARNED: set[str] = set()
+_WARNED: set[tuple[str, str]] = set()
 
 
-def warn_deprecated_read(name: str, instead: str) -> None:
-    """A :class:`FutureWarning`, once per ``name`` per process, that ``strategy.<name>`` is deprecated for the offer
-    (``instead`` says what to read). The strategies' properties that duplicated the offer call it before returning
-    what they returned before, so that a user's code keeps working while it says where to move."""
-    if name in _WARNED:
+def warn_deprecated_read(strategy: object, name: str, instead: str) -> None:
+    """A :class:`FutureWarning`, once per front end and ``name`` per process, that ``strategy.<name>`` is deprecated
+    for the offer (``instead`` says what to read). The strategies' properties that duplicated the offer call it before
+    returning what they returned before, so that a user's code keeps working while it says where to move."""
+    key = (type(strategy).__name__, name)
+    if key in _WARNED:
         return
-    _WARNED.add(name)
+    _WARNED.add(key)
     warnings.warn(f"static_dist: strategy.{name} is deprecated (removed in 0.3): {instead}", FutureWarning,
                   stacklevel=3)
 

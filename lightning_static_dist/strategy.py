@@ -160,37 +160,37 @@ class StaticDistStrategy(DataParallelProcesses):
     @property
     def synchronizer(self) -> Optional[RoundSynchronizer]:
         """Deprecated: ``offer.sync_figures()``. The gradient synchroniser (``None`` outside a multi-rank hooks fit)."""
-        warn_deprecated_read("synchronizer", "read strategy.offer.sync_figures() (bucket_plan, rounds, bytes_sent ...)")
+        warn_deprecated_read(self, "synchronizer", "read strategy.offer.sync_figures()")
         return self._parts.gradients.synchronizer
 
     @property
     def sharded_sync(self) -> Optional[ShardedSynchronizer]:
         """Deprecated: ``offer.wait_for_parameters()``. With ``sync.reduce: reduce_scatter``: the sharded synchroniser."""
-        warn_deprecated_read("sharded_sync", "call strategy.offer.wait_for_parameters() (figures: offer.sync_figures())")
+        warn_deprecated_read(self, "sharded_sync", "call strategy.offer.wait_for_parameters()")
         return self._parts.gradients.sharded_sync
 
     @property
     def embedding_sharder(self) -> Optional[EmbeddingSharder]:
         """Deprecated, internal: the sharded embeddings (``None`` when ``strategy.embedding.shard`` is off)."""
-        warn_deprecated_read("embedding_sharder", "internal, no replacement (full weights: the checkpoint's state_dict)")
+        warn_deprecated_read(self, "embedding_sharder", "internal (full weights: the checkpoint's state_dict)")
         return self._parts.embeddings.sharder
 
     @property
     def optimizer_overlap(self) -> Optional[OverlapChoice]:
         """Deprecated: ``offer.sync_figures().optimizer_overlap``. ``sync.optimizer_overlap`` as resolved, and why."""
-        warn_deprecated_read("optimizer_overlap", "read strategy.offer.sync_figures().optimizer_overlap")
+        warn_deprecated_read(self, "optimizer_overlap", "read strategy.offer.sync_figures().optimizer_overlap")
         return self._parts.overlap.choice
 
     @property
     def schedule_trial(self) -> Optional[StepTrial]:
         """Deprecated: ``offer.schedule_choice()``. ``sync.schedule: auto``'s trial of the candidates."""
-        warn_deprecated_read("schedule_trial", "call strategy.offer.schedule_choice()")
+        warn_deprecated_read(self, "schedule_trial", "call strategy.offer.schedule_choice()")
         return self._parts.schedule.trial
 
     @property
     def compile_report(self) -> Optional[CompileReport]:
         """Deprecated: ``offer.compile_report``. What static compilation did on this rank."""
-        warn_deprecated_read("compile_report", "read strategy.offer.compile_report")
+        warn_deprecated_read(self, "compile_report", "read strategy.offer.compile_report")
         return self._parts.compile.report
 
     def adopt_compiled_model(self, dynamo_ctx: Any) -> None:

@@ -46,8 +46,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# what a rank's fork server has imported before it forks a rank (so that no rank imports it again)
-_PRELOAD = ["torch._inductor.compile_fx", "lightning.pytorch", "lightning_static_dist", "_dist"]
+# what a rank's fork server has imported before it forks a rank (so that no rank imports it again; the test helpers
+# themselves are imported by each rank, cheaply: the server's sys.path is not pytest's)
+_PRELOAD = ["torch._inductor.compile_fx", "lightning.pytorch", "lightning_static_dist"]
 
 
 def _context() -> Any:
@@ -79,10 +80,13 @@ def _enter(rank: int, world_size: int, port: int, environ: dict[str, str]) -> No
     torch.set_num_threads(1)
 
 
-def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, queue: Any,
-            environ: dict[str, str], stdio: None) -> None:
+def _worker(stdio: None, job: bytes, rank: int, world_size: int, port: int, queue: Any,
+            environ: dict[str, str]) -> None:
+    # (stdio first: an error unpickling what follows prints where the test reads; the function and its arguments are
+    # unpickled only here, after the caller's environment is in place, so that a test module's import reads it)
     _enter(rank, world_size, port, environ)
     try:
+        fn, args = pickle.loads(job)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         # plain pickle (by value): torch's queue would share tensors through file descriptors that die with us
         queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
@@ -99,7 +103,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), tim
     queue = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, environ, _CallersStdio()))
+    job = pickle.dumps((fn, args))
+    procs = [ctx.Process(target=_worker, args=(_CallersStdio(), job, r, world_size, port, queue, environ))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -126,8 +131,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), tim
     return [results[r] for r in range(world_size)]
 
 
-def _pool_worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any, environ: dict[str, str],
-                 stdio: None) -> None:
+def _pool_worker(stdio: None, rank: int, world_size: int, port: int, inbox: Any, outbox: Any,
+                 environ: dict[str, str]) -> None:
     _enter(rank, world_size, port, environ)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -170,8 +175,8 @@ class RankPool:
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [ctx.Process(target=_pool_worker,
-                                   args=(r, self.world_size, port, self._inboxes[r], self._outbox, environ,
-                                         _CallersStdio()))
+                                   args=(_CallersStdio(), r, self.world_size, port, self._inboxes[r], self._outbox,
+                                         environ))
                        for r in range(self.world_size)]
         for p in self._procs:
             p.start()

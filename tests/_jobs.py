@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import threading
-import traceback
 from typing import Any, Optional
 
 from _dist import _context
@@ -47,7 +48,7 @@ class _HandedFd:
         return _take, (None if self.fd is None else reduction.DupFd(self.fd),)
 
 
-def _take(handed: Any) -> Optional[int]:
+def _take(handed: Any) -> Optional[int]:  # (in the job, as it starts)
     return None if handed is None else handed.detach()
 
 
@@ -61,8 +62,9 @@ def _exit_status(code: Any) -> int:
     return 1
 
 
-def _run_job(entry: str, argv: list[str], cwd: str, environ: dict[str, str], session: bool,
-             fds: tuple[Optional[int], Optional[int]]) -> None:
+def _run_job(fds: tuple[Optional[int], Optional[int]], entry: str, argv: list[str], cwd: str,
+             environ: dict[str, str], session: bool) -> None:
+    multiprocessing.set_start_method(None, force=True)  # (the platform's default again, as in a fresh interpreter)
     if session:
         os.setsid()
     null = os.open(os.devnull, os.O_RDWR)
@@ -75,12 +77,15 @@ def _run_job(entry: str, argv: list[str], cwd: str, environ: dict[str, str], ses
     sys.argv = argv
     module, name = ENTRY_POINTS[entry].split(":")
     try:
-        getattr(importlib.import_module(module), name)()
-        status = 0
+        status = _exit_status(getattr(importlib.import_module(module), name)())  # (the script: sys.exit(main()))
     except SystemExit as exit_:
         status = _exit_status(exit_.code)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # (the interpreter dies by the signal, as it does)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # (the one the package installed, if it did)
         status = 1
     threading._shutdown()  # (what the interpreter does at exit, in its order: threads, then atexit)
     atexit._run_exitfuncs()
@@ -103,12 +108,14 @@ class ForkedJob:
                 read, write = os.pipe()
                 reads.append(read)
                 writes.append(write)
-            else:  # subprocess.DEVNULL
+            elif wanted == subprocess.DEVNULL:
                 reads.append(None)
                 writes.append(None)
+            else:
+                raise ValueError(f"ForkedJob: stdout/stderr={wanted!r}: allowed: subprocess.PIPE, subprocess.DEVNULL")
         argv = [os.path.join(os.path.dirname(sys.executable), script), *args]
         self._process = _context().Process(target=_run_job, args=(
-            script, argv, str(cwd), dict(env), start_new_session, tuple(_HandedFd(fd) for fd in writes)))
+            tuple(_HandedFd(fd) for fd in writes), script, argv, str(cwd), dict(env), start_new_session))
         self._process.start()
         for fd in writes:
             if fd is not None:
@@ -141,6 +148,9 @@ class ForkedJob:
             reader.join(timeout)
             if reader.is_alive():
                 raise subprocess.TimeoutExpired(self._process.name, timeout)
+        for pipe in (self.stdout, self.stderr):
+            if pipe is not None:
+                pipe.close()
         self.wait(timeout)
         return texts.get("out"), texts.get("err")
 

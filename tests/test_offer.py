@@ -83,7 +83,7 @@ def _fit_through_the_offer(rank: int, world: int, tmp: str) -> dict[str, Any]:
 TRAINER_DEPRECATED: Deprecated = {
     "synchronizer": (lambda parts: parts.gradients.synchronizer, "strategy.offer.sync_figures()"),
     "sharded_sync": (lambda parts: parts.gradients.sharded_sync, "strategy.offer.wait_for_parameters()"),
-    "embedding_sharder": (lambda parts: parts.embeddings.sharder, "internal, no replacement"),
+    "embedding_sharder": (lambda parts: parts.embeddings.sharder, "internal (full weights: the checkpoint's"),
     "optimizer_overlap": (lambda parts: parts.overlap.choice, "strategy.offer.sync_figures().optimizer_overlap"),
     "schedule_trial": (lambda parts: parts.schedule.trial, "strategy.offer.schedule_choice()"),
     "compile_report": (lambda parts: parts.compile.report, "strategy.offer.compile_report"),

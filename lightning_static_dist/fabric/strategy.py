@@ -111,19 +111,19 @@ class StaticDistFabricStrategy(FabricCheckpoints):
     def synchronizer(self) -> Any:
         """Deprecated: ``offer.sync_figures()``. The first trainable model's gradient synchroniser (``None`` before
         ``fabric.setup`` and on one rank)."""
-        warn_deprecated_read("synchronizer", "read strategy.offer.sync_figures() (bucket_plan, rounds, bytes_sent ...)")
+        warn_deprecated_read(self, "synchronizer", "read strategy.offer.sync_figures()")
         return self._models[0].parts.gradients.synchronizer if self._models else None
 
     @property
     def compressing_reducer(self) -> Optional[CompressingReducer]:
         """Deprecated: ``offer.compressing_reducer``. The first trainable model's compressing reducer."""
-        warn_deprecated_read("compressing_reducer", "read strategy.offer.compressing_reducer")
+        warn_deprecated_read(self, "compressing_reducer", "read strategy.offer.compressing_reducer")
         return compressing_reducer_of(self._models[0].parts.gradients.synchronizer) if self._models else None
 
     @property
     def compile_report(self) -> Optional[CompileReport]:
         """Deprecated: ``offer.compile_report``. What static compilation did to the first trainable model."""
-        warn_deprecated_read("compile_report", "read strategy.offer.compile_report")
+        warn_deprecated_read(self, "compile_report", "read strategy.offer.compile_report")
         return self._models[0].parts.compile.report if self._models else None
 
     def metrics(self) -> dict[str, float]:

@@ -158,6 +158,12 @@ class DataParallelProcesses(WorldFacts, ParallelStrategy):
         made)."""
         return self._host_group
 
+    @property
+    def host_device(self) -> torch.device:
+        # the host group is Gloo (the default group itself when it speaks Gloo, "cpu:gloo,cuda:nccl" included); where
+        # none could be made (sigterm.host_group warned), the default group on the device
+        return torch.device("cpu") if self._host_group is not None else self.root_device
+
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None

@@ -258,18 +258,20 @@ class WorldFacts:
         return self._world.reduce_scatter(self.world_size)
 
     def host_max(self, values: Sequence[float]) -> list[float]:
-        """The maximum over ranks of figures held on the host. Through the Trainer's Gloo ``host_group``: no device
-        tensor, so no GPU synchronisation (a device all-reduce read back with ``.item()`` waits for the GPU's queue);
-        where the host group is the device's (Fabric's), or none could be made, through it on the device. A
-        collective: every rank calls it."""
+        """The maximum over ranks of figures held on the host, through ``host_group`` on :attr:`host_device`. The
+        Trainer's is a Gloo group: no device tensor, so no GPU synchronisation (a device all-reduce read back with
+        ``.item()`` waits for the GPU's queue); Fabric's is the device's. A collective: every rank calls it."""
         if self.world_size == 1:
             return [float(v) for v in values]
-        group = self.host_group
-        device = torch.device("cpu") if group is not None and group is not self.dp_group else self.root_device
-        flat = torch.tensor(values, dtype=torch.float64, device=device)
+        flat = torch.tensor(values, dtype=torch.float64, device=self.host_device)
         with waiting_in("the maximum over ranks of host figures (strategy.host_max)"):
-            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=group)
+            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=self.host_group)
         return flat.tolist()
+
+    @property
+    def host_device(self) -> torch.device:
+        """Where :meth:`host_max`'s tensor lives: the CPU when ``host_group`` is a Gloo group, else the root device."""
+        return self.root_device
 
     def _ranks_in_world(self) -> int:
         return self._world.ranks(self.num_nodes, self.num_processes)
