@@ -27,14 +27,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_static_dist.callbacks import GraphReport, RunSummary
 from lightning_static_dist.compression.guard import CompressionGuard
-from lightning_static_dist.config import (
-    ConfigError,
-    check_kwargs_against,
-    check_value,
-    fail,
-    import_object,
-    section_from_dict,
-)
+from lightning_static_dist.config import (ConfigError, check_kwargs_against, check_value, fail, import_object,
+                                          section_from_dict)
 from lightning_static_dist.config.yaml_file import check_nesting, yaml_error_text
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.examples.charlm import CharDataModule, CharGPT

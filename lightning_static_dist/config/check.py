@@ -33,15 +33,6 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NoReturn, Optional, TypeVar, Union
 
-__all__ = [
-    "ConfigError",
-    "check_fields",
-    "check_kwargs_against",
-    "check_value",
-    "fail",
-    "import_object",
-    "section_from_dict",
-]
 
 
 class ConfigError(ValueError):
