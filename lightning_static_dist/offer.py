@@ -211,4 +211,3 @@ def warn_deprecated_read(strategy: object, name: str, instead: str) -> None:
     _WARNED.add(key)
     warnings.warn(f"static_dist: strategy.{name} is deprecated (removed in 0.3): {instead}", FutureWarning,
                   stacklevel=3)
-

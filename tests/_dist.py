@@ -18,7 +18,7 @@ import pickle
 import socket
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,19 +57,32 @@ def _context() -> Any:
     return ctx
 
 
-class _CallersStdio:
-    """The caller's file descriptors 1 and 2, handed to a rank as it starts (a fork server's child would write to the
-    server's, whichever test's capture that was): a rank's output goes where the test reads it, as a spawned one's."""
+class HandedFd:
+    """One of the caller's file descriptors, handed to a process forked from the fork server as it starts (that child
+    would write to the server's descriptors, whichever test's capture they were). In the child it arrives
+    duplicated onto ``onto`` (1, 2: its stdout, stderr) when given, and unpickles to the descriptor; ``fd=None``
+    hands over /dev/null. Give it before any other argument, so that an error unpickling them prints where the test
+    reads."""
+
+    def __init__(self, fd: Optional[int], onto: Optional[int] = None) -> None:
+        self.fd, self.onto = fd, onto
 
     def __reduce__(self) -> tuple:
-        from multiprocessing import reduction  # (DupFd: only while the rank's process object is pickled to start it)
+        from multiprocessing import reduction  # (DupFd: only while the child's process object is pickled to start it)
 
-        return _write_to, (reduction.DupFd(1), reduction.DupFd(2))
+        return _arrive, (None if self.fd is None else reduction.DupFd(self.fd), self.onto)
 
 
-def _write_to(out: Any, err: Any) -> None:
-    for fd, handed in ((1, out), (2, err)):
-        os.dup2(handed.detach(), fd)
+def _arrive(handed: Any, onto: Optional[int]) -> int:
+    fd = os.open(os.devnull, os.O_RDWR) if handed is None else handed.detach()
+    if onto is not None:
+        os.dup2(fd, onto)
+    return fd
+
+
+def _callers_stdio() -> tuple[HandedFd, HandedFd]:
+    """The caller's stdout and stderr for a rank: its output goes where the test reads it, as a spawned one's."""
+    return HandedFd(1, onto=1), HandedFd(2, onto=2)
 
 
 def _enter(rank: int, world_size: int, port: int, environ: dict[str, str]) -> None:
@@ -80,7 +93,7 @@ def _enter(rank: int, world_size: int, port: int, environ: dict[str, str]) -> No
     torch.set_num_threads(1)
 
 
-def _worker(stdio: None, job: bytes, rank: int, world_size: int, port: int, queue: Any,
+def _worker(stdio: tuple[int, int], job: bytes, rank: int, world_size: int, port: int, queue: Any,
             environ: dict[str, str]) -> None:
     # (stdio first: an error unpickling what follows prints where the test reads; the function and its arguments are
     # unpickled only here, after the caller's environment is in place, so that a test module's import reads it)
@@ -104,34 +117,42 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), tim
     port = free_port()
     environ = dict(os.environ)
     job = pickle.dumps((fn, args))
-    procs = [ctx.Process(target=_worker, args=(_CallersStdio(), job, r, world_size, port, queue, environ))
+    procs = [ctx.Process(target=_worker, args=(_callers_stdio(), job, r, world_size, port, queue, environ))
              for r in range(world_size)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
+    failed = True
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
-            if status == "ok":
-                results[rank] = pickle.loads(value)
-            else:
-                errors.append(f"rank {rank} failed:\n{value}")
-                break  # the other ranks are likely blocked in a collective now
-    except Exception as err:  # queue.Empty: a rank hung or died without reporting
-        errors.append(f"no result from ranks {sorted(set(range(world_size)) - set(results))} within {timeout}s ({err!r})")
+        results = _collect(queue, world_size, timeout)
+        failed = False
     finally:
         for p in procs:
-            p.join(timeout=5 if not errors else 0.5)
+            p.join(timeout=0.5 if failed else 5)
             if p.is_alive():
                 p.kill()
                 p.join()
-    if errors:
-        raise AssertionError("\n".join(errors))
+    return results
+
+
+def _collect(outbox: Any, world_size: int, timeout: float) -> list[Any]:
+    """Each rank's result from ``outbox``, ordered by rank; ``AssertionError`` with the first failing rank's traceback,
+    or naming the ranks that sent nothing within ``timeout`` (hung, or died without reporting)."""
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world_size):
+            rank, status, value = outbox.get(timeout=timeout)
+            if status != "ok":  # (the other ranks are likely blocked in a collective now: not waited for)
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = pickle.loads(value)
+    except AssertionError:
+        raise
+    except Exception as err:  # queue.Empty
+        missing = sorted(set(range(world_size)) - set(results))
+        raise AssertionError(f"no result from ranks {missing} within {timeout}s ({err!r})") from None
     return [results[r] for r in range(world_size)]
 
 
-def _pool_worker(stdio: None, rank: int, world_size: int, port: int, inbox: Any, outbox: Any,
+def _pool_worker(stdio: tuple[int, int], rank: int, world_size: int, port: int, inbox: Any, outbox: Any,
                  environ: dict[str, str]) -> None:
     _enter(rank, world_size, port, environ)
     try:
@@ -175,7 +196,7 @@ class RankPool:
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [ctx.Process(target=_pool_worker,
-                                   args=(_CallersStdio(), r, self.world_size, port, self._inboxes[r], self._outbox,
+                                   args=(_callers_stdio(), r, self.world_size, port, self._inboxes[r], self._outbox,
                                          environ))
                        for r in range(self.world_size)]
         for p in self._procs:
@@ -187,23 +208,11 @@ class RankPool:
             self._start()
         for inbox in self._inboxes:
             inbox.put((fn, args))
-        results: dict[int, Any] = {}
-        errors: list[str] = []
         try:
-            for _ in range(self.world_size):
-                rank, status, value = self._outbox.get(timeout=timeout)
-                if status == "ok":
-                    results[rank] = pickle.loads(value)
-                else:
-                    errors.append(f"rank {rank} failed:\n{value}")
-                    break
-        except Exception as err:  # queue.Empty: a rank hung or died without reporting
-            missing = sorted(set(range(self.world_size)) - set(results))
-            errors.append(f"no result from ranks {missing} within {timeout}s ({err!r})")
-        if errors:
+            return _collect(self._outbox, self.world_size, timeout)
+        except AssertionError:
             self.close(grace=0.5)
-            raise AssertionError("\n".join(errors))
-        return [results[r] for r in range(self.world_size)]
+            raise
 
     def close(self, grace: float = 5.0) -> None:
         for inbox, p in zip(self._inboxes if self._procs else [], self._procs):
@@ -224,32 +233,34 @@ class RankPool:
 
 
 def _joined(rank: int, world_size: int, fn: Callable[..., Any], args: tuple) -> Any:
-    os.environ["LOCAL_RANK"] = str(rank)  # the process group exists: the Trainer joins it instead of launching ranks
+    os.environ["LOCAL_RANK"] = str(rank)  # the process group exists: the front end joins it instead of launching
     return fn(*args)
 
 
+def on_joined_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2) -> list[Any]:
+    """``fn(*args)`` (a function that builds a Trainer, or Fabric, of ``devices=world_size`` and runs it) on fresh ranks
+    that :func:`run_ranks` started: each rank's result. The front end finds the ranks' group and joins it, as under
+    torchrun; build the strategy inside ``fn`` with the default start method (one made for ``spawn`` would start ranks
+    of its own). Only for cases that do not check how the ranks start or end (the launchers)."""
+    return run_ranks(_joined, world_size, args=(fn, args), timeout=300)
+
+
 def fit_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2) -> Any:
-    """``fn(*args)`` (a function that builds a Trainer of ``devices=world_size`` and fits) on fresh ranks that
-    :func:`run_ranks` started: rank 0's result. The Trainer finds the ranks' group and joins it, as under torchrun;
-    build the strategy inside ``fn`` with the default start method (one made for ``spawn`` would start ranks of its
-    own). Only for cases that do not check how the ranks start or end (the launchers)."""
-    return run_ranks(_joined, world_size, args=(fn, args), timeout=300)[0]
+    """:func:`on_joined_ranks`, rank 0's result (a Trainer's fit: every rank ends with the same weights)."""
+    return on_joined_ranks(fn, *args, world_size=world_size)[0]
 
 
-def _fabric_on_this_rank(rank: int, world_size: int, make_strategy: Callable[[], Any], fn: Callable[..., Any],
-                         args: tuple) -> Any:
+def _fabric_launch(make_strategy: Callable[[], Any], fn: Callable[..., Any], args: tuple, world_size: int) -> Any:
     from lightning.fabric import Fabric
 
-    os.environ["LOCAL_RANK"] = str(rank)  # the process group exists: Fabric joins it instead of launching ranks
     return Fabric(accelerator="cpu", devices=world_size, strategy=make_strategy()).launch(fn, *args)
 
 
 def fabric_launch(make_strategy: Callable[[], Any], fn: Callable[..., Any], *args: Any, world_size: int = 2) -> Any:
-    """``Fabric(accelerator="cpu", devices=world_size, strategy=make_strategy()).launch(fn, *args)`` on fresh ranks
-    that :func:`run_ranks` started: rank 0's result. ``make_strategy`` (a class, or a ``functools.partial`` of one)
-    builds the strategy on each rank, where Fabric finds the ranks' group and joins it, as under torchrun. Only for
-    cases that do not check how the ranks start or end (Fabric's own launchers)."""
-    return run_ranks(_fabric_on_this_rank, world_size, args=(make_strategy, fn, args), timeout=300)[0]
+    """``Fabric(accelerator="cpu", devices=world_size, strategy=make_strategy()).launch(fn, *args)`` on joined ranks
+    (:func:`on_joined_ranks`): rank 0's result. ``make_strategy`` (a class, or a ``functools.partial`` of one) builds
+    the strategy on each rank."""
+    return fit_on_ranks(_fabric_launch, make_strategy, fn, args, world_size, world_size=world_size)
 
 
 class ReferenceDDP(DDPStrategy):

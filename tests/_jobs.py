@@ -27,29 +27,13 @@ import sys
 import threading
 from typing import Any, Optional
 
-from _dist import _context
+from _dist import HandedFd, _context
 
 ENTRY_POINTS = {
     "lsd-train": "lightning_static_dist.cli:train_main",
     "lsd-report": "lightning_static_dist.cli:report_main",
     "lsd-consolidate": "lightning_static_dist.cli:consolidate_main",
 }
-
-
-class _HandedFd:
-    """One of the caller's file descriptors, handed to the job as it starts (``None``: the job's /dev/null)."""
-
-    def __init__(self, fd: Optional[int]) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> tuple:
-        from multiprocessing import reduction  # (DupFd: only while the job's process object is pickled to start it)
-
-        return _take, (None if self.fd is None else reduction.DupFd(self.fd),)
-
-
-def _take(handed: Any) -> Optional[int]:  # (in the job, as it starts)
-    return None if handed is None else handed.detach()
 
 
 def _exit_status(code: Any) -> int:
@@ -62,15 +46,12 @@ def _exit_status(code: Any) -> int:
     return 1
 
 
-def _run_job(fds: tuple[Optional[int], Optional[int]], entry: str, argv: list[str], cwd: str,
-             environ: dict[str, str], session: bool) -> None:
+def _run_job(stdio: tuple[int, int], entry: str, argv: list[str], cwd: str, environ: dict[str, str],
+             session: bool) -> None:
     multiprocessing.set_start_method(None, force=True)  # (the platform's default again, as in a fresh interpreter)
     if session:
         os.setsid()
-    null = os.open(os.devnull, os.O_RDWR)
-    os.dup2(null, 0)
-    for target, fd in zip((1, 2), fds):
-        os.dup2(null if fd is None else fd, target)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # (stdout and stderr arrived already: HandedFd)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
@@ -115,7 +96,8 @@ class ForkedJob:
                 raise ValueError(f"ForkedJob: stdout/stderr={wanted!r}: allowed: subprocess.PIPE, subprocess.DEVNULL")
         argv = [os.path.join(os.path.dirname(sys.executable), script), *args]
         self._process = _context().Process(target=_run_job, args=(
-            tuple(_HandedFd(fd) for fd in writes), script, argv, str(cwd), dict(env), start_new_session))
+            (HandedFd(writes[0], onto=1), HandedFd(writes[1], onto=2)), script, argv, str(cwd), dict(env),
+            start_new_session))
         self._process.start()
         for fd in writes:
             if fd is not None:

@@ -34,7 +34,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NoReturn, Optional, TypeVar, Union
 
 
-
 class ConfigError(ValueError):
     """A configuration value that is unknown, of the wrong type or out of range. The message is one line."""
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import csv
 import functools
-import os
 import pickle
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning as L
-from _dist import fabric_launch, fresh_job_env, run_ranks
+from _dist import fabric_launch, fit_on_ranks, fresh_job_env
 from tests._parts import synchronizer_of
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning_static_dist import StaticDistFabricStrategy, offer_of
@@ -308,14 +307,13 @@ class _PowerSGDModule(L.LightningModule):
 POWERSGD = {"name": "powersgd", "rank": 1, "min_numel": 64}
 
 
-def _trainer_with_powersgd(rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """The Trainer strategy's fit of the same run, on ranks that share a group already (the Trainer joins it)."""
+def _trainer_with_powersgd() -> dict[str, torch.Tensor]:
+    """The Trainer strategy's fit of the same run (on joined ranks: ``fit_on_ranks``)."""
     from lightning_static_dist import StaticDistStrategy
 
-    os.environ["LOCAL_RANK"] = str(rank)
     L.seed_everything(7)
     module = _PowerSGDModule()
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=StaticDistStrategy(compression=POWERSGD),
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=StaticDistStrategy(compression=POWERSGD),
                         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(module)
@@ -324,7 +322,7 @@ def _trainer_with_powersgd(rank: int, world_size: int) -> dict[str, torch.Tensor
 
 def test_compression_matches_the_trainer_strategy(ddp_weights: dict[str, torch.Tensor]) -> None:
     ours = launch(static_dist(compression=POWERSGD))
-    trainers = run_ranks(_trainer_with_powersgd, timeout=300)[0]
+    trainers = fit_on_ranks(_trainer_with_powersgd)
     named_as_in_the_module = {f"net.{k}": v for k, v in ours["state"].items()}
     assert_same_weights(named_as_in_the_module, trainers)  # the same engine underneath
     assert ours["ranks_agree"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 from typing import Any, Optional
 
@@ -16,7 +15,7 @@ import torch
 from torch import nn
 
 import lightning as L
-from _dist import fit_on_ranks, run_ranks
+from _dist import fit_on_ranks, on_joined_ranks, run_ranks
 from lightning.pytorch.strategies import DDPStrategy
 # importing test_compile also registers its "lsd_test_failing" backend (here and in every spawned rank)
 from tests.compile.test_compile import CompileFacts, nested_gpt
@@ -51,10 +50,8 @@ def _trainer(strategy: Any, max_steps: int = 3) -> L.Trainer:
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 
 
-def _refused_fit(rank: int, world_size: int, options: dict[str, Any], model_class: type) -> str:
-    """This rank's fit of ``model_class()`` under ``static_dist`` with ``options`` (the Trainer joins the ranks'
-    group): what it raised."""
-    os.environ["LOCAL_RANK"] = str(rank)
+def _refused_fit(options: dict[str, Any], model_class: type) -> str:
+    """This rank's fit of ``model_class()`` under ``static_dist`` with ``options``: what it raised."""
     try:
         _trainer(StaticDistStrategy(**options)).fit(model_class())
     except Exception as err:
@@ -65,7 +62,7 @@ def _refused_fit(rank: int, world_size: int, options: dict[str, Any], model_clas
 @pytest.mark.multiprocess
 def test_graph_mode_stops_ranks_that_compiled_different_graphs_before_any_collective() -> None:
     options = {"sync": {"mode": "graph"}, "compile": {"enabled": True, "backend": "aot_eager"}, "timeout_s": 60}
-    for said in run_ranks(_refused_fit, args=(options, RankBranch), timeout=300):
+    for said in on_joined_ranks(_refused_fit, options, RankBranch):
         assert re.search(r"sync.mode=graph needs every rank to compile the same graphs .* ranks disagree"
                          r" on what they compiled .*strategy.sync.mode=hooks", said), said
 
@@ -79,7 +76,7 @@ class Dense(RankBranch):
 
 @pytest.mark.multiprocess
 def test_graph_mode_needs_compile_and_an_eager_fallback_still_averages(tmp_path: Any) -> None:
-    for said in run_ranks(_refused_fit, args=({"sync": {"mode": "graph"}}, Dense), timeout=300):
+    for said in on_joined_ranks(_refused_fit, {"sync": {"mode": "graph"}}, Dense):
         assert re.search(r"strategy.sync.mode='graph': .* needs strategy.compile.enabled=true", said), said
     # a backend that cannot compile: the step runs eagerly, each parameter read still averaged (one collective
     # per read), and the compile report says so — slow, never silent
