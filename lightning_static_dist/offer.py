@@ -149,6 +149,12 @@ class StaticDistOffer(Protocol):
         """``strategy.sync.schedule: auto``'s choice once made (``None``: no trial, or not decided yet)."""
         ...
 
+    def measured_schedule(self) -> Optional[Any]:
+        """``strategy.sync.schedule: measured``'s choice once the probe (or a checkpoint) made it: a
+        ``MeasuredChoice`` (``sync/schedule_choice.py``: ``choice``, ``predicted_ms``, ``rates``, ``describe()``);
+        ``None`` where nothing was probed (CPUs, one rank, a pinned schedule)."""
+        ...
+
     @property
     def compressing_reducer(self) -> Optional[CompressionCheck]:
         """The compressing reducer in use (``None`` without compression, or at world size 1)."""

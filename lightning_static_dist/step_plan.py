@@ -1,20 +1,22 @@
 """The step plan: what the ``strategy`` block means in the world that started, resolved once at setup.
 
-The config says what the user asked (``sync.schedule: by_topology``, ``sync.reduce: auto``, ``bucket_mb`` in MiB);
+The config says what the user asked (``sync.schedule: measured``, ``sync.reduce: auto``, ``bucket_mb`` in MiB);
 the world (its size, device type, nodes and mesh) decides what that becomes. :func:`resolve_plan` makes that decision
 once, when the processes have started and the mesh is built (``processes/world.py``'s ``DataParallelWorld.build``,
-for both front ends), and the participants read the frozen result as ``view.plan``: none re-reads or re-converts the config
-at phase time, and no ``by_topology`` is left to read.
+for both front ends), and the participants read the frozen result as ``view.plan``: none re-reads or re-converts the
+config at phase time. One decision waits for the model: ``measured`` stays pending until the link probe at setup,
+which settles it through :meth:`StepPlan.settled` (a new frozen plan) before any participant acts on the schedule.
 
 Example::
 
     plan = resolve_plan(StrategyConfig(), world_size=2, device_type="cpu", num_nodes=1, mesh=None)
-    plan.schedule                 # 'overlap' (by_topology on CPUs)
+    plan.schedule                 # 'overlap' (measured, without a probe, on CPUs)
     plan.capacity.bytes           # 104857600 (sync.bucket_mb's 100 MiB)
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal, Optional
@@ -30,12 +32,13 @@ from lightning_static_dist.mesh import reduces_by_scatter
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.sync.config import SyncConfig, launches_during_backward, reduce_torch_dtype
 from lightning_static_dist.sync.plan import BucketCapacity
+from lightning_static_dist.sync.schedule_choice import MeasuredChoice
 
 SyncMode = Literal["hooks", "graph", "sharded"]
 """How a multi-rank fit averages: bucket hooks, collectives inside the compiled backward, or reduce-scatter shards."""
 
-Schedule = Literal["overlap", "after_backward", "auto"]
-"""``sync.schedule`` once the world is known (``by_topology`` resolved)."""
+Schedule = Literal["overlap", "after_backward", "auto", "measured"]
+"""``sync.schedule`` once the world is known (``measured``: pending, until the probe at setup settles it)."""
 
 START_UP_S = 600.0
 """Seconds the collectives may wait until the first optimizer step is over, when ``strategy.timeout_s`` is shorter:
@@ -53,7 +56,9 @@ def compile_split(compile: CompileConfig, sync: SyncConfig, world_size: int) -> 
     """Where the compiled step is cut: the bucket capacities, or ``None`` (uncut): at world size 1 (nothing to
     overlap), for the blocks compiled one by one or the whole step asked for uncut (``regional`` true or false), in
     graph mode (the collectives are inside the graph), and with ``sync.schedule: after_backward`` (every bucket is
-    issued once backward ends: a cut would only cost)."""
+    issued once backward ends: a cut would only cost; ``measured``: none until settled)."""
+    if sync.schedule == "measured":
+        return None
     if compile.regional != "auto" or world_size < 2 or sync.mode == "graph" or not launches_during_backward(sync.schedule):
         return None
     return sync.capacity
@@ -77,9 +82,9 @@ class StepPlan:
     reduce_by_scatter: bool
     """``sync.reduce`` resolved against the mesh (``auto``: reduce_scatter where ``dp_shard > 1``)."""
     schedule: Schedule
-    """``sync.schedule``, ``by_topology`` resolved for this world."""
+    """``sync.schedule`` for this world (``measured``: pending until the probe at setup settles it)."""
     schedule_line: Optional[str]
-    """What ``by_topology`` became and why, printed at fit start (``None``: nothing was resolved)."""
+    """What ``measured`` became and why, printed at fit start (``None``: nothing was resolved)."""
     capacity: BucketCapacity
     """The buckets' capacities in bytes (``sync.first_bucket_mb`` / ``sync.bucket_mb``)."""
     compile_cut: Optional[BucketCapacity]
@@ -102,6 +107,23 @@ class StepPlan:
     compression: CompressionConfig
     embedding: EmbeddingConfig
     checkpoint: CheckpointConfig
+    schedule_choice: Optional[MeasuredChoice] = None
+    """The probe's evidence and the predicted step of each candidate, once ``measured`` is settled by a probe (or by
+    a checkpoint's choice)."""
+
+    def settled(self, schedule: Literal["overlap", "after_backward"], line: str,
+                choice: Optional[MeasuredChoice] = None, reduce_dtype: Literal["fp32", "bf16"] = "fp32",
+                comm_sms: Optional[int] = None) -> StepPlan:
+        """This plan with ``measured`` settled: the schedule, the line printed at fit start, and what follows from the
+        choice (the compile cut, the reduce dtype, the SMs, the config's copy). The one way a pending schedule is
+        resolved."""
+        if self.schedule != "measured":
+            raise RuntimeError(f"sync.schedule is {self.schedule!r}: only a pending 'measured' is settled")
+        sync = dataclasses.replace(self.sync, schedule=schedule, reduce_dtype=reduce_dtype,
+                                   comm_sms=self.sync.comm_sms if comm_sms is None else comm_sms)
+        cut = None if self.reduce_by_scatter else compile_split(self.compile, sync, self.world_size)
+        return dataclasses.replace(self, schedule=schedule, schedule_line=line, sync=sync, compile_cut=cut,
+                                   reduce_dtype=reduce_torch_dtype(reduce_dtype), schedule_choice=choice)
 
     @property
     def launch_during_backward(self) -> bool:
@@ -111,13 +133,15 @@ class StepPlan:
 
 
 def resolve_plan(config: StrategyConfig, *, world_size: int, device_type: str, num_nodes: int,
-                 mesh: Optional[DeviceMesh]) -> StepPlan:
-    """The plan of ``config`` in this world (a refusal is a one-line ``ConfigError`` naming the key)."""
+                 mesh: Optional[DeviceMesh], free_links: bool = False) -> StepPlan:
+    """The plan of ``config`` in this world (a refusal is a one-line ``ConfigError`` naming the key; ``free_links``:
+    a simulated world whose collectives cost nothing)."""
     sharded = reduces_by_scatter(config.sync.reduce, mesh, world_size)
-    resolved, line = config.resolved(device_type=device_type, num_nodes=num_nodes, sharded=sharded)
+    resolved, line = config.resolved(device_type=device_type, world_size=world_size, sharded=sharded,
+                                     free_links=free_links)
     sync = resolved.sync
     schedule = sync.schedule
-    assert schedule != "by_topology"
+    assert schedule != "by_topology"  # (SyncConfig reads it as measured)
     mode: Optional[SyncMode] = None
     if world_size > 1:
         mode = "sharded" if sharded else sync.mode

@@ -114,24 +114,21 @@ class StrategyConfig:
             if found:
                 fail(f"{self.KEY}.compile.cudagraphs", True, f"{found[0]}; allowed with it: auto (off here), false")
 
-    def resolved(self, *, device_type: str, num_nodes: int, sharded: bool) -> tuple[StrategyConfig, Optional[str]]:
-        """This config with what depends on the world made concrete (``sync.schedule: by_topology``), and the line
-        that says what it became (``None``: nothing to resolve). Once the world is known, at setup."""
-        from lightning_static_dist.sync.config import resolve_schedule
+    def resolved(self, *, device_type: str, world_size: int, sharded: bool,
+                 free_links: bool = False) -> tuple[StrategyConfig, Optional[str]]:
+        """This config with ``sync.schedule: measured`` made concrete where no probe decides it (one rank, CPUs, graph
+        mode, reduce_scatter, ``sync.probe: false``: :func:`~lightning_static_dist.sync.config.schedule_without_probe`),
+        and the line that says what it became (``None``: nothing resolved here; ``measured`` stays pending until the
+        probe at setup). Once the world is known, at setup."""
+        from lightning_static_dist.sync.config import schedule_without_probe
 
-        if self.sync.schedule != "by_topology":
+        resolution = schedule_without_probe(self.sync, device_type=device_type, world_size=world_size, sharded=sharded,
+                                            free_links=free_links)
+        if resolution is None:
             return self, None
-        schedule = resolve_schedule(self.sync, device_type=device_type, num_nodes=num_nodes, sharded=sharded)
-        where = (f"{'GPUs' if device_type == 'cuda' else device_type.upper() + 's'} of"
-                 f" {num_nodes} node{'s' if num_nodes != 1 else ''}")
-        if self.sync.mode != "hooks" or sharded:
-            where += ", sync.mode=graph" if self.sync.mode != "hooks" else ", reduce_scatter"
-        line = f"sync.schedule by_topology: {schedule} ({where})"
-        if schedule == "overlap" and self.sync.optimizer_overlap is True:
-            fail(f"{self.KEY}.sync.optimizer_overlap", True, f"sync.schedule by_topology resolved to overlap here"
-                 f" ({where}), where every bucket is waited for as backward ends; allowed: auto, false, or pin"
-                 " sync.schedule: after_backward")
-        return dataclasses.replace(self, sync=dataclasses.replace(self.sync, schedule=schedule)), line
+        schedule, why = resolution
+        return dataclasses.replace(self, sync=dataclasses.replace(self.sync, schedule=schedule)), \
+            f"sync.schedule measured: {schedule} ({why})"
 
     def _check_sharded(self) -> None:
         """What ``reduce_scatter`` cannot be combined with yet, named before any process starts."""
@@ -144,7 +141,7 @@ class StrategyConfig:
             fail(f"{self.KEY}.compression.name", self.compression.name,
                   "the compressors are written for all_reduce buckets; with strategy.sync.reduce=reduce_scatter"
                   " allowed: 'none'")
-        if self.sync.schedule not in ("overlap", "by_topology"):
+        if self.sync.schedule not in ("overlap", "measured"):
             fail(f"{self.KEY}.sync.schedule", self.sync.schedule,
                  "the sharded synchroniser issues its buckets during backward; with strategy.sync.reduce="
                  "reduce_scatter (or a mesh with dp_shard > 1) allowed: 'overlap'")

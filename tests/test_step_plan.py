@@ -33,7 +33,7 @@ def _plans(rank: int, world: int) -> dict[str, Any]:
     sharded = build_dp_mesh("cpu", MeshConfig(dp_shard=2))
     default = StrategyConfig()
     found["cpu"] = _summary(resolve_plan(default, world_size=world, device_type="cpu", num_nodes=1, mesh=replicated))
-    # the world's device type and nodes decide by_topology (resolved here without a GPU: nothing runs on one)
+    # the world's device type decides whether measured is probed (left pending here without a GPU: nothing runs on one)
     found["gpus"] = _summary(resolve_plan(default, world_size=world, device_type="cuda", num_nodes=1, mesh=replicated))
     found["nodes"] = _summary(resolve_plan(default, world_size=world, device_type="cuda", num_nodes=2, mesh=replicated))
     shard_embeddings = StrategyConfig.from_dict({"mesh": {"dp_shard": 2}, "embedding": {"shard": "auto"},
@@ -52,18 +52,17 @@ def plans() -> list[dict[str, Any]]:
 
 
 @pytest.mark.multiprocess
-def test_by_topology_is_resolved_for_the_world_and_never_left_to_read(plans: list[dict[str, Any]]) -> None:
+def test_measured_is_resolved_for_the_world_or_left_pending_for_the_probe(plans: list[dict[str, Any]]) -> None:
     capacity = SyncConfig().capacity
     for r in plans:
         assert r["cpu"] == {"mode": "hooks", "scatter": False, "schedule": "overlap", "sync.schedule": "overlap",
                             "launch": True, "cut": capacity, "capacity": capacity, "embeddings": False,
-                            "line": "sync.schedule by_topology: overlap (CPUs of 1 node)", "reduce_dtype": None}
-        # one node of GPUs: every bucket after backward, so the compiled step is not cut
-        assert (r["gpus"]["schedule"], r["gpus"]["sync.schedule"], r["gpus"]["launch"], r["gpus"]["cut"]) == (
-            "after_backward", "after_backward", False, None)
-        assert (r["nodes"]["schedule"], r["nodes"]["launch"], r["nodes"]["cut"]) == ("overlap", True, capacity)
-        for plan in r.values():
-            assert "by_topology" not in (plan["schedule"], plan["sync.schedule"])
+                            "line": "sync.schedule measured: overlap (CPU ranks: Gloo shares the cores with the step;"
+                                    " sync.probe=true measures them)", "reduce_dtype": None}
+        # GPUs: pending until the probe at setup settles it, and no cut until then
+        for where in ("gpus", "nodes"):
+            assert (r[where]["schedule"], r[where]["sync.schedule"], r[where]["cut"], r[where]["line"]) == (
+                "measured", "measured", None, None)
 
 
 @pytest.mark.multiprocess
@@ -111,6 +110,6 @@ def test_a_default_changed_in_the_config_dataclass_changes_the_step_with_no_othe
     changed = run_ranks(_a_fit_with_defaults, world_size=2, args=(small,), timeout=120)
     for shipped, edited in zip(as_shipped, changed):
         assert shipped["capacity"] == SyncConfig().capacity and shipped["buckets"] == 1  # 644 bytes of gradients
-        assert (shipped["launch"], shipped["cut"]) == (True, SyncConfig().capacity)  # by_topology on CPUs: overlap
+        assert (shipped["launch"], shipped["cut"]) == (True, SyncConfig().capacity)  # measured on CPUs: overlap
         assert edited["capacity"] == BucketCapacity(100, 100) and edited["buckets"] > 1
         assert (edited["launch"], edited["cut"]) == (False, None)  # after_backward: issued once backward ends, uncut

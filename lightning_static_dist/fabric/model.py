@@ -104,6 +104,9 @@ class ModelView:
     def plan(self) -> StepPlan:
         return self._strategy.plan
 
+    def settle_schedule(self, plan: StepPlan) -> None:
+        self._strategy.settle_schedule(plan)
+
     @property
     def world_size(self) -> int:
         return self._strategy.world_size

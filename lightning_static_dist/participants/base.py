@@ -88,6 +88,11 @@ class StrategyView(Protocol):
         """The config resolved for the world that started (set up with the processes): what phases read."""
         ...
 
+    def settle_schedule(self, plan: StepPlan) -> None:
+        """Replace the plan by ``plan``, in which a pending ``sync.schedule: measured`` is settled (the probe at
+        setup; ``participants/measured_schedule.py``)."""
+        ...
+
     @property
     def world_size(self) -> int: ...
 

@@ -66,6 +66,9 @@ class OptimizerOverlap(StepParticipant):
                                 automatic_optimization=getattr(module, "automatic_optimization", True),
                                 scaler=getattr(view.precision_plugin, "scaler", None) is not None,
                                 optimizers=view.optimizers)
+        measured = plan.schedule_choice
+        if measured is not None and plan.schedule == "after_backward" and not measured.candidate.step_per_bucket:
+            hazards.append("sync.schedule measured predicted after_backward faster with the step taken whole")
         self.choice = choose_optimizer_overlap(plan.sync.optimizer_overlap, hazards)  # (true + a hazard: raises)
         self.switch(self.choice.on)
         self._follow_trial()  # (a resumed fit's trial may have decided already)

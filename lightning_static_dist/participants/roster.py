@@ -23,6 +23,7 @@ from lightning_static_dist.participants.gradients import GradientAveraging
 from lightning_static_dist.participants.optimizer_overlap import OptimizerOverlap
 from lightning_static_dist.participants.recording import PhaseRecording
 from lightning_static_dist.participants.resume import LastStepSave, MidEpochResume
+from lightning_static_dist.participants.schedule_probe import ScheduleProbe
 from lightning_static_dist.participants.schedule_trial import ScheduleTrial
 from lightning_static_dist.participants.runtime import CollectiveTimeout, PeerWatch, SigtermAgreement, SimulationMark
 from lightning_static_dist.participants.parameter_shards import ParameterShards
@@ -32,7 +33,8 @@ class Participants:
     """The participants of one strategy, named (``participants.gradients.synchronizer`` ...)
     and in the one order every phase calls them (each one's part: docs/architecture.md, Layers).
 
-    The order keeps what must come first first: the buffers before the embeddings' gather before the recorder's
+    The order keeps what must come first first: the schedule settled (``measured``) before anything follows it; the
+    buffers before the embeddings' gather before the recorder's
     forward; the gradients synchronised and checked, then the embeddings released; the synchroniser built before
     the participants that act on it set up; at teardown its hooks are taken out before the sharded one gives the
     parameters back (a collective); the recorder last, so that a phase it marks begins after the waits of the
@@ -45,6 +47,7 @@ class Participants:
 
     def __init__(self, view: StrategyView, failed: Callable[[], bool]) -> None:
         self.recording = PhaseRecording()
+        self.probe = ScheduleProbe(view)
         self.compile = StaticCompile(view)
         self.embeddings = EmbeddingShards(view, self.recording)
         self.gradients = GradientAveraging(view, self.compile, self.embeddings, self.recording)
@@ -54,7 +57,7 @@ class Participants:
         self.overlap = OptimizerOverlap(view, self.gradients, self.schedule)
         # (CollectiveTimeout reads the SM groups through a bound method, not a lambda: the spawn launcher pickles this)
         self.ordered: tuple[StepParticipant, ...] = (
-            self.gradients, self.sharded, self.compile, self.embeddings, SigtermAgreement(view),
+            self.probe, self.gradients, self.sharded, self.compile, self.embeddings, SigtermAgreement(view),
             PeerWatch(view, failed=failed), CollectiveTimeout(view, groups=self.schedule.comm_groups),
             self.compression, self.schedule, self.overlap,
             SimulationMark(view), MidEpochResume(view), LastStepSave(view), self.recording,

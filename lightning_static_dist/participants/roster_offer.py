@@ -25,6 +25,7 @@ from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.participants.base import StrategyView
 from lightning_static_dist.participants.roster import Participants
 from lightning_static_dist.simulate.config import SimulateConfig
+from lightning_static_dist.sync.schedule_choice import MeasuredChoice
 
 
 class RosterOffer(StaticDistOffer):
@@ -90,6 +91,9 @@ class RosterOffer(StaticDistOffer):
             return None
         return ScheduleChoice(choice=trial.choice, step_s=dict(trial.step_s), trial_steps=schedule.trial_steps,
                               trial_s=schedule.trial_s)
+
+    def measured_schedule(self) -> Optional[MeasuredChoice]:
+        return self._parts.probe.choice
 
     @property
     def compressing_reducer(self) -> Optional[CompressingReducer]:

@@ -133,7 +133,7 @@ class DataParallelWorld:
 
     def __init__(self, config: StrategyConfig, started: str) -> None:
         self._asked = config
-        self._config = config  # (``sync.schedule: by_topology`` made concrete once the plan is resolved)
+        self._config = config  # (``sync.schedule: measured`` made concrete once the plan settles it)
         self._started = started  # when the mesh and plan exist, in the front end's words
         self.simulation: Optional[SimulateConfig] = config.simulate if config.simulate.enabled else None
         """``strategy.simulate`` when this run simulates a world (``None`` otherwise)."""
@@ -197,14 +197,25 @@ class DataParallelWorld:
 
     def build(self, owner: Any, device: torch.device, world_size: int, num_nodes: int) -> None:
         """The mesh over the started group, and the step plan for it (:func:`~lightning_static_dist.step_plan.
-        resolve_plan`) from the config as asked: the line saying what ``by_topology`` became printed on rank 0, a
-        refusal in one line (``parse_errors_of(owner)``). At setup, once the group is up."""
+        resolve_plan`) from the config as asked: the line saying what ``measured`` became printed on rank 0 where no
+        probe decides it, a refusal in one line (``parse_errors_of(owner)``). At setup, once the group is up."""
         self._mesh = build_dp_mesh(device.type, self._asked.mesh)
+        free_links = self.simulation is not None and self.simulation.link is None
         with parse_errors_of(owner):
             plan = resolve_plan(self._asked, world_size=world_size, device_type=device.type, num_nodes=num_nodes,
-                                mesh=self._mesh)
+                                mesh=self._mesh, free_links=free_links)
         if plan.schedule_line is not None:
             rank_zero_info(f"static_dist: {plan.schedule_line}")
+        self._adopt(plan)
+
+    def settle_schedule(self, plan: StepPlan) -> None:
+        """The plan with ``sync.schedule: measured`` settled (:meth:`~lightning_static_dist.step_plan.StepPlan.settled`,
+        by the probe at setup) replaces the pending one."""
+        if self._plan is None or self._plan.schedule != "measured" or plan.schedule == "measured":
+            raise RuntimeError("settle_schedule: only a pending sync.schedule measured is settled, once")
+        self._adopt(plan)
+
+    def _adopt(self, plan: StepPlan) -> None:
         asked = self._asked
         self._config = asked if plan.sync is asked.sync else dataclasses.replace(asked, sync=plan.sync)
         self._plan = plan
@@ -242,6 +253,10 @@ class WorldFacts:
     def simulation(self) -> Optional[SimulateConfig]:
         """``strategy.simulate`` when this run simulates a world (``None`` otherwise)."""
         return self._world.simulation
+
+    def settle_schedule(self, plan: StepPlan) -> None:
+        """The step plan with ``sync.schedule: measured`` settled (:meth:`DataParallelWorld.settle_schedule`)."""
+        self._world.settle_schedule(plan)
 
     @property
     def device_mesh(self) -> DeviceMesh:

@@ -61,23 +61,29 @@ class SyncConfig:
     first offending parameter. ``off``: no check, like DDP. Not applied with a gradient scaler (16-mixed), which
     skips such steps itself."""
 
-    schedule: Literal["by_topology", "overlap", "after_backward", "auto"] = "by_topology"
-    """When the buckets' collectives are issued. ``by_topology`` (the default): ``after_backward`` where every rank is a
-    GPU of one node (measured, simulated, for an NVLink pair: an idle GPU's NCCL moves the whole gradient faster than
-    collectives fighting backward for SMs, and the optimizer step overlaps it, ``optimizer_overlap``; a PCIe-only node
-    is not measured), ``overlap`` across nodes,
-    on CPUs, and where ``after_backward`` cannot run (``mode: graph``, ``reduce_scatter``); resolved once the world is
-    known and printed at fit start (:func:`resolve_schedule`). ``overlap``: each as soon as its last gradient is ready, during
-    backward (compiled, the step is cut where the buckets end, so that gradients become ready piece by piece).
-    ``after_backward``: all of them back to back once backward ends (compiled, the step is one graph, uncut: no cut
-    cost, and no collective holds SMs while backward computes). ``auto``: time a stated set of candidates on this
-    job's first steps (``schedule_trial_steps`` each, the first untimed; the slowest rank's time) and keep the fastest
-    on every rank: ``overlap`` with ``comm_sms`` default, 8, 4 and 2 (SMs on NCCL and in a simulated world only) and
+    schedule: Literal["measured", "overlap", "after_backward", "auto", "by_topology"] = "measured"
+    """When the buckets' collectives are issued. ``measured`` (the default): chosen at setup from a link probe on this
+    run's own devices (``sync/link_probe.py``: a bucket-sized all-reduce alone and beside GEMMs, the slowest rank's
+    figures) and a cost model of this run's buckets (``sync/schedule_choice.py``): the predicted fastest of
+    ``overlap``, ``after_backward`` with and without ``optimizer_overlap`` (and, in a simulated world, ``overlap`` with
+    8 SMs), in the configured dtype (bf16 joins with ``reduce_dtype: auto``). Printed at fit start with its evidence,
+    kept in the run summary, the offer and the checkpoint (a resumed run in the same world does not probe again).
+    Without a probe (``probe: auto`` on CPUs, ``mode: graph``, ``reduce_scatter``, one rank): ``overlap``, with the
+    reason in the line. ``overlap``: each bucket as soon as its last gradient is ready, during backward (compiled, the
+    step is cut where the buckets end, so that gradients become ready piece by piece). ``after_backward``: all of them
+    back to back once backward ends (compiled, the step is one graph, uncut: no cut cost, and no collective holds SMs
+    while backward computes). ``auto``: time a stated set of candidates on this job's first steps
+    (``schedule_trial_steps`` each, the first untimed; the slowest rank's time) and keep the fastest on every rank:
+    ``overlap`` with ``comm_sms`` default, 8, 4 and 2 (SMs on NCCL and in a simulated world only) and
     ``after_backward``, each in fp32 and — with ``reduce_dtype: auto`` — bf16 (``overlap/bf16/sms=4``,
     ``after_backward/fp32`` ...; :mod:`~lightning_static_dist.sync.schedule`). The choice is printed with the trial's
     cost (steps, seconds), kept in the checkpoint (a resumed run applies it without timing again) and in the run
     summary. Under ``auto`` every candidate runs the step as ``overlap`` compiles it (with ``compile.regional: auto``,
-    the cut graph)."""
+    the cut graph). ``by_topology``: the default before 0.2, now the same as ``measured`` (deprecated)."""
+    probe: Union[bool, Literal["auto"]] = "auto"
+    """``schedule: measured``: whether to probe the link at setup (a few hundred milliseconds on every rank). ``auto``:
+    on CUDA devices (NCCL, or a simulated world with an emulated link), not on CPUs (Gloo's threads share the cores
+    with the step: ``overlap`` is kept). ``true``: probe on any device (Gloo too). ``false``: never; ``overlap``."""
     optimizer_overlap: Union[bool, Literal["auto"]] = "auto"
     """With ``schedule: after_backward`` (and the after_backward steps of ``auto``): each bucket's parameters take
     their optimizer step as soon as that bucket's average lands, while later buckets are still in flight, instead of
@@ -108,10 +114,13 @@ class SyncConfig:
                  "must be an integer >= 2 (each schedule's first step is not timed)")
         if self.comm_sms is not None and not 1 <= self.comm_sms <= 1024:
             fail(f"{self.KEY}.comm_sms", self.comm_sms, "must be an integer number of SMs in [1, 1024], or null")
-        if self.reduce_dtype == "auto" and self.schedule != "auto":
-            fail(f"{self.KEY}.reduce_dtype", self.reduce_dtype, "the trial of strategy.sync.schedule=auto chooses it"
-                 f" (schedule is {self.schedule!r}); allowed: 'fp32', 'bf16', or 'auto' with schedule 'auto'")
-        if self.schedule not in ("overlap", "by_topology") and self.mode == "graph":
+        if self.schedule == "by_topology":
+            self.schedule = "measured"  # (its old meaning, "after_backward on one node of GPUs", was a bet: measured)
+        if self.reduce_dtype == "auto" and self.schedule not in ("auto", "measured"):
+            fail(f"{self.KEY}.reduce_dtype", self.reduce_dtype, "the trial of strategy.sync.schedule=auto or the probe of"
+                 f" schedule=measured chooses it (schedule is {self.schedule!r}); allowed: 'fp32', 'bf16', or 'auto' with"
+                 " schedule 'auto' or 'measured'")
+        if self.schedule not in ("overlap", "measured") and self.mode == "graph":
             fail(f"{self.KEY}.schedule", self.schedule, "with strategy.sync.mode=graph inductor schedules the"
                  " collectives inside the compiled graph; allowed with graph: 'overlap'")
         for name in ("bucket_mb", "first_bucket_mb"):
@@ -119,16 +128,22 @@ class SyncConfig:
             if not 0 < value <= 4096:
                 fail(f"{self.KEY}.{name}", value, "must be a number of MiB in (0, 4096]")
 
-    def optimizer_overlap_hazards(self, compression: str, compile_optimizer: bool, sharded: bool) -> list[str]:
+    def optimizer_overlap_hazards(self, compression: str, compile_optimizer: bool, sharded: bool,
+                                  schedule: Optional[str] = None) -> list[str]:
         """What the ``strategy`` block shows that rules ``optimizer_overlap`` out, a clause each (``compression``:
         ``compression.name``; ``sharded``: the buckets are reduce-scattered, ``reduce: reduce_scatter`` or a mesh with
-        ``dp_shard`` other than 1). The run's own part: ``sync/optimizer_overlap.py``."""
+        ``dp_shard`` other than 1; ``schedule``: judge this schedule instead of the configured one). The run's own part:
+        ``sync/optimizer_overlap.py``."""
+        schedule = self.schedule if schedule is None else schedule
         found = []
         if self.mode == "graph":
             found.append("sync.mode=graph averages inside the compiled backward, with no bucket to wait for")
-        if self.schedule == "overlap":
+        if schedule == "overlap":
             found.append("sync.schedule=overlap waits for every bucket as backward ends (the step per bucket needs"
                          " schedule after_backward or auto)")
+        if schedule == "measured":  # (at setup the plan's schedule is settled, never "measured")
+            found.append("sync.schedule=measured may choose overlap, which waits for every bucket as backward ends"
+                         " (pin schedule after_backward or auto)")
         if sharded:
             found.append("reduce_scatter steps each rank's shards once every bucket is reduce-scattered")
         if compression != "none":
@@ -141,26 +156,41 @@ class SyncConfig:
         return found
 
 
-def resolve_schedule(sync: SyncConfig, *, device_type: str, num_nodes: int, sharded: bool) -> str:
-    """``sync.schedule`` made concrete for this run: ``by_topology`` becomes ``after_backward`` on the GPUs of one node
-    where after_backward can run (``mode: hooks``, not sharded), else ``overlap``; the other values stay.
+def schedule_without_probe(sync: SyncConfig, *, device_type: str, world_size: int, sharded: bool,
+                           free_links: bool = False) -> Optional[tuple[str, str]]:
+    """``sync.schedule: measured`` where no probe decides it: ``(schedule, why)``; ``None`` where the link probe at
+    setup decides (``participants/measured_schedule.py``). ``free_links``: a simulated world whose collectives cost
+    nothing. The other schedules are not resolved here.
 
     Example::
 
-        >>> resolve_schedule(SyncConfig(), device_type="cuda", num_nodes=1, sharded=False)
-        'after_backward'
-        >>> resolve_schedule(SyncConfig(), device_type="cuda", num_nodes=2, sharded=False)
-        'overlap'
+        >>> schedule_without_probe(SyncConfig(), device_type="cpu", world_size=2, sharded=False)
+        ('overlap', 'CPU ranks: Gloo shares the cores with the step; sync.probe=true measures them')
+        >>> schedule_without_probe(SyncConfig(), device_type="cuda", world_size=2, sharded=False)
     """
-    if sync.schedule != "by_topology":
-        return sync.schedule
-    one_node_of_gpus = device_type == "cuda" and num_nodes == 1
-    return "after_backward" if one_node_of_gpus and sync.mode == "hooks" and not sharded else "overlap"
+    if sync.schedule != "measured":
+        return None
+    if world_size < 2:
+        return "overlap", "one rank: nothing to average"
+    if sync.mode == "graph":
+        return "overlap", "sync.mode=graph: inductor schedules the collectives inside the compiled backward"
+    if sharded:
+        return "overlap", "reduce_scatter: the sharded synchroniser issues its buckets during backward"
+    if sync.probe is False:
+        return "overlap", "sync.probe=false"
+    if sync.probe == "auto" and device_type != "cuda":
+        return "overlap", f"{device_type.upper()} ranks: Gloo shares the cores with the step; sync.probe=true" \
+                          " measures them"
+    if free_links:  # (the probe would time nothing; the uncut step is the cheaper one)
+        return "after_backward", "a simulated world with free links: no collective costs anything, and the step" \
+                                 " runs uncut"
+    return None
 
 
 def launches_during_backward(schedule: str) -> bool:
     """Whether a schedule (``sync.schedule`` resolved, or a ``schedule: auto`` candidate's) issues each bucket as it
-    fills during backward: every one but ``after_backward`` (``auto`` starts as ``overlap``, its trial switches it)."""
+    fills during backward: every one but ``after_backward`` (``auto`` starts as ``overlap``, its trial switches it;
+    ``measured`` is resolved at setup, before any bucket is issued)."""
     return schedule != "after_backward"
 
 

@@ -92,7 +92,7 @@ def test_bucket_sizes_in_mib_become_bytes_in_one_place() -> None:
     from lightning_static_dist.sync import BucketCapacity
     from lightning_static_dist.sync.config import SyncConfig
 
-    sync = SyncConfig(bucket_mb=10, first_bucket_mb=0.5)
+    sync = SyncConfig(bucket_mb=10, first_bucket_mb=0.5, schedule="overlap")
     assert sync.capacity == BucketCapacity(first_bytes=1 << 19, bytes=10 << 20)
     assert (sync.capacity.first_mib, sync.capacity.mib) == (0.5, 10.0)
     # the compiled step is cut where the synchroniser's buckets end: the same bytes

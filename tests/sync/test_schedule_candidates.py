@@ -10,7 +10,7 @@ from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.config.check import ConfigError
 from lightning_static_dist.step_plan import compile_split
 from lightning_static_dist.strategy_config import StrategyConfig
-from lightning_static_dist.sync.config import SyncConfig, resolve_schedule
+from lightning_static_dist.sync.config import SyncConfig, schedule_without_probe
 from lightning_static_dist.sync.schedule import ScheduleCandidate, candidate_named, schedule_candidates
 
 AUTO = SyncConfig(schedule="auto", reduce_dtype="auto")
@@ -62,7 +62,7 @@ def test_a_checkpoints_choice_is_found_again_and_a_bare_schedule_means_the_defau
 
 
 @pytest.mark.parametrize(("sync", "key", "says"), [
-    pytest.param({"reduce_dtype": "auto"}, "strategy.sync.reduce_dtype", "schedule 'auto'", id="dtype-auto-alone"),
+    pytest.param({"reduce_dtype": "auto", "schedule": "overlap"}, "strategy.sync.reduce_dtype", "schedule 'auto'", id="dtype-auto-overlap"),
     pytest.param({"reduce_dtype": "auto", "schedule": "after_backward"}, "strategy.sync.reduce_dtype",
                  "schedule 'auto'", id="dtype-auto-after-backward"),
     pytest.param({"reduce_dtype": "fp16", "schedule": "auto"}, "strategy.sync.reduce_dtype", "'fp16'", id="dtype-fp16"),
@@ -84,36 +84,50 @@ def test_reduce_dtype_auto_with_a_compressor_or_sharding_is_refused_naming_the_k
         assert str(caught.value).startswith("strategy.sync."), caught.value
 
 
-@pytest.mark.parametrize(("device", "nodes", "sync", "sharded", "expected"), [
-    ("cuda", 1, {}, False, "after_backward"),       # the GPUs of one node: after backward, the optimizer overlapping
-    ("cuda", 2, {}, False, "overlap"),              # across nodes: hidden under backward
-    ("cpu", 1, {}, False, "overlap"),               # Gloo on CPUs: hidden under backward
-    ("cuda", 1, {"mode": "graph"}, False, "overlap"),
-    ("cuda", 1, {}, True, "overlap"),               # reduce_scatter issues its buckets during backward
-    ("cuda", 2, {"schedule": "after_backward"}, False, "after_backward"),  # a pinned schedule stays
-    ("cpu", 1, {"schedule": "auto"}, False, "auto"),
+@pytest.mark.parametrize(("device", "world", "sync", "sharded", "free", "expected"), [
+    ("cuda", 2, {}, False, False, None),                 # GPUs: the probe at setup decides
+    ("cuda", 8, {"probe": True}, False, False, None),
+    ("cpu", 2, {"probe": True}, False, False, None),     # asked for on CPUs: probed over Gloo
+    ("cpu", 2, {}, False, False, "overlap"),             # Gloo on CPUs: hidden under backward, not probed
+    ("cuda", 2, {"probe": False}, False, False, "overlap"),
+    ("cuda", 1, {}, False, False, "overlap"),            # one rank: nothing to average
+    ("cuda", 2, {"mode": "graph"}, False, False, "overlap"),
+    ("cuda", 2, {}, True, False, "overlap"),             # reduce_scatter issues its buckets during backward
+    ("cuda", 2, {}, False, True, "after_backward"),      # free simulated links: nothing to hide, the step uncut
+    ("cuda", 2, {"schedule": "after_backward"}, False, False, None),  # a pinned schedule is not resolved here
+    ("cpu", 2, {"schedule": "auto"}, False, False, None),
 ])
-def test_by_topology_resolves_where_the_world_is_known(device: str, nodes: int, sync: dict, sharded: bool,
-                                                        expected: str) -> None:
-    assert resolve_schedule(SyncConfig(**sync), device_type=device, num_nodes=nodes, sharded=sharded) == expected
+def test_measured_resolves_without_a_probe_only_where_none_can_decide(device: str, world: int, sync: dict,
+                                                                      sharded: bool, free: bool,
+                                                                      expected: str) -> None:
+    found = schedule_without_probe(SyncConfig(**sync), device_type=device, world_size=world, sharded=sharded,
+                                   free_links=free)
+    assert (found[0] if found else None) == expected
+    if found:
+        assert found[1] and "\n" not in found[1]  # the reason, for the line printed at fit start
 
 
-def test_the_strategy_config_resolves_by_topology_once_and_says_what_it_became() -> None:
+def test_by_topology_is_read_as_measured() -> None:
+    assert SyncConfig(schedule="by_topology").schedule == "measured"
+    assert SyncConfig().schedule == "measured"
+
+
+def test_the_strategy_config_resolves_measured_where_no_probe_decides_and_says_why() -> None:
     config = StrategyConfig.from_dict({"sync": {"bucket_mb": 10}})
-    assert config.sync.schedule == "by_topology"
-    resolved, line = config.resolved(device_type="cuda", num_nodes=1, sharded=False)
-    assert resolved.sync.schedule == "after_backward" and resolved.sync.bucket_mb == 10
-    assert line == "sync.schedule by_topology: after_backward (GPUs of 1 node)"
-    assert compile_split(resolved.compile, resolved.sync, 2) is None  # after_backward: the step compiled uncut
-    again, nothing = resolved.resolved(device_type="cpu", num_nodes=4, sharded=False)
-    assert again is resolved and nothing is None
+    resolved, line = config.resolved(device_type="cpu", world_size=2, sharded=False)
+    assert resolved.sync.schedule == "overlap" and resolved.sync.bucket_mb == 10
+    assert line == "sync.schedule measured: overlap (CPU ranks: Gloo shares the cores with the step; sync.probe=true" \
+                   " measures them)"
+    pending, nothing = config.resolved(device_type="cuda", world_size=2, sharded=False)
+    assert pending is config and nothing is None and pending.sync.schedule == "measured"
+    assert compile_split(pending.compile, pending.sync, 2) is None  # no cut until the probe settles the schedule
 
 
-def test_optimizer_overlap_true_where_by_topology_resolves_to_overlap_is_one_line_naming_the_resolution() -> None:
-    config = StrategyConfig.from_dict({"sync": {"optimizer_overlap": True}})  # (by_topology: unknown until the world)
+def test_optimizer_overlap_true_with_measured_is_one_line_before_any_process_starts() -> None:
     with pytest.raises(ConfigError) as caught:
-        config.resolved(device_type="cpu", num_nodes=1, sharded=False)
+        StrategyConfig.from_dict({"sync": {"optimizer_overlap": True}})
     message = str(caught.value)
     assert "\n" not in message and message.startswith("strategy.sync.optimizer_overlap=True")
-    assert "by_topology resolved to overlap here (CPUs of 1 node)" in message and "after_backward" in message
-    assert config.resolved(device_type="cuda", num_nodes=1, sharded=False)[0].sync.schedule == "after_backward"
+    assert "measured may choose overlap" in message and "after_backward" in message
+    pinned = StrategyConfig.from_dict({"sync": {"optimizer_overlap": True, "schedule": "after_backward"}})
+    assert pinned.sync.schedule == "after_backward"

@@ -1,0 +1,196 @@
+"""The link probe of ``sync.schedule: measured``: what this run's collectives cost on its own devices, at setup.
+
+On every rank of the data-parallel group, over whatever carries its collectives (NCCL, Gloo, a simulated world's
+emulated link), a few hundred milliseconds:
+
+1. a small all-reduce (the ring's latency) and a bucket-sized one with the compute stream waiting for it (the idle
+   rate);
+2. GEMMs alone, then the same GEMMs with the bucket-sized all-reduce issued beside them: when the collective ends
+   (a side stream waits for its future and records an event; on CPUs the future's callback reads the clock) gives the
+   rate beside compute, and how much longer the GEMMs took gives the slowdown per second of collective beside them;
+3. a copy of the bucket (the device's memory rate: the optimizer's time per bucket and the bf16 casts).
+
+Each figure is the median of its repetitions; the ranks then take the slowest rank's figures (one small all-reduce),
+so that every rank predicts, and chooses, alike (:mod:`~lightning_static_dist.sync.schedule_choice`).
+
+Example::
+
+    measure = probe_link(group, torch.device("cuda", 0), nbytes=100 * 2**20, width=768)
+    measure.rates.busy_gbps, measure.probe_s
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_static_dist.processes.faults import waiting_in
+from lightning_static_dist.sync.schedule_choice import LinkRates
+
+REPEATS = 3
+"""Timed repetitions of each measurement (after one untimed)."""
+
+
+@dataclass(frozen=True)
+class LinkMeasure:
+    """What one probe measured (the slowest rank's figures)."""
+
+    rates: LinkRates
+    mem_gbps: float
+    """Bytes read and written per second by a copy of the bucket (GB/s)."""
+    nbytes: int
+    """The bucket-sized message probed."""
+    probe_s: float
+    """Wall seconds the probe took (the slowest rank's)."""
+    gemms: int
+    """GEMMs run beside the collective (grown until they outlast it)."""
+
+
+class _Clock:
+    """Timestamps on the device's own timeline: CUDA events on the current stream (a collective's end: a side stream
+    waits for its future, so the compute stream never waits); on CPUs, ``perf_counter`` (a collective's end: its
+    future's callback, on Gloo's thread)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._side = torch.cuda.Stream(device) if self.cuda else None
+
+    def now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def end_of(self, work: Any) -> Any:
+        """A timestamp taken when ``work`` completes, without making the caller's stream wait for it."""
+        future = work.get_future()
+        if not self.cuda:
+            seen: dict[str, float] = {}
+            done = threading.Event()
+
+            def stamp(_: Any) -> None:
+                seen["t"] = time.perf_counter()
+                done.set()
+
+            future.then(stamp)
+            return (seen, done)
+        assert self._side is not None
+        self._side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side):
+            future.wait()  # (a CUDA future: the side stream waits for the collective's stream, the host does not)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Seconds from ``start`` to ``end`` (synchronises: call after the measurement)."""
+        if not self.cuda:
+            if isinstance(end, tuple):
+                seen, done = end
+                done.wait()
+                end = seen["t"]
+            return end - start
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def _median(run: Callable[[], float], repeats: int = REPEATS) -> float:
+    run()  # untimed: first use (a communicator's buffers, cuBLAS's workspace, the caching allocator)
+    return statistics.median(run() for _ in range(repeats))
+
+
+def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes: int, width: int,
+               rows: Optional[int] = None, sms: Optional[int] = None, max_gemm_rounds: int = 4) -> LinkMeasure:
+    """Probe the link of ``group`` on ``device`` with a message of ``nbytes`` and GEMMs of ``rows`` x ``width`` by
+    ``width`` (a collective: every rank of the group calls it). ``sms``: the SM budget the rates are labelled with
+    (the caller switched the link to it)."""
+    started = time.perf_counter()
+    world = dist.get_world_size(group)
+    clock = _Clock(device)
+    n = max(1, nbytes // 4)
+    bucket = torch.zeros(n, dtype=torch.float32, device=device)
+    small = torch.zeros(1024, dtype=torch.float32, device=device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # (a generator of its own: drawing from the global one would change the user's data and initialisation after it)
+    generator = torch.Generator(device).manual_seed(0)
+    a = torch.randn(rows or width, width, device=device, generator=generator).to(dtype)
+    b = torch.randn(width, width, device=device, generator=generator).to(dtype)
+
+    def all_reduce(tensor: torch.Tensor) -> float:
+        start = clock.now()
+        with waiting_in("the link probe's all-reduce (sync.schedule measured)"):
+            dist.all_reduce(tensor, group=group)
+        return clock.seconds(start, clock.now())
+
+    def gemms(count: int) -> None:
+        for _ in range(count):
+            torch.mm(a, b)
+
+    def gemms_alone(count: int) -> float:
+        start = clock.now()
+        gemms(count)
+        return clock.seconds(start, clock.now())
+
+    def beside(count: int) -> tuple[float, float]:
+        """(seconds until the collective ended, seconds the GEMMs took), both from the same start."""
+        start = clock.now()
+        work = dist.all_reduce(bucket, group=group, async_op=True)
+        comm_end = clock.end_of(work)
+        gemms(count)
+        compute_end = clock.now()
+        with waiting_in("the link probe's all-reduce beside compute (sync.schedule measured)"):
+            work.wait()
+        return clock.seconds(start, comm_end), clock.seconds(start, compute_end)
+
+    latency_s = _median(lambda: all_reduce(small))
+    idle_s = _median(lambda: all_reduce(bucket))
+    one_gemm = max(_median(lambda: gemms_alone(4)) / 4, 1e-7)
+    count = max(4, int(3 * idle_s / one_gemm))  # (beside compute the collective runs slower: grown below)
+    comm_s = gemm_s = alone_s = 0.0
+    for _ in range(max_gemm_rounds):
+        alone_s = _median(lambda count=count: gemms_alone(count))
+        pairs = [beside(count) for _ in range(REPEATS + 1)][1:]
+        comm_s = statistics.median(p[0] for p in pairs)
+        gemm_s = statistics.median(p[1] for p in pairs)
+        # the collective ended while the GEMMs ran, on every rank (agreed: the ranks issue the same collectives)?
+        outlasted = torch.tensor([float(comm_s >= 0.9 * gemm_s)], device=device if device.type == "cuda" else "cpu")
+        with waiting_in("the link probe's agreement on its GEMM count (sync.schedule measured)"):
+            dist.all_reduce(outlasted, op=dist.ReduceOp.MAX, group=group)
+        if not outlasted.item():
+            break
+        count *= 2
+    copy_s = _median(lambda: _copy_seconds(bucket, clock))
+
+    figures = torch.tensor([latency_s, idle_s, comm_s, max(0.0, gemm_s - alone_s), copy_s,
+                            time.perf_counter() - started], dtype=torch.float64,
+                           device=device if device.type == "cuda" else "cpu")
+    with waiting_in("the all-reduce of the link probe's figures (sync.schedule measured)"):
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's (every rank alike)
+    latency_s, idle_s, comm_s, added_s, copy_s, probe_s = figures.tolist()
+    moved = 2 * (world - 1) / world * 4 * n  # bus bytes, as NCCL's tests count them
+    steps = 2 * (world - 1)
+    # (the small all-reduce is all latency; the big ones pay it too before their bytes)
+    latency_us = 1e6 * latency_s / steps if steps else 0.0
+    lat_s = latency_us * 1e-6 * steps
+    rates = LinkRates(idle_gbps=moved / max(idle_s - lat_s, 1e-9) / 1e9,
+                      busy_gbps=moved / max(comm_s - lat_s, 1e-9) / 1e9,
+                      latency_us=latency_us,
+                      slowdown=added_s / max(comm_s, 1e-9),
+                      sms=sms)
+    return LinkMeasure(rates=rates, mem_gbps=2 * 4 * n / max(copy_s, 1e-9) / 1e9, nbytes=4 * n,
+                       probe_s=time.perf_counter() - started if probe_s <= 0 else probe_s, gemms=count)
+
+
+def _copy_seconds(bucket: torch.Tensor, clock: _Clock) -> float:
+    target = torch.empty_like(bucket)
+    start = clock.now()
+    target.copy_(bucket)
+    return clock.seconds(start, clock.now())
