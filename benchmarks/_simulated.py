@@ -114,12 +114,15 @@ def sim_rows(runs: dict[str, list[dict]], links: list[Link], workers: dict[str, 
     rows = []
     for run_key, recs in runs.items():
         name, world, host = split_key(run_key)
+        name, _, pinned = name.partition("~")  # ("static_dist~cal": every window at the link cal, set from setup)
         job = workers.get(run_key.partition("+")[0], {})
-        for link in names if world > 1 else [None]:  # (a world of 1 crosses no link)
-            per_round = {rec["round"]: _median(windows_of(rec, link)) for rec in recs if windows_of(rec, link)}
+        for link in ([pinned] if pinned else names) if world > 1 else [None]:  # (a world of 1 crosses no link)
+            window_link = None if pinned else link
+            per_round = {rec["round"]: _median(windows_of(rec, window_link)) for rec in recs
+                         if windows_of(rec, window_link)}
             if not per_round:
                 continue
-            every = [s for rec in recs for s in windows_of(rec, link)]
+            every = [s for rec in recs for s in windows_of(rec, window_link)]
             median_s = _median(every)
             ceiling_rounds, ceiling_s = ceilings.get(host, {}), ceiling_all.get(host)
             paired = [round(ceiling_rounds[r] / s, 4) for r, s in sorted(per_round.items()) if r in ceiling_rounds]
@@ -129,7 +132,10 @@ def sim_rows(runs: dict[str, list[dict]], links: list[Link], workers: dict[str, 
                 "step_ms_median": round(1e3 * median_s, 3),
                 "step_ms_per_round": round_ms,
                 "spread": round((max(round_ms) - min(round_ms)) / (1e3 * median_s), 4),
-                "host_ms_median": round(1e3 * _median([h for rec in recs for h in windows_of(rec, link, "host_s")]), 3),
+                "host_ms_median": round(1e3 * _median([h for rec in recs for h in windows_of(rec, window_link,
+                                                                                        "host_s")]), 3),
+                "pinned": bool(pinned),
+                "measured": job.get("measured"),
                 "tokens_per_s_per_gpu": round(job.get("tokens_per_step", 0) / median_s) if job else None,
                 "vs_ceiling": round(ceiling_s / median_s, 4) if ceiling_s else None,
                 "vs_ceiling_per_round": paired,

@@ -109,6 +109,8 @@ CONTENDERS: dict[str, Optional[dict[str, Any]]] = {
     "static_dist_after": {"sync": {"schedule": "after_backward"}},
     "static_dist_after_bf16": {"sync": {"schedule": "after_backward", "reduce_dtype": "bf16"}},
     "static_dist_auto": {"sync": {"schedule": "auto"}},
+    # after_backward with the step taken whole (sync.optimizer_overlap false): every bucket waited for first
+    "static_dist_after_noopt": {"sync": {"schedule": "after_backward", "optimizer_overlap": False}},
     "static_dist_sms2_bf16": {"sync": {"comm_sms": 2, "reduce_dtype": "bf16", "schedule": "overlap"}},
     # sync.comm_sms: the SMs a collective may take from backward (NCCL's max_ctas; the emulated link's SMs)
     "static_dist_sms4": {"sync": {"comm_sms": 4, "schedule": "overlap"}},
@@ -279,6 +281,8 @@ def _lightning_fit(name: str, model: Any, batches: Any, timer: Any, args: argpar
         strategy = DDPStrategy()
     else:
         simulate = {"world_size": args.simulate_world} if args.simulate_world else None
+        if simulate is not None and args.pin_link:  # the link from setup on: what sync.schedule measured probes
+            simulate["link"] = simulated_links(args).links[0].spec
         strategy = StaticDistStrategy(**strategy_sections(name), simulate=simulate)
         profile = (PROFILE_TINY if args.tiny else PROFILE) if args.profile else None
         monitor = OverlapMonitor(profiler=profile) if profile else (
@@ -297,6 +301,9 @@ def _lightning_fit(name: str, model: Any, batches: Any, timer: Any, args: argpar
     offer = offer_of(trainer)
     figures = offer.sync_figures() if offer is not None else None
     extra: dict[str, Any] = {"bytes_per_step": figures.bytes_per_round if figures is not None else None}
+    measured = offer.measured_schedule() if offer is not None else None
+    if measured is not None:  # sync.schedule measured: the probe's figures, each candidate's prediction, the choice
+        extra["measured"] = measured.as_dict()
     choice = offer.schedule_choice() if offer is not None else None
     if choice is not None:  # sync.schedule: auto: what it chose, and what the trial cost
         extra["schedule_choice"] = {"choice": choice.choice, "trial_steps": choice.trial_steps,
@@ -503,6 +510,7 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--profile", help=argparse.SUPPRESS)
     parser.add_argument("--simulate-world", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--pin-link", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.steps = args.steps if args.steps is not None else (4 if args.tiny else 40)
     args.window = args.window if args.window is not None else (2 if args.tiny else 10)
@@ -643,15 +651,22 @@ def simulate_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if args.calibrated is not None and args.calibrated not in {link.name for link in links}:
         parser.error(f"--calibrated {args.calibrated}: not a --link name ({', '.join(link.name for link in links)})")
     # a contender runs in every world of --simulate, or only in the one it names: "static_dist_nocg@2"
+    # ... and "static_dist~cal" runs every window at the link named cal, set from setup on (sync.schedule measured
+    # probes it there): the defaults' choice is made per link, so each link is a worker of its own
     specs = [c.strip() for c in (args.contenders if args.contenders is not None else SIMULATED).split(",") if c.strip()]
     chosen = list(dict.fromkeys(spec.split("@")[0] for spec in specs))
     only = {name: {int(w) for spec in specs if spec.startswith(name + "@") for w in [spec.split("@")[1]]}
             for name in chosen}
     at_one = [c.strip() for c in args.one_gpu.split(",") if c.strip()]
-    unknown = sorted(set(chosen + at_one) - set(CONTENDERS))
+    by_name = {link.name: text for link, text in zip(links, args.link or ["free"])}
+    pinned = {name: name.partition("~")[2] for name in chosen if "~" in name}
+    strange = sorted(f"{name} (no --link {link!r})" for name, link in pinned.items() if link not in by_name)
+    if strange:
+        parser.error(f"--contenders: {', '.join(strange)}; links: {', '.join(by_name)}")
+    unknown = sorted({c.partition("~")[0] for c in chosen + at_one} - set(CONTENDERS))
     if unknown:
         parser.error(f"--contenders/--one-gpu: unknown {unknown}; allowed: {', '.join(CONTENDERS)}")
-    unsimulated = sorted(set(chosen + at_one) & set(LIGHTNING))
+    unsimulated = sorted({c.partition("~")[0] for c in chosen + at_one} & set(LIGHTNING))
     if unsimulated:  # Lightning's own strategies start their own (real) process group
         parser.error(f"--contenders {unsimulated}: not run in a simulated world; allowed with --simulate: the plain loops"
                      " and the static_dist contenders")
@@ -678,21 +693,22 @@ def simulate_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                    "order": "rotated every round; every contender one persistent worker (compiled once)",
                    "busy_host": busy.describe() if busy else None,
                    "profiled_steps": args.profile_steps or None,
-                   "contenders": {c: strategy_sections(c) if CONTENDERS[c] is not None else "plain loop"
-                                  for c in dict.fromkeys(chosen + at_one)}},
+                   "contenders": {c: strategy_sections(c.partition("~")[0]) if CONTENDERS[c.partition("~")[0]]
+                                  is not None else "plain loop" for c in dict.fromkeys(chosen + at_one)}},
     }
     outs = {key: os.path.join(scratch, key.replace("@", "-") + ".json") for key in plan}
     commands = {}
     for key in plan:
         name, where = key.rsplit("@", 1)
+        base, _, pin = name.partition("~")
+        link_args = [f"--link={by_name[pin]}", "--pin-link"] if pin else [f"--link={text}" for text in args.link or ["free"]]
         commands[key] = [
-            sys.executable, os.path.abspath(__file__), "--worker", name, "--gpus", "1", "--out", outs[key],
+            sys.executable, os.path.abspath(__file__), "--worker", base, "--gpus", "1", "--out", outs[key],
             "--warmup", str(args.warmup), "--window", str(args.window), "--tail", str(args.tail),
             "--rounds", str(args.rounds), "--conditions", str(args.conditions), "--pre", str(args.pre),
             "--round-windows", str(args.round_windows), "--profile-steps", str(args.profile_steps),
             "--trace-prefix", os.path.join(scratch, f"profile-{key.replace('@', '-')}"), "--out-dir", scratch,
-            *(["--simulate-world", where[3:], *[f"--link={text}" for text in args.link or ["free"]]]
-              if where.startswith("sim") else []),
+            *(["--simulate-world", where[3:], *link_args] if where.startswith("sim") else []),
             *(["--tiny"] if args.tiny else [])]
     workers: dict[str, dict] = {}
 

@@ -148,3 +148,27 @@ def test_a_two_regime_link_moves_bytes_at_the_idle_pace_while_the_compute_stream
     assert out["beside"] >= 0.8 * busy_ms, out
     assert out["future"] < 0.5 * busy_ms, out  # (the backward here is far shorter than the busy time)
     assert out["counter"] == 0, out  # every raise was lowered
+
+
+@pytest.mark.parametrize("spec", [dict(gbps=40.0, idle_gbps=308.0, latency_us=5.0, sms=16, sm_gbps=65.0),
+                                  dict(gbps=70.0, latency_us=5.0, sms=8), dict(gbps=12.5, latency_us=20.0, sms=16)],
+                         ids=["two-regime", "one-rate-70", "one-rate-12.5"])
+def test_the_link_probe_recovers_an_emulated_links_rates_in_half_a_second(spec: dict) -> None:
+    """``sync.schedule: measured``'s probe over the simulated world's emulated link, at world 2 and 8: the idle and
+    busy rates it measures are the link's within 10 %, and it takes at most 0.5 s."""
+    out = _run(f"""
+        import json, torch
+        from datetime import timedelta
+        from lightning_static_dist.simulate import LinkConfig, init_simulated_world, set_link
+        from lightning_static_dist.sync.link_probe import probe_link
+        init_simulated_world(8, timedelta(seconds=60))
+        set_link(LinkConfig(**{spec!r}))
+        m = probe_link(None, torch.device("cuda"), 100 * 2**20, 768, rows=8192)
+        print(json.dumps({{"idle": m.rates.idle_gbps, "busy": m.rates.busy_gbps, "slowdown": m.rates.slowdown,
+                          "latency_us": m.rates.latency_us, "probe_s": m.probe_s, "gemms": m.gemms}}))
+    """)
+    idle = spec.get("idle_gbps") or spec["gbps"]
+    assert out["probe_s"] <= 0.5, out
+    assert abs(out["idle"] / idle - 1) <= 0.10, out
+    assert abs(out["busy"] / spec["gbps"] - 1) <= 0.10, out
+    assert 0 <= out["slowdown"] < 1, out
