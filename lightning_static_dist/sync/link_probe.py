@@ -37,6 +37,9 @@ from lightning_static_dist.sync.schedule_choice import LinkRates
 REPEATS = 3
 """Timed repetitions of each measurement (after one untimed)."""
 
+HEAD_START_CYCLES = 2_000_000
+"""GPU clock cycles (about a millisecond) the stream spins before a measurement starts: the host's head start."""
+
 
 @dataclass(frozen=True)
 class LinkMeasure:
@@ -68,6 +71,14 @@ class _Clock:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
+
+    def start(self) -> Any:
+        """A timestamp that opens a measurement. On a GPU the stream first spins for a millisecond, so that the host
+        queues what follows while it does: the measurement then times the device's work, not the host's dispatch
+        (a Python collective's, or a launch's, tens to hundreds of microseconds, which would read as link time)."""
+        if self.cuda:
+            torch.cuda._sleep(HEAD_START_CYCLES)
+        return self.now()
 
     def end_of(self, work: Any) -> Any:
         """A timestamp taken when ``work`` completes, without making the caller's stream wait for it."""
@@ -125,7 +136,7 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
     b = torch.randn(width, width, device=device, generator=generator).to(dtype)
 
     def all_reduce(tensor: torch.Tensor) -> float:
-        start = clock.now()
+        start = clock.start()
         with waiting_in("the link probe's all-reduce (sync.schedule measured)"):
             dist.all_reduce(tensor, group=group)
         return clock.seconds(start, clock.now())
@@ -135,13 +146,13 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
             torch.mm(a, b)
 
     def gemms_alone(count: int) -> float:
-        start = clock.now()
+        start = clock.start()
         gemms(count)
         return clock.seconds(start, clock.now())
 
     def beside(count: int) -> tuple[float, float]:
         """(seconds until the collective ended, seconds the GEMMs took), both from the same start."""
-        start = clock.now()
+        start = clock.start()
         work = dist.all_reduce(bucket, group=group, async_op=True)
         comm_end = clock.end_of(work)
         gemms(count)
@@ -191,6 +202,6 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
 
 def _copy_seconds(bucket: torch.Tensor, clock: _Clock) -> float:
     target = torch.empty_like(bucket)
-    start = clock.now()
+    start = clock.start()
     target.copy_(bucket)
     return clock.seconds(start, clock.now())
