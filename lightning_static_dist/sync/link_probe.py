@@ -37,6 +37,9 @@ from lightning_static_dist.sync.schedule_choice import LinkRates
 REPEATS = 3
 """Timed repetitions of each measurement (after one untimed)."""
 
+MESSAGE_S = 2e-3
+"""About how long the probe's bucket-sized message may take alone (a slow link gets a smaller one, never under 4 MiB)."""
+
 HEAD_START_CYCLES = 2_000_000
 """GPU clock cycles (about a millisecond) the stream spins before a measurement starts: the host's head start."""
 
@@ -162,6 +165,15 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
         return clock.seconds(start, comm_end), clock.seconds(start, compute_end)
 
     latency_s = _median(lambda: all_reduce(small))
+    # a slow link need not move a whole bucket to show its rate: a message of about MESSAGE_S there (agreed: the
+    # ranks must issue the same collectives)
+    sized = torch.tensor([_median(lambda: all_reduce(bucket[: min(n, 2**18)]))],
+                         device=device if device.type == "cuda" else "cpu")
+    with waiting_in("the link probe's agreement on its message size (sync.schedule measured)"):
+        dist.all_reduce(sized, op=dist.ReduceOp.MAX, group=group)
+    per_element_s = sized.item() / min(n, 2**18)
+    n = max(min(n, 2**20), min(n, int(MESSAGE_S / max(per_element_s, 1e-15))))
+    bucket = bucket[:n]
     idle_s = _median(lambda: all_reduce(bucket))
     one_gemm = max(_median(lambda: gemms_alone(4)) / 4, 1e-7)
     count = max(4, int(3 * idle_s / one_gemm))  # (beside compute the collective runs slower: grown below)
