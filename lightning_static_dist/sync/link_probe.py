@@ -37,6 +37,12 @@ from lightning_static_dist.sync.schedule_choice import LinkRates
 REPEATS = 3
 """Timed repetitions of each measurement (after one untimed)."""
 
+PAIRS = 5
+"""Turns of GEMMs alone and GEMMs beside the collective, for the slowdown and the rate beside compute."""
+
+MAX_SLOWDOWN = 0.9
+"""The most of the GEMMs' pace a collective is taken to cost (a difference of two noisy times can read more)."""
+
 MESSAGE_S = 2e-3
 """About how long the probe's bucket-sized message may take alone (a slow link gets a smaller one, never under 4 MiB)."""
 
@@ -176,13 +182,15 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
     bucket = bucket[:n]
     idle_s = _median(lambda: all_reduce(bucket))
     one_gemm = max(_median(lambda: gemms_alone(4)) / 4, 1e-7)
-    count = max(4, int(3 * idle_s / one_gemm))  # (beside compute the collective runs slower: grown below)
-    comm_s = gemm_s = alone_s = 0.0
+    count = max(4, int(2 * idle_s / one_gemm))  # (beside compute the collective runs slower: grown below)
+    comm_s = gemm_s = added_s = 0.0
     for _ in range(max_gemm_rounds):
-        alone_s = _median(lambda count=count: gemms_alone(count))
-        pairs = [beside(count) for _ in range(REPEATS + 1)][1:]
-        comm_s = statistics.median(p[0] for p in pairs)
-        gemm_s = statistics.median(p[1] for p in pairs)
+        # alone and beside in turns, the slowdown the median of each turn's difference (a GPU's clock drifts)
+        gemms_alone(count), beside(count)  # (untimed)
+        turns = [(gemms_alone(count), *beside(count)) for _ in range(PAIRS)]
+        comm_s = statistics.median(t[1] for t in turns)
+        gemm_s = statistics.median(t[2] for t in turns)
+        added_s = max(0.0, statistics.median(t[2] - t[0] for t in turns))
         # the collective ended while the GEMMs ran, on every rank (agreed: the ranks issue the same collectives)?
         outlasted = torch.tensor([float(comm_s >= 0.9 * gemm_s)], device=device if device.type == "cuda" else "cpu")
         with waiting_in("the link probe's agreement on its GEMM count (sync.schedule measured)"):
@@ -192,7 +200,7 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
         count *= 2
     copy_s = _median(lambda: _copy_seconds(bucket, clock))
 
-    figures = torch.tensor([latency_s, idle_s, comm_s, max(0.0, gemm_s - alone_s), copy_s,
+    figures = torch.tensor([latency_s, idle_s, comm_s, added_s, copy_s,
                             time.perf_counter() - started], dtype=torch.float64,
                            device=device if device.type == "cuda" else "cpu")
     with waiting_in("the all-reduce of the link probe's figures (sync.schedule measured)"):
@@ -206,7 +214,7 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
     rates = LinkRates(idle_gbps=moved / max(idle_s - lat_s, 1e-9) / 1e9,
                       busy_gbps=moved / max(comm_s - lat_s, 1e-9) / 1e9,
                       latency_us=latency_us,
-                      slowdown=added_s / max(comm_s, 1e-9),
+                      slowdown=min(MAX_SLOWDOWN, added_s / max(comm_s, 1e-9)),
                       sms=sms)
     return LinkMeasure(rates=rates, mem_gbps=2 * 4 * n / max(copy_s, 1e-9) / 1e9, nbytes=4 * n,
                        probe_s=time.perf_counter() - started if probe_s <= 0 else probe_s, gemms=count)
