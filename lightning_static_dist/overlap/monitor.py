@@ -1,10 +1,12 @@
 """``OverlapMonitor``: log how much gradient communication was hidden behind compute, in every Trainer logger.
 
-Every ``every_n_steps`` optimizer steps each rank records its step (``recorder.py``), computes
-:func:`~lightning_static_dist.overlap.intervals.step_metrics`, and the ranks aggregate them with a torchmetrics
-``Metric``: the mean as ``static_dist/<name>``, the maximum as ``static_dist/<name>_max``. Profiler mode computes the
-same metrics from one Chrome trace per rank (``trace.py``, with the rank metadata Holistic Trace Analysis needs) and
-logs them as ``static_dist/trace_<name>``.
+Every ``every_n_steps`` optimizer steps each rank records its step (``recorder.py``). Once the step's events have
+completed on every rank (on CUDA a step or more later: the host never waits for them), each rank computes
+:func:`~lightning_static_dist.overlap.intervals.step_metrics` and the ranks combine them on the host
+(``readout.py``): the mean as ``static_dist/<name>``, the maximum as ``static_dist/<name>_max``, logged under the
+step they belong to. Steps not recorded cost nothing. Profiler mode computes the same metrics from one Chrome trace
+per rank (``trace.py``, with the rank metadata Holistic Trace Analysis needs) and logs them as
+``static_dist/trace_<name>``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_static_dist.config.check import check_fields, fail, section_from_dict
 from lightning_static_dist.offer import offer_of
-from lightning_static_dist.overlap.intervals import step_metrics
+from lightning_static_dist.overlap.readout import StepReadout, gather_on_host, row_of
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.overlap.timeline import StepTimeline
 from lightning_static_dist.overlap.trace import TRACE_METRICS, load_trace, trace_metrics
@@ -76,7 +78,9 @@ METRICS = (
 
 
 class RankAggregate(Metric):
-    """Mean and max over ranks of a vector of per-rank figures, ignoring NaN (a rank with nothing to measure).
+    """Mean and max over ranks of a vector of per-rank figures, ignoring NaN (a rank with nothing to measure), on the
+    device (Fabric's figures; the Trainer's monitor combines them on the host, ``readout.py``, with the same
+    arithmetic).
 
     One state tensor — rows: sum, count, max — so that a synchronisation is one gather, not one per statistic.
 
@@ -114,6 +118,10 @@ class OverlapMonitor(Callback):
     """Logs ``static_dist/overlap_ratio``, ``hidden_comm_fraction``, ``comm_ms``, ``compute_ms``,
     ``exposed_comm_ms``, ``trigger_delay_ms`` and ``bytes_sent`` (plus ``_max`` over ranks) every
     ``every_n_steps`` steps, and draws a timeline every ``timeline_every_n_steps`` steps (0: never).
+
+    The figures of a recorded step are logged under that step once its events have completed on every rank: on CPU
+    at the step's end, on CUDA typically one or two steps later (the host never waits for the GPU), and at the
+    latest at the end of the epoch, which waits for what is left.
 
     Args:
         every_n_steps: record and log every this many optimizer steps (unrecorded steps cost nothing).
@@ -169,7 +177,7 @@ class OverlapMonitor(Callback):
         """The aggregated metrics of every logged step (every rank holds the same values)."""
         self.timeline_paths: list[str] = []
         self._recorder: Optional[StepRecorder] = None
-        self._aggregate: Optional[RankAggregate] = None
+        self._readout: Optional[StepReadout] = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -183,7 +191,9 @@ class OverlapMonitor(Callback):
             return
         self._recorder = StepRecorder(offer.root_device)
         offer.attach_recorder(self._recorder)
-        self._aggregate = RankAggregate(len(METRICS)).to(offer.root_device)
+        # the per-step maximum of the trigger delay has its own name
+        self._readout = StepReadout(METRICS, offer.host_max, trainer.global_rank, trainer.world_size,
+                                    no_max=("trigger_delay_worst_bucket_ms",))
         self.trace_paths, self.trace_history = [], []
 
     # -------------------------------------------------------------------------------------------- profiler
@@ -225,8 +235,12 @@ class OverlapMonitor(Callback):
 
     def _publish_trace(self, trainer: pl.Trainer) -> None:
         per_rank = trace_metrics(load_trace(self.trace_paths[-1]))
-        aggregate = RankAggregate(len(TRACE_METRICS)).to(trainer.strategy.root_device)
-        row = _log_over_ranks(trainer, aggregate, TRACE_METRICS, per_rank, "trace_", trainer.global_step)
+        offer = offer_of(trainer)
+        assert offer is not None  # (profiling starts only with a recorder, which needs the offer)
+        _, (table,) = gather_on_host(offer.host_max, trainer.global_rank, trainer.world_size,
+                                     [[per_rank[name] for name in TRACE_METRICS]], slots=1, width=len(TRACE_METRICS))
+        row = row_of(TRACE_METRICS, table, prefix="trace_")
+        log_straight(trainer, row, trainer.global_step)
         self.trace_history.append({"step": float(trainer.global_step), **row})
 
     def _recording(self, trainer: pl.Trainer) -> bool:
@@ -237,24 +251,37 @@ class OverlapMonitor(Callback):
         if self._recorder is None:
             return
         self._recorder.active = self._recording(trainer)
-        self._recorder.begin_step(trainer.global_step, trainer.global_rank)
+        self._recorder.begin_step(trainer.global_step, trainer.global_rank)  # (not recorded: returns at once)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._profile is not None and _stepped(trainer, batch_idx):
-            self._profiler_step(trainer)
-        if self._recorder is None or not self._recorder.active:
+        recorder, readout = self._recorder, self._readout
+        if recorder is None or readout is None:
             return
-        # an accumulation micro-batch synchronised nothing: not kept
-        timeline = self._recorder.end_step(keep=_stepped(trainer, batch_idx))
-        self._recorder.active = False
-        if timeline is not None:
-            self._publish(trainer, pl_module, timeline)
+        if not (recorder.active or readout.pending or self._profile is not None):
+            return  # a step not recorded, nothing waiting to be read: nothing to do
+        stepped = _stepped(trainer, batch_idx)
+        if self._profile is not None and stepped:
+            self._profiler_step(trainer)
+        if recorder.active:
+            # an accumulation micro-batch synchronised nothing: not kept
+            closed = recorder.close_step(keep=stepped)
+            recorder.active = False
+            if closed is not None:
+                readout.add(closed)
+        if stepped and readout.pending:  # (every rank is here at the same steps: the readout is a collective)
+            self._publish(trainer, pl_module, readout.read())
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._read_what_is_left(trainer)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._readout is not None:  # no collective after a failure
+            self._readout.clear()
         if self._profile is not None:  # a profiler left running would refuse to start in the next fit
             self._profile.stop()
             self._profile = None
@@ -266,22 +293,24 @@ class OverlapMonitor(Callback):
                            " the trace holds the steps profiled so far")
             self._profile.stop()
             self._profile = None
-        if self._recorder is not None:
-            held = self._recorder.flush()  # CUDA holds the last recorded step back by one
-            if held is not None:
-                self._publish(trainer, None, held)
+        self._read_what_is_left(trainer)  # (the epoch's end read them already, unless the fit stopped inside it)
 
-    def _publish(self, trainer: pl.Trainer, pl_module: Optional[pl.LightningModule], timeline: StepTimeline) -> None:
-        assert self._aggregate is not None
-        row = _log_over_ranks(trainer, self._aggregate, METRICS, step_metrics(timeline), "", timeline.step,
-                              # the per-step maximum of the trigger delay has its own name
-                              no_max=("trigger_delay_worst_bucket_ms",))
-        self.history.append({"step": float(timeline.step), **row})
-        if self.prog_bar and pl_module is not None:  # on_train_end cannot log any more
-            pl_module.log("static_dist/overlap_ratio", self.history[-1]["static_dist/overlap_ratio"], prog_bar=True,
-                          logger=False)
-        if self.timeline_every_n_steps and timeline.step % self.timeline_every_n_steps == 0:
-            self._draw(trainer, timeline, timeline.step)
+    def _read_what_is_left(self, trainer: pl.Trainer) -> None:
+        """The recorded steps not read yet, waited for (once): the last recorded step of an epoch is not lost."""
+        if self._readout is not None and self._readout.pending:
+            self._publish(trainer, None, self._readout.read(wait=True))
+
+    def _publish(self, trainer: pl.Trainer, pl_module: Optional[pl.LightningModule],
+                 read: list[tuple[StepTimeline, dict[str, float]]]) -> None:
+        for timeline, row in read:
+            log_straight(trainer, row, timeline.step)  # under the step it belongs to, whenever it is read
+            self.history.append({"step": float(timeline.step), **row})
+            if self.timeline_every_n_steps and timeline.step % self.timeline_every_n_steps == 0:
+                self._draw(trainer, timeline, timeline.step)
+        if self.prog_bar and pl_module is not None and read:  # (not at an epoch's end: `log` refuses on_step there)
+            # a host tensor: `log` keeps a tensor where it is, where it would copy a float to the device
+            pl_module.log("static_dist/overlap_ratio", torch.tensor(self.history[-1]["static_dist/overlap_ratio"]),
+                          prog_bar=True, logger=False)
 
     def _draw(self, trainer: pl.Trainer, timeline: StepTimeline, step: int) -> None:
         from lightning_static_dist.overlap.picture import render_timeline
@@ -322,15 +351,6 @@ def aggregate_over_ranks(aggregate: RankAggregate, names: tuple[str, ...], per_r
     row = {f"static_dist/{prefix}{k}": values[i] for i, k in enumerate(names)}
     if world_size > 1:
         row.update({f"static_dist/{prefix}{k}_max": values[len(names) + i] for i, k in enumerate(names) if k not in no_max})
-    return row
-
-
-def _log_over_ranks(trainer: pl.Trainer, aggregate: RankAggregate, names: tuple[str, ...], per_rank: Mapping[str, float],
-                    prefix: str, step: int, no_max: tuple[str, ...] = ()) -> dict[str, float]:
-    """Aggregate this rank's figures over ranks (mean, and ``_max``), log them as ``static_dist/<prefix><name>`` to
-    every logger, and return the row (NaN kept: the history shows what could not be measured)."""
-    row = aggregate_over_ranks(aggregate, names, per_rank, prefix, trainer.world_size, no_max)
-    log_straight(trainer, row, step)
     return row
 
 

@@ -8,10 +8,12 @@ import glob
 import math
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -145,6 +147,69 @@ def test_every_metric_is_logged_with_finite_values_and_a_timeline_is_drawn_and_a
     # lsd-report on the finished run: medians of the overlap metrics
     text = report(str(tmp_path), plot=True)
     assert "static_dist/overlap_ratio" in text and "static_dist/exposed_comm_ms" in text
+
+
+def test_every_n_steps_is_respected_and_the_last_recorded_step_is_logged_under_its_own_step(ranks: RankPool,
+                                                                                          tmp_path: Any) -> None:
+    # 7 optimizer steps (0..6), one in three recorded: steps 0, 3 and 6, the fit's last step included (a step is read
+    # once every rank has completed it: on CPU when it ends, on CUDA a step or more later, the last at the epoch's end)
+    rows = fit(tmp_path, None, steps=7, ranks=ranks, every_n_steps=3, prog_bar=True)
+    for name in METRICS:
+        for key in (f"static_dist/{name}", f"static_dist/{name}_max"):
+            if key == "static_dist/trigger_delay_worst_bucket_ms_max" or "embed_gather" in key:
+                continue
+            assert [int(r["step"]) for r in rows if r.get(key)] == [0, 3, 6], key
+    # Lightning's own rows (Stack's `self.log`, every step) share the steps: the figures sit where the loss of the
+    # step they measured does
+    assert {0, 3, 6} <= {int(r["step"]) for r in rows if r.get("train_loss")}
+    assert series(rows, "static_dist/bytes_sent") == [8 * (384 * 384 + 384) * 4 + 16 * 4] * 3
+
+
+@dataclass
+class _InFlight:
+    """A reduction in flight, as the synchroniser hands it to the recorder: its collective's work."""
+
+    work: Any
+
+
+class _HoldBack(L.Callback):
+    """Rank 1 adds to steps 3 and 9 a collective of its own (32 bytes) that rank 0 joins only at the end of the epoch:
+    until then rank 1 cannot have completed those steps, as a GPU that has not run them yet."""
+
+    def __init__(self, monitor: OverlapMonitor) -> None:
+        self.monitor = monitor
+        self.owed = 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.group = dist.new_group([0, 1])
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:  # (before the monitor's: listed first)
+        if trainer.global_step - 1 not in (3, 9):
+            return
+        if trainer.global_rank == 1:
+            work = dist.all_reduce(torch.ones(8), group=self.group, async_op=True)
+            self.monitor._recorder.bucket_issued(99, 32, _InFlight(work))  # (the step is still open: recorded)
+        else:
+            self.owed += 1
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for _ in range(self.owed):
+            dist.all_reduce(torch.ones(8), group=self.group)
+        self.owed = 0
+
+
+def test_a_step_a_rank_has_not_completed_is_logged_later_under_its_own_step_and_none_is_lost(ranks: RankPool,
+                                                                                           tmp_path: Any) -> None:
+    # 11 steps, 8 batches an epoch, one step in three recorded (0, 3, 6, 9); steps 3 and 9 are complete on rank 1
+    # only at the end of their epoch: 3 is read with 6 at the first epoch's end, 9 at the fit's end (the last one)
+    monitor = OverlapMonitor(every_n_steps=3)
+    fit_in(ranks, tmp_path, 11, [_HoldBack(monitor), monitor], sync=MONITOR_BUCKETS)
+    rows = metrics_rows(tmp_path)
+    assert [int(r["step"]) for r in rows if r.get("static_dist/comm_ms")] == [0, 3, 6, 9]
+    sent = 8 * (384 * 384 + 384) * 4 + 16 * 4  # every bucket, each step
+    # each rank's own bytes, combined under the step they were sent at: rank 1's 32 extra at steps 3 and 9
+    assert series(rows, "static_dist/bytes_sent") == [sent, sent + 16, sent, sent + 16]
+    assert series(rows, "static_dist/bytes_sent_max") == [sent, sent + 32, sent, sent + 32]
 
 
 @pytest.mark.slow  # three 20-step fits (every metric is checked in the default run by the test above)
