@@ -312,7 +312,8 @@ def _lightning_fit(name: str, model: Any, batches: Any, timer: Any, args: argpar
     if report is not None:
         extra["compile"] = {"graphs": len(report.graphs), "graph_breaks": len(report.graph_breaks),
                             "recompiles": len(report.recompiles), "fallbacks": len(report.fallbacks),
-                            "pieces": report.splitter.pieces if report.splitter is not None else None}
+                            "pieces": report.splitter.pieces if report.splitter is not None else None,
+                            "compile_s": round(report.compile_s, 1)}
     graph_mode = (CONTENDERS[name] or {}).get("sync", {}).get("mode") == "graph"
     # graph mode: the collectives run inside the compiled backward, where the recorder sees none (it would report
     # 0 ms of communication): its overlap figures are not measured, not zero
