@@ -16,7 +16,7 @@ schedules were pinned to the link too, ``NAME~LINK``, as the defaults are), ``pr
 defaults at the two-regime link, world 2, over the ceiling with CUDA graphs: the median over calls of each call's
 median), ``sim_free_vs_cg_ceiling_min`` (free links: the worst round of any call, each round paired with the CUDA-graph
 ceiling's same round), ``monitor_cost_10`` / ``monitor_cost_1`` (the OverlapMonitor every 10 steps and every step,
-pinned to the two-regime link, over the defaults there, minus 1), and ``calls`` (each call's figures and the spread
+pinned to ``--monitor-link``, over the defaults there, minus 1), and ``calls`` (each call's figures and the spread
 between calls). A contender a call did not run is n/a for that call, never a fallback.
 
 Simulated on one GPU: not a multi-GPU figure; world 8 is model output.
@@ -63,7 +63,7 @@ def _configured(spec: dict[str, Any], sms: Optional[int]) -> tuple[float, float]
     return busy * scale, idle * scale
 
 
-def one_call(record: dict[str, Any], cal: str) -> dict[str, Any]:
+def one_call(record: dict[str, Any], cal: str, monitor_link: str) -> dict[str, Any]:
     """This call's figures per (world, link)."""
     rows = _rows(record)
     out: dict[str, Any] = {"record": record.get("command"), "links": {}}
@@ -105,7 +105,7 @@ def one_call(record: dict[str, Any], cal: str) -> dict[str, Any]:
         out["links"][f"{link}@{world}"] = entry
         for key, monitor in MONITORS.items():
             mon = rows.get((monitor, world, link))
-            if mon is not None and world == 2 and link == cal:
+            if mon is not None and world == 2 and link == monitor_link:
                 out[key] = round(mon["step_ms_median"] / row["step_ms_median"] - 1, 4)
     ceiling = rows.get(("ceiling_cudagraphs", 1, None))
     plain = [rows[(c, 2, cal)] for c in ("plain_ddp_compile", "plain_ddp_compile_b100") if (c, 2, cal) in rows]
@@ -157,13 +157,15 @@ def main() -> None:
     parser.add_argument("records", nargs="+", help="gpuN_gpt2s.py --simulate records, one per device call")
     parser.add_argument("--cal", default="cal", help="the two-regime calibrated link's name in the records")
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--monitor-link", default=None, help="the link the monitor's contenders were pinned to"
+                        " (default: --cal)")
     parser.add_argument("--note", default="")
     args = parser.parse_args()
     records = []
     for path in args.records:
         with open(path) as f:
             records.append(json.load(f))
-    calls = [one_call(record, args.cal) for record in records]
+    calls = [one_call(record, args.cal, args.monitor_link or args.cal) for record in records]
     today = datetime.date.today().isoformat()
     record = {
         "scenario": "schedule-choice", "date": today,

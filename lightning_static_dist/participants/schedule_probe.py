@@ -154,7 +154,7 @@ class ScheduleProbe(StepParticipant):
                                mem_gbps=measures[0].mem_gbps,
                                cut_s_per_piece=CUT_S_PER_PIECE if compiled_cut else 0.0,
                                device_type=device.type, probe_s=sum(m.probe_s for m in measures),
-                               details={"nbytes": nbytes, "gemm_width": width, "gemms": measures[0].gemms,
+                               details={"nbytes": measures[0].nbytes, "gemm_width": width, "gemms": measures[0].gemms,
                                         "mem_gbps": round(measures[0].mem_gbps, 1), "buckets": len(buckets)})
 
     def state_dict(self) -> dict[str, Any]:
