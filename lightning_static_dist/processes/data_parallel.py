@@ -49,8 +49,8 @@ from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.ddp_arguments import check_process_group_backend
 from lightning_static_dist.processes.ending import in_chain, install_excepthook
-from lightning_static_dist.processes.faults import (diagnose, is_collective_failure, post_own_failure,
-                                                    waiting_in)
+from lightning_static_dist.processes.faults import (AgreedFailure, diagnose, is_collective_failure,
+                                                    post_own_failure, waiting_in)
 from lightning_static_dist.processes.launcher import StaticDistLauncher, StaticDistSpawnLauncher
 from lightning_static_dist.processes.world import DataParallelWorld, WorldFacts, check_launch_environment
 
@@ -259,6 +259,10 @@ class DataParallelProcesses(WorldFacts, ParallelStrategy):
             self.failure, self._reported = str(exception), exception
             sys.stderr.write(f"{self.failure}\n")  # one write: the other ranks' lines go to the same stream
             sys.stderr.flush()
+        elif isinstance(exception, AgreedFailure):  # every rank raised it, told by one collective: one line for all
+            self.failure, self._reported = str(exception), exception
+            if self.global_rank == 0:
+                print(self.failure, file=sys.stderr, flush=True)
         elif self.world_size > 1 and is_collective_failure(exception):
             self.failure, self._reported = diagnose(exception, self.global_rank, self.world_size, step), exception
             print(self.failure, file=sys.stderr, flush=True)

@@ -53,6 +53,17 @@ _TORCH_DISTRIBUTED = os.path.dirname(dist.__file__) + os.sep
 VERDICT_KEY = "static_dist/death"
 
 
+class AgreedFailure(Exception):
+    """A failure every rank raises at the same point, having learnt it from a collective that told them all (a
+    non-finite average): no peer is missing, so there is no roll call and no traceback. Its message is the one line;
+    rank 0 prints it for the job, the other ranks leave with the same status in silence.
+
+    Example::
+
+        class NonfiniteGradientError(AgreedFailure, FloatingPointError): ...
+    """
+
+
 @contextmanager
 def waiting_in(what: str) -> Iterator[None]:
     """Mark the collective being waited on, for the failure message (and for :func:`is_collective_failure`: an error
