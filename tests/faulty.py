@@ -131,3 +131,46 @@ class FaultyCharGPT(CharGPT):
         if self._faulty_here("nan"):
             loss = loss * float("nan")
         return loss
+
+
+class BucketwiseCharGPT(CharGPT):
+    """The char-level GPT with none of the hooks that read gradients (``FaultyCharGPT`` overrides
+    ``on_after_backward``, which turns ``sync.optimizer_overlap`` off), for faults on the optimizer overlap's path.
+
+    ``fault``: ``kill_between_buckets`` (SIGKILL itself between the first and the second bucket of the optimizer step
+    at ``fault_step``: bucket 0 stepped, bucket 1 not yet waited for), ``late_step_hook`` (every rank registers an
+    optimizer step pre-hook in ``on_train_start``, after setup, and prints how often it ran when the fit ends),
+    ``print_steps`` (no fault: the step lines only). With a fault, each rank prints each step it starts."""
+
+    def __init__(self, fault: str = "none", fault_rank: int = 1, fault_step: int = 3, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fault, self.fault_rank, self.fault_step = fault, fault_rank, fault_step
+        self.hook_calls = 0
+
+    def on_train_start(self) -> None:
+        if self.fault == "late_step_hook":
+            self.trainer.optimizers[0].register_step_pre_hook(self._count_step)
+
+    def _count_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.hook_calls += 1
+
+    def on_train_end(self) -> None:
+        if self.fault == "late_step_hook":
+            print(f"rank {self.global_rank} step hook calls {self.hook_calls}", file=sys.stderr, flush=True)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.fault != "none":
+            print(f"rank {self.global_rank} starts step {self.global_step}", file=sys.stderr, flush=True)
+        if self.fault == "kill_between_buckets" and self.global_rank == self.fault_rank \
+                and self.global_step == self.fault_step:
+            from tests._parts import synchronizer_of
+
+            sync = synchronizer_of(self.trainer.strategy)
+            settle = sync.settle
+
+            def settle_or_die(bucket_index: Any = None) -> None:
+                if bucket_index == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                settle(bucket_index)
+
+            sync.settle = settle_or_die  # (this object's own: the optimizer step calls settle(k) per bucket)
