@@ -5,6 +5,7 @@ and that no traceback is printed (issue 46)."""
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import timedelta
 from typing import Any
@@ -112,3 +113,66 @@ def test_a_step_hook_registered_after_setup_turns_the_overlap_off_in_one_line(tm
     calls = dict(re.findall(r"rank (\d) step hook calls (\d+)", err))
     assert calls == {"0": "4", "1": "4"}, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+AUTO = ("strategy.sync.schedule=auto", "strategy.sync.schedule_trial_steps=3")  # 2 candidates on Gloo: steps 0-5
+
+
+def test_a_rank_killed_inside_the_schedule_trials_decision_is_one_line(tmp_path: Any) -> None:
+    code, err, seconds = lsd_train(tmp_path, *AUTO, "model.fault=kill_in_schedule_decision", "model.fault_rank=1")
+    assert code == 1, err[-3000:]
+    assert "rank 1 dies deciding at step" in err, err[-3000:]
+    (line,) = failure_lines(err)
+    assert re.match(r"static_dist: rank 0: rank 1 stopped participating during the all-reduce of an auto trial's"
+                    r" step times at step [56] \(", line), line
+    assert "Traceback" not in err, err[-3000:]
+    assert seconds < 60
+
+
+def _saved_schedule(path: str) -> dict[str, Any]:
+    return torch.load(path, weights_only=True)["static_dist_sync_schedule"]
+
+
+def _stopped_at(err: str) -> tuple[int, str]:
+    (found,) = re.findall(r"static_dist: SIGTERM: every rank stopped at step (\d+); checkpoint (.+); exiting", err)
+    return int(found[0]), found[1]
+
+
+def test_a_stop_on_the_trials_last_step_keeps_its_choice_and_resumes_as_a_straight_run(tmp_path: Any) -> None:
+    # rank 1's SIGTERM at step 3 stops every rank before step 6: the trial's last step (2 candidates x 3) is 5. Before
+    # (issue 46) the choice was made at the next batch's start, which the stop never reached: no choice was saved,
+    # and the resume timed every candidate again, saying nothing of a choice
+    run = (*AUTO, "model.save_every=8", "trainer.max_steps=8")
+    code, err, _ = lsd_train(tmp_path / "straight", *run, "model.fault=print_steps")
+    assert code == 0, err[-3000:]
+    code, err, _ = lsd_train(tmp_path / "resumed", *run, "model.fault=sigterm", "model.fault_rank=1", "model.fault_step=3")
+    assert code == 143, err[-3000:]
+    step, path = _stopped_at(err)
+    assert step == 6 and _saved_schedule(path)["choice"] is not None, (step, err[-3000:])
+    assert "weights_only" not in err, err[-3000:]  # (Lightning's log line, once per rank, before the stop's line)
+    code, err, _ = lsd_train(tmp_path / "resumed", *run, "model.fault=print_steps", "ckpt_path=last")
+    assert code == 0, err[-3000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("static_dist: sync.schedule auto:")]
+    assert re.match(r"static_dist: sync\.schedule auto: \S+, the resumed checkpoint's choice \(not timed again: ", line)
+    assert "Traceback" not in err, err[-3000:]
+    straight, resumed = (torch.load(tmp_path / run_dir / "ckpt" / "last.ckpt", weights_only=True)["state_dict"]
+                         for run_dir in ("straight", "resumed"))
+    assert all(torch.equal(straight[name], resumed[name]) for name in straight)
+
+
+def test_a_trial_a_stop_interrupted_is_counted_in_the_resumed_runs_cost(tmp_path: Any) -> None:
+    # a stop before the trial's last step (2 candidates x 4: steps 0-7) saves what it cost so far; the resumed fit
+    # times every candidate again and its summary keeps both trials' costs (before: the second trial's alone)
+    run = ("strategy.sync.schedule=auto", "strategy.sync.schedule_trial_steps=4", "trainer.max_steps=14")
+    code, err, _ = lsd_train(tmp_path, *run, "model.fault=sigterm", "model.fault_rank=1", "model.fault_step=3")
+    step, path = _stopped_at(err)
+    saved = _saved_schedule(path)
+    assert (code, step, saved["choice"], saved["trial_steps"]) == (143, 6, None, 6), (saved, err[-3000:])
+    code, err, _ = lsd_train(tmp_path, *run, "model.fault=print_steps", "ckpt_path=last")
+    assert code == 0, err[-3000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("static_dist: sync.schedule auto:")]
+    assert "the trial took 8 steps (2 candidates x 4)" in line and "stopped inside (6 steps" in line, line
+    assert ": 14 steps, " in line, line
+    (summary,) = tmp_path.glob("lightning_logs/version_1/summary.json")
+    facts = json.loads(summary.read_text())
+    assert facts["sync_schedule_trial_steps"] == 14 and facts["sync_schedule_trial_s"] > saved["trial_s"], facts
