@@ -148,6 +148,10 @@ class ScheduleTrial(StepParticipant):
         if earlier_steps:
             cost += (f"; with the trial the resumed checkpoint stopped inside ({earlier_steps} steps, {earlier_s:.1f} s):"
                      f" {self.trial_steps} steps, {self.trial_s:.1f} s")
+        simulation = self._view.simulation
+        if simulation is not None and simulation.link is None:
+            cost += ("; a simulated world's free links carry nothing, so these times differ by noise alone and the"
+                     " choice cannot tell the candidates apart (strategy.simulate.link emulates a link)")
         rank_zero_info(f"static_dist: sync.schedule auto: {trial.describe()}; {cost}")
         self._keep_chosen()  # (every rank decides at this step; the device synchronised above)
 
