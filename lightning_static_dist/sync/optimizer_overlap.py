@@ -113,9 +113,8 @@ def step_per_bucket(optimizer: Optimizer, synchronizer: GradientSynchronizer, **
     restricted to its parameters; then the round settled and one step of the parameters outside every bucket (sharded
     embeddings, averaged on their own). The restriction swaps each param group's ``params`` list for the bucket's
     share of it for the length of the step, so the optimizer's own state is what is updated (``state_dict()``, LR
-    schedulers and checkpoints unchanged) and no gradient is touched. The optimizer's own step hooks
-    (``register_step_pre_hook`` / ``register_step_post_hook``) therefore fire once per bucket; Lightning's
-    ``on_before_optimizer_step`` fires once.
+    schedulers and checkpoints unchanged) and no gradient is touched. Lightning's ``on_before_optimizer_step`` fires once;
+    so does a step hook (none steps bucket by bucket).
     """
     late = step_hooks([optimizer]) if synchronizer.unsettled else []
     if not synchronizer.unsettled or late:
