@@ -123,7 +123,7 @@ class OptimizerOverlap(StepParticipant):
             late = self._run_hazards()
             if late:
                 self.turn_off(late[0])
-        if self._follow_trial():  # (the schedule trial, before this participant, decided at this batch)
+        if self._follow_trial():  # (the schedule trial decided at the end of the step before)
             rank_zero_info(f"static_dist: {self.announced}")
 
     def before_forward(self) -> None:

@@ -83,10 +83,10 @@ class ScheduleTrial(StepParticipant):
         self.candidates: list[ScheduleCandidate] = []
         """What this fit's trial times, in order (the first is the baseline)."""
         self.trial_steps = 0
-        """Optimizer steps the trial took (once decided)."""
+        """Optimizer steps the trial took (once decided), with those of a trial the resumed checkpoint stopped inside."""
         self.trial_s: Optional[float] = None
-        """Seconds the trial took, from its first step (after the warm steps) to the batch it decided at (once
-        decided)."""
+        """Seconds the trial took, from its first step (after the warm steps) to the end of its last, where it decides
+        (once decided), with those of a trial the resumed checkpoint stopped inside."""
         self._started: Optional[float] = None
         self._first_step: Optional[int] = None
         self._warm = 0
