@@ -134,8 +134,9 @@ def _saved_schedule(path: str) -> dict[str, Any]:
 
 
 def _stopped_at(err: str) -> tuple[int, str]:
-    (found,) = re.findall(r"static_dist: SIGTERM: every rank stopped at step (\d+); checkpoint (.+); exiting", err)
-    return int(found[0]), found[1]
+    found = re.findall(r"static_dist: SIGTERM: every rank stopped at step (\d+); checkpoint (.+); exiting", err)
+    assert len(found) == 1, err[-4000:]
+    return int(found[0][0]), found[0][1]
 
 
 def test_a_stop_on_the_trials_last_step_keeps_its_choice_and_resumes_as_a_straight_run(tmp_path: Any) -> None:
