@@ -247,7 +247,11 @@ class RunSummary(Callback):
         if simulation is not None:  # one process stood for the world: say so where every figure is read
             link = simulation.link
             self.summary["simulated_world_size"] = simulation.world_size
-            self.summary["simulated_link"] = link.describe() if link is not None else "free (no data crossed a link)"
+            # what a byte count means here: this one process put nothing on a wire; it is what each rank would send
+            counted_as = (f"bytes_sent_per_rank and bytes_per_round: what each of the {simulation.world_size} ranks"
+                          " would send")
+            self.summary["simulated_link"] = (f"{link.describe()} (emulated; {counted_as})" if link is not None else
+                                              f"free (no data crossed a link; {counted_as})")
         log_dir = self._log_dir = trainer.log_dir  # a collective under distributed strategies: every rank must ask
         if trainer.is_global_zero and log_dir is not None:
             os.makedirs(log_dir, exist_ok=True)

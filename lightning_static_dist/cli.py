@@ -198,6 +198,12 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
             exit_after_failure(stop.code or SIGTERM_EXIT)
         # every rank stopped at the step they agreed on and wrote its checkpoint (processes/sigterm.py): not "finished" (status 0)
         exit_without_native_teardown(stop.code or SIGTERM_EXIT)
+    except ConfigError as err:
+        # a refusal that needed the model (an overridden hook, its optimizer): every rank raised the same at setup;
+        # one line for the job, the status of a bad run file
+        if getattr(trainer.strategy, "global_rank", 0) == 0:
+            print(f"lsd-train: error: {err}", file=sys.stderr, flush=True)
+        exit_after_failure(2)
     except Exception:
         if getattr(trainer.strategy, "failure", None) is None:
             traceback.print_exc()  # this rank's own error (its peers' line names this rank): its traceback, once

@@ -31,6 +31,7 @@ from lightning_static_dist.config import (ConfigError, check_kwargs_against, che
                                           section_from_dict)
 from lightning_static_dist.config.yaml_file import check_nesting, yaml_error_text
 from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.trainer_context import TrainerSettings, refuse_before_launch
 from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
 from lightning_static_dist.overlap.monitor import OverlapMonitor
 
@@ -207,6 +208,9 @@ class RunConfig:
         if checkpoints is not None and checkpoints.enabled and run.trainer.get("enable_checkpointing") is False:
             fail("callbacks.model_checkpoint.enabled", True, "trainer.enable_checkpointing is false; allowed: false,"
                  " or trainer.enable_checkpointing=true")
+        # what setup would refuse on every rank, where the strategy block and the trainer's arguments decide it alone
+        refuse_before_launch(run.strategy, TrainerSettings.from_arguments(
+            run.trainer, on_cpu=_accelerator_is_cpu(run.trainer.get("accelerator", "auto"))))
         guard = run.callbacks.get("compression_guard")
         if guard is not None and guard.enabled and run.strategy.compression.name == "none":
             fail("callbacks.compression_guard.enabled", True, "the guard steps a compressor down and"

@@ -71,6 +71,7 @@ class StepTrial:
     """The slowest rank's seconds per step of each candidate timed so far."""
     choice: Optional[str] = None
     _seen: int = 0
+    _closed: int = 0
     _last_step: Optional[int] = None
     _step_start: Optional[float] = None
     _timed_s: float = 0.0
@@ -83,6 +84,11 @@ class StepTrial:
     def decided(self) -> bool:
         return self.choice is not None
 
+    @property
+    def steps_taken(self) -> int:
+        """The trial's steps begun so far (every candidate's, the untimed first ones included)."""
+        return self._seen
+
     def before_step(self, step: int) -> Any:
         """Called before each batch with the optimizer steps done so far (``trainer.global_step``; several batches
         per step with gradient accumulation: only the first counts). Returns the candidate to switch to now, or
@@ -94,24 +100,33 @@ class StepTrial:
         self._last_step = step
         index, offset = divmod(self._seen, self.trial_steps)
         self._seen += 1
-        if offset == 0 and index > 0:  # the previous candidate's timed steps are all done
-            self.step_s[self.candidates[index - 1].name] = self._timed_s / (self.trial_steps - 1)
-            self._timed_s = 0.0
+        if offset > 0:  # the candidate's first step is done: time this one
+            self._step_start = self._now()
+            return "keep"
+        return self.candidates[index]
+
+    def after_step(self) -> Any:
+        """Called at the end of each optimizer step: closes a timed step. At the end of the last candidate's last
+        step it decides (a collective: every rank decides at the same step, before anything after the step could
+        save or stop the run) and returns the candidate to switch to; ``"keep"`` otherwise."""
+        if self._step_start is not None:
+            self._timed_s += self._now() - self._step_start
+            self._step_start = None
+        if self.decided or self._seen == self._closed:
+            return "keep"  # (no trial step began since the last call: before the trial, or a second optimizer step)
+        self._closed = self._seen
+        index, offset = divmod(self._seen, self.trial_steps)
+        if offset != 0:
+            return "keep"
+        self.step_s[self.candidates[index - 1].name] = self._timed_s / (self.trial_steps - 1)  # its last step ended
+        self._timed_s = 0.0
         if index < len(self.candidates):
-            if offset > 0:  # the candidate's first step is done: time this one
-                self._step_start = self._now()
-            return self.candidates[index] if offset == 0 else "keep"
+            return "keep"
         self.step_s = self._slowest_rank(self.step_s)
         self.choice = choose(self.step_s, exact=self.candidates[0].name, min_gain=self.min_gain)
         if self.choice == self.candidates[-1].name:
             return "keep"  # it is reducing already: its state (PowerSGD's residuals) carries on
         return next(c for c in self.candidates if c.name == self.choice)
-
-    def after_step(self) -> None:
-        """Called at the end of each optimizer step: closes a timed step."""
-        if self._step_start is not None:
-            self._timed_s += self._now() - self._step_start
-            self._step_start = None
 
     def _now(self) -> float:
         if self.device.type == "cuda":

@@ -55,7 +55,8 @@ class FaultyCharGPT(CharGPT):
     (``torch.OutOfMemoryError``); each ``raise_*`` prints the time it raises at; ``fail_at_end`` (a ``RuntimeError``
     in ``on_train_end``, after the last collective); ``slow_end`` (3 s more in ``teardown``, after the last
     collective: a rank that ends later than the others, successfully);
-    ``print_steps`` (no fault: the step lines only);
+    ``print_steps`` (no fault: the step lines only); ``kill_in_schedule_decision`` (SIGKILL itself as
+    ``sync.schedule: auto``'s trial starts deciding, in the all-reduce of the step times);
     ``save_fails`` (the save at ``fault_step`` fails in the OS as ``save_error`` says: :func:`break_writes`),
     ``save_fails_at_end`` (the same for every write after training, as the consolidation of a sharded checkpoint).
     ``save_every``: ``trainer.save_checkpoint`` to ``<default_root_dir>/ckpt/last.ckpt`` every N steps. With a
@@ -84,6 +85,10 @@ class FaultyCharGPT(CharGPT):
     def on_fit_start(self) -> None:
         if self.fault != "none":
             print(f"rank {self.global_rank} pid {os.getpid()}", file=sys.stderr, flush=True)
+
+    def on_train_start(self) -> None:
+        if self.fault == "kill_in_schedule_decision" and self.global_rank == self.fault_rank:
+            kill_in_schedule_decision(self)
 
     def on_train_end(self) -> None:
         if self.fault == "fail_at_end" and self.global_rank == self.fault_rank:
@@ -131,3 +136,62 @@ class FaultyCharGPT(CharGPT):
         if self._faulty_here("nan"):
             loss = loss * float("nan")
         return loss
+
+
+class BucketwiseCharGPT(CharGPT):
+    """The char-level GPT with none of the hooks that read gradients (``FaultyCharGPT`` overrides
+    ``on_after_backward``, which turns ``sync.optimizer_overlap`` off), for faults on the optimizer overlap's path.
+
+    ``fault``: ``kill_between_buckets`` (SIGKILL itself between the first and the second bucket of the optimizer step
+    at ``fault_step``: bucket 0 stepped, bucket 1 not yet waited for), ``late_step_hook`` (every rank registers an
+    optimizer step pre-hook in ``on_train_start``, after setup, and prints how often it ran when the fit ends),
+    ``print_steps`` (no fault: the step lines only). With a fault, each rank prints each step it starts."""
+
+    def __init__(self, fault: str = "none", fault_rank: int = 1, fault_step: int = 3, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fault, self.fault_rank, self.fault_step = fault, fault_rank, fault_step
+        self.hook_calls = 0
+
+    def on_train_start(self) -> None:
+        if self.fault == "late_step_hook":
+            self.trainer.optimizers[0].register_step_pre_hook(self._count_step)
+
+    def _count_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.hook_calls += 1
+
+    def on_train_end(self) -> None:
+        if self.fault == "late_step_hook":
+            print(f"rank {self.global_rank} step hook calls {self.hook_calls}", file=sys.stderr, flush=True)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.fault != "none":
+            print(f"rank {self.global_rank} starts step {self.global_step}", file=sys.stderr, flush=True)
+        if self.fault == "kill_between_buckets" and self.global_rank == self.fault_rank \
+                and self.global_step == self.fault_step:
+            from tests._parts import synchronizer_of
+
+            sync = synchronizer_of(self.trainer.strategy)
+            settle = sync.settle
+
+            def settle_or_die(bucket_index: Any = None) -> None:
+                if bucket_index == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                settle(bucket_index)
+
+            sync.settle = settle_or_die  # (this object's own: the optimizer step calls settle(k) per bucket)
+
+
+def kill_in_schedule_decision(module: Any) -> None:
+    """SIGKILL this process where ``sync.schedule: auto``'s trial decides: as it starts the all-reduce of the
+    candidates' step times (the other ranks wait in it)."""
+    from tests._parts import parts_of
+
+    trial = parts_of(module.trainer.strategy).schedule.trial
+    slowest = trial._slowest_rank
+
+    def die(step_s: Any) -> Any:
+        print(f"rank {module.global_rank} dies deciding at step {module.global_step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return slowest(step_s)
+
+    trial._slowest_rank = die

@@ -66,9 +66,17 @@ class SubSteps(Callback):
         self.seen: list[tuple[int, int, bool]] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        sync = synchronizer_of(trainer.strategy)
-        trainer.optimizers[0].register_step_pre_hook(lambda opt, args, kwargs: self.seen.append(
-            (sum(len(g["params"]) for g in opt.param_groups), sync.settled_buckets, sync.unsettled)))
+        # (the real optimizer's step itself, seen through this object's own attribute: a step hook registered here,
+        # after setup, would turn the overlap off)
+        sync, optimizer = synchronizer_of(trainer.strategy), trainer.optimizers[0]
+        step = optimizer.step
+
+        def step_and_see(*args: Any, **kwargs: Any) -> Any:
+            self.seen.append((sum(len(g["params"]) for g in optimizer.param_groups), sync.settled_buckets,
+                              sync.unsettled))
+            return step(*args, **kwargs)
+
+        optimizer.step = step_and_see
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         facts = {"choice": parts_of(trainer.strategy).overlap.choice.describe(), "seen": self.seen,

@@ -114,11 +114,30 @@ INVALID_OVERRIDES = [
     pytest.param(["callbacks.compression_guard.patience=0"], "callbacks.compression_guard.patience", "=0", id="guard-patience-zero"),
     pytest.param(["callbacks.compression_guard.loss_spike=0.5"], "callbacks.compression_guard.loss_spike", "=0.5",
                  id="guard-loss-spike-below-one"),
+    # what the strategy block and the trainer's arguments refuse together, before any process (issue 46)
+    pytest.param(["strategy.sync.optimizer_overlap=true"], "strategy.sync.optimizer_overlap",
+                 "sync.schedule=measured may choose overlap", id="overlap-true-with-measured"),
+    pytest.param(["strategy.sync.schedule=after_backward", "strategy.sync.optimizer_overlap=true",
+                  "trainer.precision=16-mixed", "trainer.gradient_clip_val=null"], "strategy.sync.optimizer_overlap",
+                 "the gradient scaler (16-mixed)", id="overlap-true-with-16-mixed"),
+    pytest.param(["strategy.sync.schedule=after_backward", "strategy.sync.optimizer_overlap=true",
+                  "trainer.gradient_clip_val=0.5"], "strategy.sync.optimizer_overlap", "trainer.gradient_clip_val=0.5",
+                 id="overlap-true-with-clipping"),
+    pytest.param(["strategy.compile.enabled=true", "strategy.compile.cudagraphs=true",
+                  "trainer.accumulate_grad_batches=4"], "strategy.compile.cudagraphs",
+                 "trainer.accumulate_grad_batches=4", id="cudagraphs-true-with-accumulation"),
     # the override itself
     pytest.param(["trainer.max_steps"], "trainer.max_steps", "expected dotted.key=value", id="override-without-equals"),
     pytest.param(["=3"], "'=3'", "expected dotted.key=value", id="override-without-key"),
     pytest.param(["trainer.max_steps=${nowhere}"], "trainer.max_steps", "nowhere", id="override-bad-interpolation"),
 ]
+
+
+def test_what_one_rank_or_no_compilation_leaves_alone_is_not_refused() -> None:
+    # one process averages nothing: no overlap to refuse; cudagraphs without compiling: nothing recorded
+    overlap = ["strategy.sync.optimizer_overlap=true", "trainer.gradient_clip_val=1.0"]
+    assert load_run_config(CPU_CONFIG, [*overlap, "trainer.devices=1"]).strategy.sync.optimizer_overlap is True
+    load_run_config(CPU_CONFIG, ["strategy.compile.cudagraphs=true", "trainer.accumulate_grad_batches=2"])
 
 
 @pytest.mark.parametrize(("overrides", "key", "shown"), INVALID_OVERRIDES)

@@ -28,7 +28,8 @@ from lightning_static_dist.compat import mark_run_failed
 from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.ddp_arguments import check_process_group_backend
 from lightning_static_dist.processes.ending import install_excepthook
-from lightning_static_dist.processes.faults import collective_failed, diagnose, is_collective_failure, post_own_failure
+from lightning_static_dist.processes.faults import (AgreedFailure, collective_failed, diagnose, is_collective_failure,
+                                                    post_own_failure)
 from lightning_static_dist.processes.world import DataParallelWorld, WorldFacts
 from lightning_static_dist.processes.launcher import FabricSpawnLauncher, StaticDistLauncher
 from lightning_static_dist.strategy_config import StrategyConfig
@@ -90,6 +91,10 @@ class FabricProcesses(WorldFacts, DDPStrategy):
         its traceback, and the others' lines name this rank. ``True``: the line is printed."""
         self.mark_failed()
         step = self._steps_taken()
+        if isinstance(error, AgreedFailure):  # every rank raised it at the same point: one line for the job
+            if self.global_rank == 0:
+                print(error, file=sys.stderr, flush=True)
+            return True
         if not is_collective_failure(error):
             post_own_failure(error, self.global_rank, step)
             return False

@@ -155,17 +155,28 @@ def global_step(view: StrategyView) -> int:
     return view.context.global_step if view.context is not None else -1
 
 
-def advance_trial(trial: Any, synchronizer: Any, view: StrategyView, apply: Any, label: str) -> None:
-    """One batch start of an ``auto`` trial (``compression.name``; ``sync.schedule``'s states its cost and runs its
-    own) of ``synchronizer``: the candidate for the coming step applied with ``apply(candidate)``, and the choice
-    printed (``label``) the step it is made."""
+def advance_trial(trial: Any, synchronizer: Any, view: StrategyView, apply: Any) -> None:
+    """One batch start of an ``auto`` trial (``compression.name``; ``sync.schedule``'s runs its own) of
+    ``synchronizer``: the candidate for the coming step applied with ``apply(candidate)``."""
     if trial is None or trial.decided or synchronizer is None:
         return
     candidate = trial.before_step(global_step(view))
     if candidate != "keep":
         apply(candidate)
-    if trial.decided:
+
+
+def end_trial_step(trial: Any, apply: Any, label: Optional[str]) -> bool:
+    """One optimizer step's end in an ``auto`` trial: the choice, made at the end of the trial's last step, applied
+    with ``apply(candidate)`` and printed (``label``; ``None``: the caller prints it, with what the trial cost).
+    Whether the trial decided now."""
+    if trial is None or trial.decided:
+        return False
+    candidate = trial.after_step()
+    if candidate != "keep":
+        apply(candidate)
+    if trial.decided and label is not None:
         rank_zero_info(f"static_dist: {label}: {trial.describe()}")
+    return bool(trial.decided)
 
 
 class StepParticipant:

@@ -33,7 +33,8 @@ from lightning_static_dist.compression.reducer_state import (
     restore_compression_state,
     use_compressor,
 )
-from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView, advance_trial
+from lightning_static_dist.participants.base import (StepContext, StepParticipant, StrategyView, advance_trial,
+                                                     end_trial_step)
 from lightning_static_dist.participants.gradients import GradientAveraging
 
 TRIAL_KEY = "static_dist_compression_auto"  # compression.name: auto: the trial's choice and times
@@ -97,13 +98,10 @@ class CompressionState(StepParticipant):
             self._restore_compression_state()
 
     def on_train_batch_start(self) -> None:
-        advance_trial(self.trial, self._gradients.synchronizer, self._view,
-                      lambda candidate: self.use(candidate.make()),
-                      "compression auto")
+        advance_trial(self.trial, self._gradients.synchronizer, self._view, lambda candidate: self.use(candidate.make()))
 
     def after_optimizer_step(self) -> None:
-        if self.trial is not None:
-            self.trial.after_step()
+        end_trial_step(self.trial, lambda candidate: self.use(candidate.make()), "compression auto")
 
     def state_dict(self) -> dict[str, Any]:
         entries: dict[str, Any] = {}

@@ -14,7 +14,7 @@ Example (the roster builds it; the offer's ``sync_figures()`` reads ``gradients.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Optional
 
 import torch
@@ -24,7 +24,7 @@ from torch.nn import Parameter
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_static_dist.processes.faults import enter_collective, leave_collective
+from lightning_static_dist.processes.faults import AgreedFailure, enter_collective, leave_collective
 from lightning_static_dist.processes.fingerprint import RankMismatchError
 from lightning_static_dist.participants.base import (
     StepContext,
@@ -90,6 +90,11 @@ class BufferBroadcast:
         self._buffers = []
 
 
+class NonfiniteGradientError(AgreedFailure, FloatingPointError):
+    """``strategy.sync.nonfinite: error``: every rank raises it at the same step (their flag is all-reduced), and the
+    job ends with its one line (``processes/faults.py``'s :class:`AgreedFailure`)."""
+
+
 class NonfiniteCheck:
     """``strategy.sync.nonfinite``: after the gradients are averaged, one collective flag, so every rank warns,
     skips or raises together. A part of :class:`GradientAveraging`.
@@ -105,8 +110,10 @@ class NonfiniteCheck:
         self.steps = 0
         """Synchronised steps whose averaged gradients held NaN/Inf."""
 
-    def __call__(self, named: list[tuple[str, Tensor]], policy: str) -> None:
-        """Check the gradients of ``named`` (``(name, parameter)`` with a gradient), as ``policy`` says."""
+    def __call__(self, named: list[tuple[str, Tensor]], policy: str,
+                 bucket_of: Optional[Mapping[str, int]] = None) -> None:
+        """Check the gradients of ``named`` (``(name, parameter)`` with a gradient), as ``policy`` says.
+        ``bucket_of``: each name's bucket, where buckets average them (named in ``error``'s line)."""
         view = self._view
         # a rank with no gradient here (its chunks all padding) still takes part in the flag's all-reduce
         finite = torch.isfinite(torch.stack(torch._foreach_norm([p.grad for _, p in named]))) if named else None
@@ -122,9 +129,10 @@ class NonfiniteCheck:
         step = global_step(view)
         self.steps += 1
         if policy == "error":
-            raise FloatingPointError(
-                f"static_dist: non-finite gradient at step {step}, first offending parameter {first!r}"
-                f" ({len(bad)} on this rank; strategy.sync.nonfinite=error)"
+            where = f" in bucket {bucket_of[first]}" if first in (bucket_of or {}) else ""
+            raise NonfiniteGradientError(
+                f"static_dist: rank {view.global_rank}: non-finite gradient at step {step}{where}, first offending"
+                f" parameter {first!r} ({len(bad)} non-finite after averaging; strategy.sync.nonfinite=error)"
             )
         if policy == "skip":
             for _, p in named:
@@ -269,7 +277,15 @@ class GradientAveraging(StepParticipant):
                      for piece in sharded.pieces(optimized_only=False) if piece.param.grad is not None]
         else:
             named = [(n, p) for n, p in view.model.named_parameters() if p.grad is not None]
-        self.nonfinite(named, policy)
+        self.nonfinite(named, policy, self._buckets_by_name())
+
+    def _buckets_by_name(self) -> Optional[dict[str, int]]:
+        """Each synchronised parameter's bucket in the hook synchroniser's plan, by name (``None``: no such plan)."""
+        sync = self.hook_sync
+        if sync is None:
+            return None
+        names = sync.parameter_names
+        return {names[i]: k for k, bucket in enumerate(sync.plan.buckets) for i in bucket.param_indices}
 
     @property
     def clips_by_norm(self) -> bool:

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
+from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView, global_step
 from lightning_static_dist.participants.gradients import GradientAveraging
 from lightning_static_dist.participants.schedule_trial import ScheduleTrial
 from lightning_static_dist.sync import GradientSynchronizer
@@ -49,23 +49,19 @@ class OptimizerOverlap(StepParticipant):
         self.choice: Optional[OverlapChoice] = None
         """Whether the optimizer steps bucket by bucket in this fit, and why (``None`` where nothing is averaged)."""
         self._decided: Optional[str] = None  # under sync.schedule auto: the line once its trial chose
+        self._context: Optional[StepContext] = None
 
     def _synchronizer(self) -> Optional[GradientSynchronizer]:
         return self._gradients.hook_sync
 
     def after_setup(self, context: StepContext) -> None:
-        self.choice, self._decided = None, None
+        self.choice, self._decided, self._context = None, None, context
         if self._gradients.mode is None:
             return  # one rank, or not fitting: nothing is averaged, nothing to overlap
-        view = self._view
-        plan = view.plan
-        module = view.lightning_module
+        plan = self._view.plan
         hazards = plan.sync.optimizer_overlap_hazards(plan.compression.name, plan.compile.optimizer,
                                                       sharded=self._gradients.mode == "sharded")
-        hazards += step_hazards(context.gradient_readers,
-                                automatic_optimization=getattr(module, "automatic_optimization", True),
-                                scaler=getattr(view.precision_plugin, "scaler", None) is not None,
-                                optimizers=view.optimizers)
+        hazards += self._run_hazards()
         measured = plan.schedule_choice
         if measured is not None and plan.schedule == "after_backward" and not measured.candidate.step_per_bucket:
             hazards.append("sync.schedule measured predicted after_backward faster with the step taken whole")
@@ -99,6 +95,26 @@ class OptimizerOverlap(StepParticipant):
             f"optimizer overlap: off (sync.schedule auto chose {chosen}: every bucket is waited for as backward ends)")
         return True
 
+    def _run_hazards(self) -> list[str]:
+        """What the run shows that rules the overlap out: the front end's gradient readers, the optimizers and their
+        step hooks, the precision plugin. At setup, and again before each batch (a hook can be registered later)."""
+        view, context = self._view, self._context
+        return step_hazards(context.gradient_readers if context is not None else None,
+                            automatic_optimization=getattr(view.lightning_module, "automatic_optimization", True),
+                            scaler=getattr(view.precision_plugin, "scaler", None) is not None,
+                            optimizers=view.optimizers)
+
+    def turn_off(self, hazard: str) -> None:
+        """A hazard that appeared after setup (a step hook registered in ``on_train_start``, a callback that reads
+        the gradients): every bucket is waited for before the step from now on, said in one line. Never a hook run
+        once per bucket."""
+        if self.choice is None or not self.choice.on:
+            return
+        self.choice = OverlapChoice(False, f"{hazard}; found after setup, at step {global_step(self._view)}")
+        self._decided = None
+        self.switch(False)
+        rank_zero_info(f"static_dist: {self.choice.describe()}")
+
     def _settle(self) -> None:
         sync = self._synchronizer()
         if sync is not None:
@@ -106,7 +122,11 @@ class OptimizerOverlap(StepParticipant):
 
     def on_train_batch_start(self) -> None:
         self._settle()
-        if self._follow_trial():  # (the schedule trial, before this participant, decided at this batch)
+        if self.choice is not None and self.choice.on:
+            late = self._run_hazards()
+            if late:
+                self.turn_off(late[0])
+        if self._follow_trial():  # (the schedule trial decided at the end of the step before)
             rank_zero_info(f"static_dist: {self.announced}")
 
     def before_forward(self) -> None:
@@ -127,7 +147,7 @@ class OptimizerOverlap(StepParticipant):
         sync = self._synchronizer()
         if sync is None or not sync.defer_waits:
             return optimizer
-        return BucketwiseOptimizer(optimizer, sync)
+        return BucketwiseOptimizer(optimizer, sync, on_late_hazard=self.turn_off)
 
     def teardown(self, failed: bool) -> None:
         self.switch(False)  # (the choice stays readable)

@@ -20,7 +20,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_static_dist.trial import Candidate, StepTrial
 from lightning_static_dist.processes.faults import waiting_in
 from lightning_static_dist.processes.world import nccl_options
-from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView, global_step
+from lightning_static_dist.participants.base import (StepContext, StepParticipant, StrategyView, end_trial_step,
+                                                     global_step)
 from lightning_static_dist.participants.comm_sms import CommSmsSwitch
 from lightning_static_dist.participants.gradients import GradientAveraging
 from lightning_static_dist.sync.schedule import (
@@ -82,15 +83,18 @@ class ScheduleTrial(StepParticipant):
         self.candidates: list[ScheduleCandidate] = []
         """What this fit's trial times, in order (the first is the baseline)."""
         self.trial_steps = 0
-        """Optimizer steps the trial took (once decided)."""
+        """Optimizer steps the trial took (once decided), with those of a trial the resumed checkpoint stopped inside."""
         self.trial_s: Optional[float] = None
-        """Seconds the trial took, from its first step (after the warm steps) to the batch it decided at (once
-        decided)."""
+        """Seconds the trial took, from its first step (after the warm steps) to the end of its last, where it decides
+        (once decided), with those of a trial the resumed checkpoint stopped inside."""
         self._started: Optional[float] = None
         self._first_step: Optional[int] = None
         self._warm = 0
         self._sms: Optional[CommSmsSwitch] = None
         self._resume: Optional[dict[str, Any]] = None
+        self._earlier: tuple[int, float] = (0, 0.0)
+        """Steps and seconds of trials a checkpoint saved before they decided (the run stopped mid-trial): counted in
+        :attr:`trial_steps` and :attr:`trial_s` once this fit's trial decides."""
 
     def after_setup(self, context: StepContext) -> None:
         view = self._view
@@ -113,6 +117,7 @@ class ScheduleTrial(StepParticipant):
                                       trial_steps=plan.sync.schedule_trial_steps,
                                       device=view.root_device, group=view.dp_group, min_gain=0.0)
         self.trial_steps, self.trial_s, self._started, self._first_step = 0, None, None, None
+        self._earlier = (0, 0.0)
         if self._resume is not None:
             self._load(self._resume)
 
@@ -129,12 +134,26 @@ class ScheduleTrial(StepParticipant):
         candidate = trial.before_step(step)
         if candidate != "keep":
             self._use(candidate.make())
-        if trial.decided:
-            self.trial_steps = len(self.candidates) * trial.trial_steps
-            self.trial_s = self._slowest_rank(self._now() - self._started)
-            rank_zero_info(f"static_dist: sync.schedule auto: {trial.describe()}; the trial took {self.trial_steps}"
-                           f" steps ({len(self.candidates)} candidates x {trial.trial_steps}), {self.trial_s:.1f} s")
-            self._keep_chosen()  # (every rank decides at this step; the device synchronised above)
+
+    def after_optimizer_step(self) -> None:
+        # the choice is made at the end of the trial's last step: a stop right after it saves the choice
+        if self._gradients.synchronizer is None or not end_trial_step(self.trial, lambda c: self._use(c.make()), None):
+            return
+        trial = self.trial
+        assert trial is not None and self._started is not None
+        this_steps, this_s = len(self.candidates) * trial.trial_steps, self._slowest_rank(self._now() - self._started)
+        earlier_steps, earlier_s = self._earlier
+        self.trial_steps, self.trial_s = this_steps + earlier_steps, this_s + earlier_s
+        cost = f"the trial took {this_steps} steps ({len(self.candidates)} candidates x {trial.trial_steps}), {this_s:.1f} s"
+        if earlier_steps:
+            cost += (f"; with the trial the resumed checkpoint stopped inside ({earlier_steps} steps, {earlier_s:.1f} s):"
+                     f" {self.trial_steps} steps, {self.trial_s:.1f} s")
+        simulation = self._view.simulation
+        if simulation is not None and simulation.link is None:
+            cost += ("; a simulated world's free links carry nothing, so these times differ by noise alone and the"
+                     " choice cannot tell the candidates apart (strategy.simulate.link emulates a link)")
+        rank_zero_info(f"static_dist: sync.schedule auto: {trial.describe()}; {cost}")
+        self._keep_chosen()  # (every rank decides at this step; the device synchronised above)
 
     def comm_groups(self) -> list[torch.distributed.ProcessGroup]:
         """The NCCL groups this fit opened for SM budgets and has not destroyed yet (``CollectiveTimeout`` sets
@@ -174,16 +193,15 @@ class ScheduleTrial(StepParticipant):
         applied by the synchroniser's owner."""
         self._gradients.reduce_as(candidate, self._sms.group_for(candidate.comm_sms) if self._sms is not None else None)
 
-    def after_optimizer_step(self) -> None:
-        if self.trial is not None:
-            self.trial.after_step()
-
     def state_dict(self) -> dict[str, Any]:
         if self.trial is None:
             return {}
         state = self.trial.state_dict()
         if self.trial.decided and self.trial_s is not None:
             state.update(trial_steps=self.trial_steps, trial_s=self.trial_s)
+        elif self._started is not None:  # mid-trial: what it cost so far (this rank's clock: no collective at a save)
+            steps, seconds = self._earlier
+            state.update(trial_steps=steps + self.trial.steps_taken, trial_s=seconds + time.perf_counter() - self._started)
         return {SCHEDULE_KEY: state}
 
     def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -198,8 +216,9 @@ class ScheduleTrial(StepParticipant):
     def _load(self, saved: dict[str, Any]) -> None:
         self._resume = None
         assert self.trial is not None
-        if saved.get("choice") is None:
-            return  # saved mid-trial: timed again from the start
+        if saved.get("choice") is None:  # saved mid-trial: timed again from the start, its cost so far kept
+            self._earlier = (int(saved.get("trial_steps", 0)), float(saved.get("trial_s", 0.0)))
+            return
         chosen = candidate_named(saved["choice"], self.candidates, self._view.plan.sync)
         if chosen is None:
             rank_zero_warn(f"static_dist: sync.schedule auto: the checkpoint chose {saved['choice']!r}, not among this"
@@ -209,6 +228,8 @@ class ScheduleTrial(StepParticipant):
         self.trial_steps, self.trial_s = int(saved.get("trial_steps", 0)), saved.get("trial_s")
         if self._gradients.synchronizer is not None:
             self._use(chosen)
+        rank_zero_info(f"static_dist: sync.schedule auto: {chosen.name}, the resumed checkpoint's choice (not timed"
+                       f" again: {self.trial.describe()})")
         self._keep_chosen()  # (loaded after setup: every budget's group was opened; every rank loads the same)
 
     def teardown(self, failed: bool) -> None:

@@ -47,10 +47,11 @@ from lightning_static_dist.compat import mark_run_failed
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.trainer_context import TrainerSettings, refuse_before_launch
 from lightning_static_dist.ddp_arguments import check_process_group_backend
 from lightning_static_dist.processes.ending import in_chain, install_excepthook
-from lightning_static_dist.processes.faults import (diagnose, is_collective_failure, post_own_failure,
-                                                    waiting_in)
+from lightning_static_dist.processes.faults import (AgreedFailure, diagnose, is_collective_failure,
+                                                    post_own_failure, waiting_in)
 from lightning_static_dist.processes.launcher import StaticDistLauncher, StaticDistSpawnLauncher
 from lightning_static_dist.processes.world import DataParallelWorld, WorldFacts, check_launch_environment
 
@@ -176,10 +177,19 @@ class DataParallelProcesses(WorldFacts, ParallelStrategy):
             check_process_group_backend(self._process_group_backend)
             self._world.check_before_launch(self.num_processes, self.num_nodes, self.parallel_devices,
                                             "Trainer(devices=1, num_nodes=1)")
+        launcher: Union[StaticDistLauncher, StaticDistSpawnLauncher]
         if self._start_method == "popen":
-            self._launcher = StaticDistLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            launcher = StaticDistLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = StaticDistSpawnLauncher(self, start_method=self._start_method)
+            launcher = StaticDistSpawnLauncher(self, start_method=self._start_method)
+        launcher.before_launch = self._refuse_before_launch
+        self._launcher = launcher
+
+    def _refuse_before_launch(self, trainer: pl.Trainer) -> None:
+        """What setup would refuse on every rank, where the ``strategy`` block and the ``Trainer``'s arguments decide
+        it alone (``trainer_context.py``): one ``ConfigError`` from ``fit``, before any rank starts."""
+        with parse_errors_of(self):
+            refuse_before_launch(self.config, TrainerSettings.of(trainer))
 
     @override
     def setup_environment(self) -> None:
@@ -259,6 +269,10 @@ class DataParallelProcesses(WorldFacts, ParallelStrategy):
             self.failure, self._reported = str(exception), exception
             sys.stderr.write(f"{self.failure}\n")  # one write: the other ranks' lines go to the same stream
             sys.stderr.flush()
+        elif isinstance(exception, AgreedFailure):  # every rank raised it, told by one collective: one line for all
+            self.failure, self._reported = str(exception), exception
+            if self.global_rank == 0:
+                print(self.failure, file=sys.stderr, flush=True)
         elif self.world_size > 1 and is_collective_failure(exception):
             self.failure, self._reported = diagnose(exception, self.global_rank, self.world_size, step), exception
             print(self.failure, file=sys.stderr, flush=True)

@@ -18,6 +18,9 @@ own code raised (:func:`post_own_failure`), posts a :class:`Verdict` in the rend
 stays. The others name the same rank with the same cause, and the rank a verdict names (a stuck one that wakes, or
 its watchdog) says that it is the one the others gave up on, instead of blaming the peer that left.
 
+A failure every rank learnt of from one collective and raises at the same point (a non-finite average under
+``sync.nonfinite: error``) is an :class:`AgreedFailure`: no roll call, no verdict, and one line for the job, rank 0's.
+
 On NCCL, :func:`record_nccl_flight` also has torch's own NCCL watchdog write its flight recorder (the collectives
 each rank issued and completed) under the run directory when a collective times out; the line names that file.
 """
@@ -51,6 +54,17 @@ _TORCH_DISTRIBUTED = os.path.dirname(dist.__file__) + os.sep
 
 #: Where the ranks post what they saw of a failure (:class:`Verdict`): the first one posted stays.
 VERDICT_KEY = "static_dist/death"
+
+
+class AgreedFailure(Exception):
+    """A failure every rank raises at the same point, having learnt it from a collective that told them all (a
+    non-finite average): no peer is missing, so there is no roll call and no traceback. Its message is the one line;
+    rank 0 prints it for the job, the other ranks leave with the same status in silence.
+
+    Example::
+
+        class NonfiniteGradientError(AgreedFailure, FloatingPointError): ...
+    """
 
 
 @contextmanager

@@ -66,9 +66,13 @@ class StaticDistLauncher(_SubprocessScriptLauncher):
 
     grace_s = 10.0
     """Seconds between seeing a dead child rank and killing the job (the strategy's diagnosis takes ~3 s)."""
+    before_launch: Optional[Callable[[pl.Trainer], None]] = None
+    """The strategy's refusals that the ``Trainer``'s arguments decide (``fit``'s first act, before any rank starts)."""
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
+        if trainer is not None and self.before_launch is not None:
+            self.before_launch(trainer)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
@@ -90,10 +94,15 @@ class StaticDistSpawnLauncher(_MultiProcessingLauncher):
     traceback and exits 1). Fork children already leave this way.
     """
 
+    before_launch: Optional[Callable[[pl.Trainer], None]] = None
+    """As :attr:`StaticDistLauncher.before_launch`."""
+
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
         from torch.multiprocessing import ProcessExitedException
 
+        if trainer is not None and self.before_launch is not None:
+            self.before_launch(trainer)
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except ProcessExitedException as err:

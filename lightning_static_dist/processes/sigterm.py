@@ -273,7 +273,9 @@ def save_at_stop(trainer: Any) -> str:
     callback = trainer.checkpoint_callback
     folder = getattr(callback, "dirpath", None) or trainer.default_root_dir
     path = os.path.join(folder, f"last-preempted-step={trainer.global_step}.ckpt")
-    trainer.save_checkpoint(path)
+    # a whole checkpoint (optimizer states, loops, callbacks: a resume goes on from it), said so: left unsaid,
+    # Lightning's checkpoint connector logs "`weights_only` was not set" on every rank before the stop's one line
+    trainer.save_checkpoint(path, weights_only=False)
     return path
 
 

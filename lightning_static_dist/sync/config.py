@@ -92,7 +92,7 @@ class SyncConfig:
     ``on_after_backward``, ``on_before_optimizer_step`` or ``configure_gradient_clipping``, ``nonfinite: off``, no
     compression, ``all_reduce`` — with one optimizer of torch.optim's per-parameter ones (SGD, Adam, AdamW, Adamax,
     NAdam, RAdam, RMSprop, Adagrad); printed at fit start, with the reason when off. ``true``: the same, a run where it
-    cannot apply refused in one line. torch's optimizer step hooks fire once per bucket."""
+    cannot apply refused in one line. A step hook registered after setup turns it off, in one line."""
     schedule_trial_steps: int = 6
     """``schedule: auto``: optimizer steps each candidate is tried for (the first of them untimed). The trial takes
     candidates x this: on NCCL with ``reduce_dtype: auto``, 10 x 6 = 60 steps; on Gloo with it, 4 x 6 = 24."""

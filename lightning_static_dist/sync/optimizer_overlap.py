@@ -38,6 +38,10 @@ PER_PARAMETER: tuple[type[Optimizer], ...] = (
 parameters bucket by bucket is the same step (exact types: a subclass may couple parameters in its own ``step``)."""
 
 
+#: Why Lightning's gradient scaler rules the optimizer overlap out (a clause of a line).
+SCALER_HAZARD = "the gradient scaler (16-mixed) unscales and checks every gradient before the step"
+
+
 @dataclass(frozen=True)
 class OverlapChoice:
     """Whether the optimizer steps bucket by bucket, and why (a clause for the line printed at fit start)."""
@@ -61,17 +65,17 @@ def step_hazards(readers: Optional[Sequence[str]], automatic_optimization: bool,
     if not automatic_optimization:
         found.append("manual optimization steps inside training_step")
     if scaler:
-        found.append("the gradient scaler (16-mixed) unscales and checks every gradient before the step")
+        found.append(SCALER_HAZARD)
     if len(optimizers) != 1:
         found.append(f"{len(optimizers)} optimizers: one is stepped bucket by bucket")
     elif type(optimizers[0]) not in PER_PARAMETER:
         found.append(f"{type(optimizers[0]).__name__} is not one of torch.optim's per-parameter optimizers"
                      f" ({', '.join(t.__name__ for t in PER_PARAMETER)})")
-    found.extend(_step_hooks(optimizers))
+    found.extend(step_hooks(optimizers))
     return found
 
 
-def _step_hooks(optimizers: Sequence[Any]) -> list[str]:
+def step_hooks(optimizers: Sequence[Any]) -> list[str]:
     """Optimizer step hooks registered at setup: stepped bucket by bucket, each would run once per bucket, seeing
     part of the step (torch's global ones, and each optimizer's own)."""
     found = []
@@ -100,20 +104,23 @@ def choose_optimizer_overlap(setting: Union[bool, Literal["auto"]], hazards: Seq
                          else "auto: nothing reads the gradients between backward and the step")
 
 
-def step_per_bucket(optimizer: Optimizer, synchronizer: GradientSynchronizer, **kwargs: Any) -> None:
+def step_per_bucket(optimizer: Optimizer, synchronizer: GradientSynchronizer, **kwargs: Any) -> Optional[str]:
     """One optimizer step, bucket by bucket where the synchroniser left the round's waits pending (else one step).
+    A step hook registered since the check at setup (:func:`step_hooks`) makes it one step after every bucket, so the
+    hook runs once: the hazard is returned (``None``: none), for the caller to turn the overlap off and say so.
 
     For each bucket of the plan, in plan order: :meth:`~GradientSynchronizer.settle` up to it, then ``optimizer.step()``
     restricted to its parameters; then the round settled and one step of the parameters outside every bucket (sharded
     embeddings, averaged on their own). The restriction swaps each param group's ``params`` list for the bucket's
     share of it for the length of the step, so the optimizer's own state is what is updated (``state_dict()``, LR
-    schedulers and checkpoints unchanged) and no gradient is touched. The optimizer's own step hooks
-    (``register_step_pre_hook`` / ``register_step_post_hook``) therefore fire once per bucket; Lightning's
-    ``on_before_optimizer_step`` fires once.
+    schedulers and checkpoints unchanged) and no gradient is touched. Lightning's ``on_before_optimizer_step`` fires once;
+    so does a step hook (none steps bucket by bucket).
     """
-    if not synchronizer.unsettled:
+    late = step_hooks([optimizer]) if synchronizer.unsettled else []
+    if not synchronizer.unsettled or late:
+        synchronizer.settle()
         optimizer.step(**kwargs)
-        return
+        return late[0] if late else None
     params = synchronizer.parameters
     bucket_of = {id(params[i]): k for k, bucket in enumerate(synchronizer.plan.buckets) for i in bucket.param_indices}
     buckets = len(synchronizer.plan.buckets)
@@ -127,6 +134,7 @@ def step_per_bucket(optimizer: Optimizer, synchronizer: GradientSynchronizer, **
         _step_restricted(optimizer, shares[k], kwargs)
     synchronizer.settle()
     _step_restricted(optimizer, shares[buckets], kwargs)  # (nothing where none of them has a gradient)
+    return None
 
 
 def _step_restricted(optimizer: Optimizer, share: list[list[Any]], kwargs: dict[str, Any]) -> None:
@@ -152,18 +160,24 @@ class BucketwiseOptimizer:
     Example::
 
         output = precision_plugin.optimizer_step(BucketwiseOptimizer(optimizer, synchronizer), model, closure)
+
+    ``on_late_hazard``: told what made a step one step after every bucket (a step hook registered since setup).
     """
 
-    def __init__(self, optimizer: Optimizer, synchronizer: GradientSynchronizer) -> None:
+    def __init__(self, optimizer: Optimizer, synchronizer: GradientSynchronizer,
+                 on_late_hazard: Callable[[str], None] = lambda hazard: None) -> None:
         self.optimizer = optimizer
         self._synchronizer = synchronizer
+        self._on_late_hazard = on_late_hazard
 
     def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():  # (as torch's optimizers call it)
                 loss = closure()
-        step_per_bucket(self.optimizer, self._synchronizer, **kwargs)
+        late = step_per_bucket(self.optimizer, self._synchronizer, **kwargs)
+        if late is not None:
+            self._on_late_hazard(late)
         return loss
 
     def __getattr__(self, name: str) -> Any:

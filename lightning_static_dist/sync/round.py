@@ -104,7 +104,9 @@ class RoundCollectives:
                 buffer.fill(slot, params[index].grad)
             if recorder is not None:
                 recorder.bucket_ready(first + i)
-            averaged = launch(buffer, first + i).wait()
+            pending = launch(buffer, first + i)
+            with waiting_in(f"the gradient collective of bucket {first + i}"):
+                averaged = pending.wait()
             if recorder is not None:
                 recorder.bucket_waited(first + i)
             buffer.unpack(averaged, params)

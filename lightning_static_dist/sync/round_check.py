@@ -33,7 +33,7 @@ class _RoundCheck:  # (private to sync/; the host-read tests key on this qualifi
     Example::
 
         check = _RoundCheck(own_pass=7, group=None, device=torch.device("cpu"))
-        check.settle()        # after the round's buckets were waited for
+        check.settle("bucket 3")  # after the round's buckets (the last one named) were waited for
         check.sums()          # None, or (sum of passes, sum of squares) when the ranks were at different passes
     """
 
@@ -49,10 +49,14 @@ class _RoundCheck:  # (private to sync/; the host-read tests key on this qualifi
         self._host: Optional[Tensor] = None
         self._event: Optional[torch.cuda.Event] = None
 
-    def settle(self) -> None:
-        """Order the host copy after the all-reduce (a stream wait on CUDA) and start it."""
+    def settle(self, after: str = "the round's buckets") -> None:
+        """Order the host copy after the all-reduce (a stream wait on CUDA) and start it. ``after``: what the round
+        waited for before it (``bucket 3``), for the line a failed peer gets."""
         if self._work is not None:
-            self._work.wait()
+            # (Gloo's wait raises where a peer is gone: marked, so that it is one line naming the check, not a
+            # traceback; under sync.optimizer_overlap it is the step's last wait, after its buckets were stepped)
+            with waiting_in(f"the ranks' backward-pass check after {after}"):
+                self._work.wait()
         self._host = torch.empty(2, dtype=torch.int64, pin_memory=self._values.is_cuda)
         self._host.copy_(self._values, non_blocking=True)
         if self._values.is_cuda:

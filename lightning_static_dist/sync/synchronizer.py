@@ -349,7 +349,7 @@ class GradientSynchronizer:
         if bucket_index is not None:
             return
         newcomers, self._unsettled, self._newcomers = self._newcomers, None, []
-        check.settle()
+        check.settle(f"bucket {len(self._buffers) - 1}" if self._buffers else "the round's gradients")
         self._round_checks.append(check)
         if newcomers or not self._members.planned:
             self._adopt(newcomers)

@@ -555,7 +555,10 @@ def _run_trial(per_step: dict[str, float]) -> tuple[str, list[tuple[int, str]]]:
                 active = picked.name
         if active is not None:
             trial.clock += per_step[active]
-        trial.after_step()
+        picked = trial.after_step()  # (the choice: at the end of the trial's last step, for the next one on)
+        if picked != "keep":
+            switches.append((step + 1, picked.name))
+            active = picked.name
         trial.clock += 1.0  # validation, a checkpoint: after the optimizer step, not the candidate's
     return trial.choice, switches
 

@@ -214,7 +214,7 @@ def _nan_in_the_critics_loss(fabric: L.Fabric) -> bytes:
 def test_the_nonfinite_check_of_a_second_model_sees_the_backwards_gradients() -> None:
     facts = pickle.loads(fabric_launch(static_dist(sync={"nonfinite": "error"}), _nan_in_the_critics_loss, world_size=1))
     assert facts["raised"] is not None, facts  # (before the fix: nothing raised, the critic's gradients NaN)
-    assert facts["raised"].startswith("static_dist: non-finite gradient at step 0, first offending parameter '0.weight'")
+    assert facts["raised"].startswith("static_dist: rank 0: non-finite gradient at step 0, first offending parameter '0.weight'")
 
 
 def test_each_model_synchronises_in_the_backward_passes_that_give_it_gradients() -> None:

@@ -664,7 +664,8 @@ def _schedule_auto_in_a_simulated_world(fail_at: Optional[int], as_if_linked: bo
         from lightning_static_dist.participants import schedule_trial
 
         schedule_trial.schedule_transport = lambda view: "simulated"  # (this fresh process's own)
-    probe, summary = _SmsPerStep(), RunSummary(warmup_steps=0)
+    probe, summary, lines = _SmsPerStep(), RunSummary(warmup_steps=0), _Lines()
+    logging.getLogger("lightning.pytorch").addHandler(lines)
     strategy = StaticDistStrategy(simulate={"world_size": 2},
                                   sync={"schedule": "auto", "schedule_trial_steps": 2, "comm_sms": 16})
     trainer = _quiet_trainer(strategy=strategy, max_steps=2 * len(SMS_TRIAL) + 2, callbacks=[probe, summary])
@@ -675,7 +676,8 @@ def _schedule_auto_in_a_simulated_world(fail_at: Optional[int], as_if_linked: bo
     except RuntimeError as err:
         error = str(err)
     return {"sms": probe.sms, "after": simulated_group.WORLD.sms, "error": error, "summary": summary.summary,
-            "candidates": probe.candidates}
+            "candidates": probe.candidates,
+            "chose": [line for line in lines.lines if line.startswith("static_dist: sync.schedule auto:")]}
 
 
 @multiprocess
@@ -701,6 +703,12 @@ def test_schedule_auto_with_free_links_times_the_default_sms_only() -> None:
     facts = _in_fresh_process(_schedule_auto_in_a_simulated_world, None, False, timeout=240)
     assert facts["candidates"] == [OVERLAP, AFTER]  # free links hold no SMs: nothing to switch
     assert set(facts["sms"]) == {16} and facts["after"] == 16 and facts["error"] is None
+    # free links carry nothing: the choice says it cannot tell the candidates apart, and the summary what a byte
+    # count means there (issue 46: "bytes_sent_per_rank 101,105,968" beside "no data crossed a link")
+    (chose,) = facts["chose"]
+    assert chose.endswith("the choice cannot tell the candidates apart (strategy.simulate.link emulates a link)"), chose
+    assert facts["summary"]["simulated_link"] == ("free (no data crossed a link; bytes_sent_per_rank and"
+                                                  " bytes_per_round: what each of the 2 ranks would send)")
 
 
 def _comm_sms_with_a_link_on_cuda() -> dict[str, Any]:
