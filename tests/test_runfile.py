@@ -135,7 +135,7 @@ INVALID_OVERRIDES = [
 
 def test_what_one_rank_or_no_compilation_leaves_alone_is_not_refused() -> None:
     # one process averages nothing: no overlap to refuse; cudagraphs without compiling: nothing recorded
-    overlap = ["strategy.sync.optimizer_overlap=true", "trainer.gradient_clip_val=1.0"]
+    overlap = ["strategy.sync.schedule=after_backward", "strategy.sync.optimizer_overlap=true", "trainer.gradient_clip_val=1.0"]
     assert load_run_config(CPU_CONFIG, [*overlap, "trainer.devices=1"]).strategy.sync.optimizer_overlap is True
     load_run_config(CPU_CONFIG, ["strategy.compile.cudagraphs=true", "trainer.accumulate_grad_batches=2"])
 

@@ -182,7 +182,11 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
     bucket = bucket[:n]
     idle_s = _median(lambda: all_reduce(bucket))
     one_gemm = max(_median(lambda: gemms_alone(4)) / 4, 1e-7)
-    count = max(4, int(2 * idle_s / one_gemm))  # (beside compute the collective runs slower: grown below)
+    # (beside compute the collective runs slower: grown below; agreed, so that every rank runs the same GEMMs)
+    count_t = torch.tensor([max(4, int(2 * idle_s / one_gemm))], device=device if device.type == "cuda" else "cpu")
+    with waiting_in("the link probe's agreement on its GEMM count (sync.schedule measured)"):
+        dist.all_reduce(count_t, op=dist.ReduceOp.MAX, group=group)
+    count = int(count_t.item())
     comm_s = gemm_s = added_s = 0.0
     for _ in range(max_gemm_rounds):
         # alone and beside in turns, the slowdown the median of each turn's difference (a GPU's clock drifts)
