@@ -127,7 +127,10 @@ class StrategyConfig:
         if resolution is None:
             return self, None
         schedule, why = resolution
-        return dataclasses.replace(self, sync=dataclasses.replace(self.sync, schedule=schedule)), \
+        dtype = self.sync.reduce_dtype
+        if dtype == "auto":  # (nothing measured bf16's worth: the exact dtype)
+            dtype, why = "fp32", f"{why}; reduce_dtype auto: fp32"
+        return dataclasses.replace(self, sync=dataclasses.replace(self.sync, schedule=schedule, reduce_dtype=dtype)), \
             f"sync.schedule measured: {schedule} ({why})"
 
     def _check_sharded(self) -> None:

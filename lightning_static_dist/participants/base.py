@@ -90,7 +90,7 @@ class StrategyView(Protocol):
 
     def settle_schedule(self, plan: StepPlan) -> None:
         """Replace the plan by ``plan``, in which a pending ``sync.schedule: measured`` is settled (the probe at
-        setup; ``participants/measured_schedule.py``)."""
+        setup; ``participants/schedule_probe.py``)."""
         ...
 
     @property

@@ -15,6 +15,7 @@ Example (the roster builds it)::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
+from lightning_static_dist.processes.faults import waiting_in
 from lightning_static_dist.simulate import group as simulated
 from lightning_static_dist.sync.link_probe import probe_link
 from lightning_static_dist.sync.optimizer_overlap import step_hazards
@@ -64,12 +66,14 @@ def gemm_width(module: torch.nn.Module, device: torch.device) -> int:
 
 
 class ScheduleProbe(StepParticipant):
-    """Settles ``sync.schedule: measured`` at setup, once per world: probed, or taken from the checkpoint."""
+    """Settles ``sync.schedule: measured`` at setup of each fitting stage: probed once per world, or taken from the
+    checkpoint. Every step that decides is agreed between the ranks (rank 0's checkpoint entry, the optimizer
+    overlap's possibility, the probe's figures), so that every rank issues the same collectives and chooses alike."""
 
     def __init__(self, view: StrategyView) -> None:
         self._view = view
         self.choice: Optional[MeasuredChoice] = None
-        """The measured choice of this run (kept across stages in the same world; readable after teardown)."""
+        """The measured choice of this run (readable after teardown)."""
         self._saved: Optional[dict[str, Any]] = None
         self._restore_sms: Optional[tuple[Any, Optional[int]]] = None
 
@@ -78,12 +82,20 @@ class ScheduleProbe(StepParticipant):
         plan = view.plan
         if plan.schedule != "measured":
             return
+        if not context.fitting:  # (nothing is averaged: no probe; a fit after it probes)
+            view.settle_schedule(plan.settled("overlap", "sync.schedule measured: overlap (not fitting: nothing is"
+                                              " averaged; the fit probes)"))
+            return
         module = view.lightning_module if view.lightning_module is not None else view.model
         assert module is not None
-        step_per_bucket = self._step_per_bucket_possible(context)
-        choice = self._reusable()
+        step_per_bucket, saved = self._agreed(self._step_per_bucket_possible(context), self._saved)
+        self._saved = None
+        dtypes, budgets = self._candidates()
+        choice = self._from_checkpoint(saved, dtypes, budgets, step_per_bucket)
+        if choice is None and self.choice is not None and self._same_world(self.choice):
+            choice = self._predict(self.choice, module, dtypes, step_per_bucket)  # (measured in an earlier stage)
         if choice is None:
-            choice = self._probe(module, step_per_bucket)
+            choice = self._predict(self._probe(module, budgets), module, dtypes, step_per_bucket)
         candidate = choice.candidate  # (its optimizer overlap: OptimizerOverlap reads the plan's choice)
         self.choice = choice
         line = f"sync.schedule measured: {choice.describe()}"
@@ -94,9 +106,55 @@ class ScheduleProbe(StepParticipant):
             simulated.set_link(simulated.WORLD.link, candidate.comm_sms)
         rank_zero_info(f"static_dist: {line}")
 
+    def _agreed(self, step_per_bucket: bool, saved: Optional[dict[str, Any]]) -> tuple[bool, Optional[dict[str, Any]]]:
+        """Whether every rank can step per bucket, and rank 0's checkpoint entry (a collective: a rank that decides
+        alone to probe, or applies another choice, would issue other collectives than its peers)."""
+        view = self._view
+        device = view.root_device if view.root_device.type == "cuda" else torch.device("cpu")
+        flag = torch.tensor([1 if step_per_bucket else 0], device=device)
+        entry = [saved]
+        with waiting_in("the ranks' agreement before the link probe (sync.schedule measured)"):
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=view.dp_group)
+            torch.distributed.broadcast_object_list(entry, src=0, group=view.dp_group, device=device)
+        return bool(flag.item()), entry[0]
+
+    def _candidates(self) -> tuple[tuple[str, ...], tuple[Optional[int], ...]]:
+        """The dtypes this run allows (bf16 only with ``reduce_dtype: auto``, or asked) and the SM budgets the probe
+        can switch: a simulated world's link, unless ``comm_sms`` is pinned."""
+        view = self._view
+        plan = view.plan
+        dtypes = ("fp32", "bf16") if plan.sync.reduce_dtype == "auto" else \
+            ("bf16",) if plan.sync.reduce_dtype == "bf16" else ("fp32",)
+        link = view.simulation.link if view.simulation is not None else None
+        budgets: tuple[Optional[int], ...] = (None,)
+        if link is not None and plan.sync.comm_sms is None and link.sms != SMS_CANDIDATE:
+            budgets = (None, SMS_CANDIDATE)
+        return dtypes, budgets
+
+    def _same_world(self, choice: MeasuredChoice) -> bool:
+        view = self._view
+        return (choice.world, choice.device_type, choice.details.get("simulated")) == (
+            view.world_size, view.root_device.type, view.simulation is not None)
+
+    def _from_checkpoint(self, saved: Optional[dict[str, Any]], dtypes: tuple[str, ...],
+                         budgets: tuple[Optional[int], ...], step_per_bucket: bool) -> Optional[MeasuredChoice]:
+        """The checkpoint's choice, where it was made in this world and is one of this run's candidates (a resumed run
+        that now pins fp32, or cannot step per bucket, probes again)."""
+        try:
+            found = MeasuredChoice.from_dict(saved) if saved else None
+        except (TypeError, ValueError, KeyError):
+            return None  # (a checkpoint of another version: probe again)
+        if found is None or not self._same_world(found):
+            return None
+        candidate = found.candidate
+        if candidate.reduce_dtype not in dtypes or candidate.comm_sms not in budgets or (
+                candidate.step_per_bucket and not step_per_bucket):
+            return None
+        return dataclasses.replace(found, source="checkpoint", probe_s=0.0)
+
     def _step_per_bucket_possible(self, context: StepContext) -> bool:
-        """Whether ``after_backward`` could step the optimizer per bucket in this run (``optimizer_overlap`` not false
-        and nothing rules it out: the config's hazards under ``after_backward``, and the run's)."""
+        """Whether ``after_backward`` could step the optimizer per bucket on this rank (``optimizer_overlap`` not
+        false and nothing rules it out: the config's hazards under ``after_backward``, and the run's)."""
         view = self._view
         plan = view.plan
         if plan.sync.optimizer_overlap is False:
@@ -110,24 +168,8 @@ class ScheduleProbe(StepParticipant):
                                 optimizers=view.optimizers)
         return not hazards
 
-    def _reusable(self) -> Optional[MeasuredChoice]:
-        """This run's earlier choice, or the checkpoint's, when made in the same world (size and device type)."""
-        view = self._view
-        for found, source in ((self.choice, None), (self._load_saved(), "checkpoint")):
-            if found is not None and found.world == view.world_size and found.device_type == view.root_device.type:
-                if source is None:
-                    return found
-                return MeasuredChoice(**{**found.__dict__, "source": source, "probe_s": 0.0})
-        return None
-
-    def _load_saved(self) -> Optional[MeasuredChoice]:
-        saved, self._saved = self._saved, None
-        try:
-            return MeasuredChoice.from_dict(saved) if saved else None
-        except (TypeError, ValueError, KeyError):
-            return None  # (a checkpoint of another version: probe again)
-
-    def _probe(self, module: torch.nn.Module, step_per_bucket: bool) -> MeasuredChoice:
+    def _probe(self, module: torch.nn.Module, budgets: tuple[Optional[int], ...]) -> MeasuredChoice:
+        """The link's figures at each SM budget (a collective), as a choice to predict from."""
         view = self._view
         plan = view.plan
         device = view.root_device
@@ -135,27 +177,36 @@ class ScheduleProbe(StepParticipant):
         buckets = bucket_sizes(module, capacity.first_bytes, capacity.bytes)
         nbytes = max(2**16, min(capacity.bytes, max(buckets, default=0)))  # (a bucket's size, the largest)
         width = gemm_width(module, device)
-        group = view.dp_group
-        measures = [probe_link(group, device, nbytes, width, rows=PROBE_ROWS if device.type == "cuda" else width)]
-        link = view.simulation.link if view.simulation is not None else None
-        if link is not None and plan.sync.comm_sms != SMS_CANDIDATE:  # (SMs switch here only in a simulated world)
-            kept = (simulated.WORLD.link, simulated.WORLD.sms)
-            simulated.set_link(link, SMS_CANDIDATE)
+        rows = PROBE_ROWS if device.type == "cuda" else width
+        measures = []
+        for sms in budgets:
+            if sms is None:
+                measures.append(probe_link(view.dp_group, device, nbytes, width, rows=rows))
+                continue
+            kept = (simulated.WORLD.link, simulated.WORLD.sms)  # (SMs switch here only in a simulated world)
+            simulated.set_link(kept[0], sms)
             try:
-                measures.append(probe_link(group, device, nbytes, width, sms=SMS_CANDIDATE,
-                                           rows=PROBE_ROWS if device.type == "cuda" else width))
+                measures.append(probe_link(view.dp_group, device, nbytes, width, sms=sms, rows=rows))
             finally:
                 simulated.set_link(*kept)
-        rates: dict[Optional[int], LinkRates] = {m.rates.sms: m.rates for m in measures}
-        dtypes = ("fp32", "bf16") if plan.sync.reduce_dtype == "auto" else \
-            ("bf16",) if plan.sync.reduce_dtype == "bf16" else ("fp32",)
-        compiled_cut = plan.compile.enabled and plan.compile.regional == "auto"
-        return choose_schedule(rates, buckets, view.world_size, dtypes, step_per_bucket,
-                               mem_gbps=measures[0].mem_gbps,
+        return MeasuredChoice("", {}, tuple(m.rates for m in measures), view.world_size, device.type,
+                              probe_s=sum(m.probe_s for m in measures),
+                              details={"nbytes": measures[0].nbytes, "gemm_width": width, "gemms": measures[0].gemms,
+                                       "mem_gbps": round(measures[0].mem_gbps, 1),
+                                       "simulated": view.simulation is not None})
+
+    def _predict(self, measured: MeasuredChoice, module: torch.nn.Module, dtypes: tuple[str, ...],
+                 step_per_bucket: bool) -> MeasuredChoice:
+        """Each candidate predicted on this run's buckets from ``measured``'s figures (pure: every rank alike)."""
+        plan = self._view.plan
+        buckets = bucket_sizes(module, plan.capacity.first_bytes, plan.capacity.bytes)
+        compiled_cut = plan.compile.enabled is True and plan.compile.regional == "auto"
+        rates: dict[Optional[int], LinkRates] = {r.sms: r for r in measured.rates}
+        return choose_schedule(rates, buckets, measured.world, dtypes, step_per_bucket,
+                               mem_gbps=float(measured.details.get("mem_gbps", 0.0)) or None,
                                cut_s_per_piece=CUT_S_PER_PIECE if compiled_cut else 0.0,
-                               device_type=device.type, probe_s=sum(m.probe_s for m in measures),
-                               details={"nbytes": measures[0].nbytes, "gemm_width": width, "gemms": measures[0].gemms,
-                                        "mem_gbps": round(measures[0].mem_gbps, 1), "buckets": len(buckets)})
+                               device_type=measured.device_type, probe_s=measured.probe_s,
+                               details={**measured.details, "buckets": len(buckets)})
 
     def state_dict(self) -> dict[str, Any]:
         return {PROBE_KEY: self.choice.as_dict()} if self.choice is not None else {}

@@ -7,6 +7,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
@@ -114,8 +115,10 @@ class SyncConfig:
                  "must be an integer >= 2 (each schedule's first step is not timed)")
         if self.comm_sms is not None and not 1 <= self.comm_sms <= 1024:
             fail(f"{self.KEY}.comm_sms", self.comm_sms, "must be an integer number of SMs in [1, 1024], or null")
-        if self.schedule == "by_topology":
-            self.schedule = "measured"  # (its old meaning, "after_backward on one node of GPUs", was a bet: measured)
+        if self.schedule == "by_topology":  # (its old meaning, "after_backward on one node of GPUs", was a bet)
+            warnings.warn(f"{self.KEY}.schedule='by_topology' is read as 'measured' (the link probed at setup);"
+                          " write 'measured'", FutureWarning, stacklevel=2)
+            self.schedule = "measured"
         if self.reduce_dtype == "auto" and self.schedule not in ("auto", "measured"):
             fail(f"{self.KEY}.reduce_dtype", self.reduce_dtype, "the trial of strategy.sync.schedule=auto or the probe of"
                  f" schedule=measured chooses it (schedule is {self.schedule!r}); allowed: 'fp32', 'bf16', or 'auto' with"
@@ -159,7 +162,7 @@ class SyncConfig:
 def schedule_without_probe(sync: SyncConfig, *, device_type: str, world_size: int, sharded: bool,
                            free_links: bool = False) -> Optional[tuple[str, str]]:
     """``sync.schedule: measured`` where no probe decides it: ``(schedule, why)``; ``None`` where the link probe at
-    setup decides (``participants/measured_schedule.py``). ``free_links``: a simulated world whose collectives cost
+    setup decides (``participants/schedule_probe.py``). ``free_links``: a simulated world whose collectives cost
     nothing. The other schedules are not resolved here.
 
     Example::

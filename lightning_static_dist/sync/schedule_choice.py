@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional
 
 CUT_S_PER_PIECE = 90e-6
-"""What one more piece of the cut compiled step costs (its launch, the graph boundary, a bucket's bookkeeping):
-GPT-2 small on one H200, ``overlap`` cut into 5 pieces 0.46 ms slower than ``after_backward`` uncut over free
-simulated links (``benchmarks/results/sim-gpt2s-sm-2026-12-03.json``)."""
+"""What one more piece of the cut compiled step costs (its launch, the graph boundary, a bucket's bookkeeping): from
+``overlap`` cut into pieces against ``after_backward`` uncut over free simulated links, GPT-2 small on one H200
+(``benchmarks/results/sim-gpt2s-sm-2026-12-03.json``)."""
 
 OPTIMIZER_BYTES_PER_GRAD_BYTE = 7.0
 """Bytes an Adam-family step reads and writes per gradient byte (parameter, gradient, two moments read; parameter

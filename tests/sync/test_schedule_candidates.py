@@ -107,9 +107,21 @@ def test_measured_resolves_without_a_probe_only_where_none_can_decide(device: st
         assert found[1] and "\n" not in found[1]  # the reason, for the line printed at fit start
 
 
-def test_by_topology_is_read_as_measured() -> None:
-    assert SyncConfig(schedule="by_topology").schedule == "measured"
+def test_by_topology_is_read_as_measured_and_says_so() -> None:
+    with pytest.warns(FutureWarning, match="by_topology.*measured"):
+        assert SyncConfig(schedule="by_topology").schedule == "measured"
     assert SyncConfig().schedule == "measured"
+
+
+@pytest.mark.parametrize("where", [dict(device_type="cpu", world_size=2, sharded=False),
+                                   dict(device_type="cuda", world_size=1, sharded=False),
+                                   dict(device_type="cuda", world_size=2, sharded=True),
+                                   dict(device_type="cuda", world_size=2, sharded=False, free_links=True)],
+                         ids=["cpu", "one-rank", "reduce-scatter", "free-links"])
+def test_reduce_dtype_auto_without_a_probe_is_the_exact_dtype_and_says_so(where: dict) -> None:
+    config = StrategyConfig.from_dict({"sync": {"reduce_dtype": "auto"}})
+    resolved, line = config.resolved(**where)
+    assert resolved.sync.reduce_dtype == "fp32" and "reduce_dtype auto: fp32" in line
 
 
 def test_the_strategy_config_resolves_measured_where_no_probe_decides_and_says_why() -> None:
