@@ -5,8 +5,8 @@ eager fallback and a report.
 world size > 1 so that the graph is cut where the gradient buckets end (``split.py``); ``true`` compiles each
 repeated block on its own (identical blocks share one artefact); ``false`` the whole step uncut. A region's forward
 is replaced by a wrapper (:class:`_RegionForward`) that falls back to eager when it fails to compile
-(``strategy.compile.fallback``). :func:`compile_optimizer_step` compiles the optimizer's step. Shapes that vary (a short last batch, padded text)
-are ``shapes.py``'s.
+(``strategy.compile.fallback``). :func:`compile_optimizer_step` compiles the optimizer's step. Shapes that vary (a
+short last batch, padded text) are ``shapes.py``'s.
 """
 
 from __future__ import annotations
