@@ -18,8 +18,9 @@ from torch import nn
 
 VOCAB, WIDTH, HEADS, LAYERS = 32, 16, 2, 2
 SAMPLES, BATCH = 20, 4  # 10 a rank on 2 ranks: batches of 4, 4 and 2
-LENGTHS = (8, 12, 16, 12, 8, 16, 8, 8, 12, 16, 16, 8, 12, 8, 16, 12, 8, 12, 16, 8)
-"""Each sample's length: a batch is padded to its longest (8, 12 or 16), which differs by batch and by rank."""
+LENGTHS = (8, 12, 12, 12, 8, 16, 8, 8, 12, 16, 16, 8, 12, 8, 16, 12, 8, 12, 16, 8)
+"""Each sample's length: a batch is padded to its longest (8, 12 or 16), which differs by batch and by rank (the first
+batches: 12 on rank 0, 16 on rank 1)."""
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None, causal: bool = False) -> Any:

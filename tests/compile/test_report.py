@@ -103,3 +103,15 @@ def test_reaching_the_recompile_limit_is_one_line_naming_the_guard_and_the_fix(c
     assert "size mismatch at index 1" in said[0] and "strategy.compile.dynamic=true" in said[0], said[0]
     assert report.graph_count() == 3 and report.eager_calls == {"<forward>": [4, 5]}, report.summary()
     assert "RECOMPILE LIMIT" in report.summary() and "calls 4, 5" in report.summary(), report.summary()
+
+
+def test_the_pieces_are_said_per_graph_and_overlap_only_where_cut() -> None:
+    from lightning_static_dist.compile.split import BucketGraphSplitter
+
+    splitter = BucketGraphSplitter(lambda gm, inputs: gm, 1 << 20, 1 << 20)
+    splitter.cuts = [4, 4]  # a graph and its recompile, each cut into 4: not "8 pieces"
+    assert "each of its 2 graphs cut into 4 pieces" in splitter.describe() and "overlap" in splitter.describe()
+    splitter.cuts = [1, 1, 1]
+    assert "not cut" in splitter.describe() and "overlap" not in splitter.describe(), splitter.describe()
+    splitter.cuts = [4, 1]
+    assert "its 2 graphs cut into 4, 1 pieces" in splitter.describe(), splitter.describe()
