@@ -106,14 +106,18 @@ class RMSNorm(nn.Module):
         return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def _rotate(x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (Llama's ``apply_rotary_pos_emb``), over ``(batch, heads, time, head_dim)``."""
+def _rotary_tables(d: int, longest: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    angles = torch.outer(torch.arange(longest, dtype=torch.float32), inv)
+    return torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Llama's ``apply_rotary_pos_emb``), over ``(batch, heads, time, head_dim)``, from
+    tables cut to the sequence's length."""
     t, d = x.shape[2], x.shape[3]
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    angles = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), inv)
-    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     half = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
-    return x * cos + half * sin
+    return x * cos[:t] + half * sin[:t]
 
 
 class LlamaBlock(nn.Module):
@@ -123,10 +127,14 @@ class LlamaBlock(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(4))
         self.gate_proj, self.up_proj = nn.Linear(WIDTH, 2 * WIDTH, bias=False), nn.Linear(WIDTH, 2 * WIDTH, bias=False)
         self.down_proj = nn.Linear(2 * WIDTH, WIDTH, bias=False)
+        cos, sin = _rotary_tables(WIDTH // HEADS)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.input_layernorm(x)
-        q, k, v = _rotate(_heads(self.q_proj(h))), _rotate(_heads(self.k_proj(h))), _heads(self.v_proj(h))
+        q, k = (_rotate(_heads(proj(h)), self.cos, self.sin) for proj in (self.q_proj, self.k_proj))
+        v = _heads(self.v_proj(h))
         x = x + self.o_proj(_merge(_attention(q, k, v, causal=True)))
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
