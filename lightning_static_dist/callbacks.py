@@ -290,7 +290,8 @@ class GraphReport(Callback):
 
     Logs ``static_dist/graph_breaks``, ``static_dist/recompiles`` and ``static_dist/compile_s`` (cumulative, the
     maximum over ranks) every ``trainer.log_every_n_steps`` steps, and prints the report again at the end of
-    training when something was recompiled since. The strategy adds one when it compiles a model and none is present.
+    training when a graph was compiled since (a recompile, the short last batch's graph). The strategy adds one when
+    it compiles a model and none is present.
 
     Args:
         log_metrics: log the metrics.
@@ -321,7 +322,7 @@ class GraphReport(Callback):
         self.config = self.Config(log_metrics=log_metrics, print_summary=print_summary)
         self.log_metrics = self.config.log_metrics
         self.print_summary = self.config.print_summary
-        self._printed_recompiles: Optional[int] = None
+        self._printed_recompiles: Optional[tuple[int, int]] = None  # (recompiles, graphs) when first printed
         self._logged_at = 0  # the global step last logged at (0: no optimizer step yet)
         self._at_end: Optional[str] = None  # the end-of-training report, said once the progress bar has closed
 
@@ -343,7 +344,7 @@ class GraphReport(Callback):
         if offer is None or report is None:
             return
         if self.print_summary and self._printed_recompiles is None:
-            self._printed_recompiles = len(report.recompiles)
+            self._printed_recompiles = (len(report.recompiles), len(report.graphs))
             say(trainer, f"static_dist compile report (after the first step):\n{report.summary()}")
         every, step = trainer.log_every_n_steps, trainer.global_step
         # as Lightning logs `self.log(on_step=True)`: once per optimizer step (not per accumulated micro-batch), every
@@ -359,7 +360,8 @@ class GraphReport(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         report = self._report(trainer)
-        if report is not None and self.print_summary and len(report.recompiles) != self._printed_recompiles:
+        # again where a graph was compiled since: a recompile, the short last batch's graph, a dynamic one
+        if report is not None and self.print_summary and (len(report.recompiles), len(report.graphs)) != self._printed_recompiles:
             self._at_end = f"static_dist compile report (end of training):\n{report.summary()}"
 
     @override

@@ -79,6 +79,7 @@ class CompileFacts(Protocol):
 
     graph_breaks: list[Any]
     recompiles: list[Any]
+    graphs: list[Any]
 
     @property
     def compile_s(self) -> float: ...

@@ -92,7 +92,7 @@ def refuse_before_launch(config: StrategyConfig, settings: TrainerSettings) -> N
     """Raise the one-line ``ConfigError`` that setup would raise on every rank, where the ``strategy`` block and the
     ``Trainer``'s arguments (``settings``) decide it alone: ``compile.cudagraphs: true`` with accumulation, and
     ``sync.optimizer_overlap: true`` with clipping or a gradient scaler. What needs the model (an overridden hook, its optimizer) is still refused at setup."""
-    if config.compile.enabled:
+    if config.compile.enabled is True or (config.compile.enabled == "auto" and settings.device_type == "cuda"):
         choose_cudagraphs(config.compile, torch.device(settings.device_type), config.sync.mode,
                           gathers_parameters=config.sync.reduce == "reduce_scatter" or config.mesh.dp_shard != 1
                           or config.embedding.shard is not False,

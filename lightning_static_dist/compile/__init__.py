@@ -1,8 +1,9 @@
 """Static compilation of a LightningModule inside the strategy, one concern per module: ``regions`` (what gets
-compiled, the eager fallback, the optimizer step, static shapes), ``split`` (the step cut at the buckets),
+compiled, the eager fallback, the optimizer step), ``shapes`` (shapes that vary: the short last batch, dynamic
+dimensions, the recompile limit), ``split`` (the step cut at the buckets),
 ``backends`` (the recording backend, ``inductor_distributed``), ``report`` (what compilation did), ``log_calls``
 (``self.log`` in a compiled step), ``cudagraphs`` (whether the step replays as CUDA graphs). Imports flow one way:
-``regions`` → ``backends`` → ``report``, and ``regions`` → ``split``, ``log_calls``.
+``regions`` → ``backends`` → ``report``, and ``regions`` → ``split``, ``log_calls``, ``shapes``.
 """
 
 from lightning_static_dist.compile.backends import (
@@ -15,7 +16,6 @@ from lightning_static_dist.compile.backends import (
 from lightning_static_dist.compile.regions import (
     compile_optimizer_step,
     compile_regions,
-    drop_short_last_batch,
     find_regions,
     is_compiled,
     whole_method,
@@ -32,7 +32,6 @@ __all__ = [
     "backend_of",
     "compile_optimizer_step",
     "compile_regions",
-    "drop_short_last_batch",
     "failure_reason",
     "find_regions",
     "graph_mode_patches",

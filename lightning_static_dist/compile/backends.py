@@ -25,8 +25,8 @@ from lightning_static_dist.compile.report import (
     _compiling_code,
     _device_transfers,
     _guard_failures,
-    _structure,
 )
+from lightning_static_dist.compile.shapes import input_shapes, is_dynamic, structure
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compile.cudagraphs import inductor_options
 from lightning_static_dist.sync.config import SyncConfig
@@ -42,7 +42,7 @@ def _resolve_backend(config: CompileConfig, inductor_patches: Optional[dict[str,
     if config.backend in ("inductor", "inductor_distributed"):
         from torch._inductor.compile_fx import compile_fx
 
-        options = torch._inductor.list_mode_options(config.mode, config.dynamic) if config.mode != "default" else {}
+        options = torch._inductor.list_mode_options(config.mode, config.torch_dynamic) if config.mode != "default" else {}
         options = {**options, **inductor_options(config)}  # compile.cudagraphs, once resolved
         if config.backend == "inductor_distributed" or inductor_patches:
             options = {**options, **(inductor_patches or graph_mode_patches())}
@@ -72,7 +72,8 @@ class RecordingBackend:
         frame = compile_id.frame_id if compile_id is not None else None
         code = _compiling_code()
         failures = _guard_failures(code)
-        if frame is not None and self._compiles.get(frame, compile_id.frame_compile_id) != compile_id.frame_compile_id:
+        recompiled = frame is not None and self._compiles.get(frame, compile_id.frame_compile_id) != compile_id.frame_compile_id
+        if recompiled and not self._report.in_tail:  # (the short last batch's graph is expected: the report names it)
             # a frame this backend compiled before, compiled again: a guard failed, and dynamo recorded which against
             # each of the frame's cached graphs (newest first) since we last looked. Dynamo's own numbering counts
             # other backends' compiles of the same code too (another model, an earlier fit)
@@ -86,8 +87,9 @@ class RecordingBackend:
             self._failures_seen[frame] = len(failures)
         compiled = self._compiler(gm, example_inputs)
         params = sum(isinstance(x, nn.Parameter) and x.requires_grad for x in example_inputs)
-        self._report.graphs.append(GraphRecord(len(gm.graph.nodes), _structure(gm), time.perf_counter() - started,
-                                               self._report.active_region, params))
+        self._report.graphs.append(GraphRecord(
+            len(gm.graph.nodes), structure(gm), time.perf_counter() - started, self._report.active_region, params,
+            input_shapes(example_inputs), is_dynamic(example_inputs), self._report.in_tail, str(compile_id or "")))
         for transfer, in_library in _device_transfers(gm):
             if in_library:  # not the user's to change: one line for all of them, once (the report lists where)
                 if not self._report.library_transfers and rank_zero_only.rank == 0:  # (one line, not one per rank)
@@ -99,7 +101,19 @@ class RecordingBackend:
                 self._report.placement.append(transfer)
                 if rank_zero_only.rank == 0:  # (every rank compiles the same graph: one line, not one per rank)
                     log.warning(f"static_dist: device transfer inside a compiled graph: {transfer}")
-        return compiled
+        return self._counted(compiled)
+
+    def _counted(self, compiled: Any) -> Any:
+        """``compiled``, counting its runs in the report: a region's call that ran no compiled graph ran eagerly
+        (after dynamo's recompile limit). Dynamo reads its calling convention from ``_boxed_call``: kept."""
+        report = self._report
+
+        def run(*args: Any) -> Any:
+            report.graph_runs += 1
+            return compiled(*args)
+
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+        return run
 
 
 # ------------------------------------------------------------------------------- the inductor_distributed backend

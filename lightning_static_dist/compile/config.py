@@ -2,13 +2,13 @@
 
 Example::
 
-    CompileConfig(enabled=True, backend="aot_eager")
+    CompileConfig(enabled=True, backend="aot_eager")     # enabled: auto (the default) compiles on CUDA only
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 from lightning_static_dist.config.check import check_fields, fail
 
@@ -32,17 +32,21 @@ class CompileConfig:
 
     KEY = "strategy.compile"
 
-    enabled: bool = False
-    """Compile the LightningModule inside the strategy."""
+    enabled: Union[bool, Literal["auto"]] = "auto"
+    """Compile the LightningModule inside the strategy. ``auto``: on with CUDA, off on CPU (where compiling takes
+    longer than it saves on a small model); a line at fit start says that the step is compiled and how to turn it
+    off, and the compile report how long compiling took."""
     backend: str = "inductor"
     """Any registered dynamo backend: ``inductor``, ``aot_eager`` (debugging), ``inductor_distributed`` ..."""
     mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     """The inductor mode (only with ``backend: inductor``)."""
     fullgraph: bool = False
     """Fail on any graph break, naming its location, instead of splitting the graph."""
-    dynamic: bool = False
-    """false: static shapes; a train loader whose last batch is short has that batch dropped (with a warning)
-    instead of recompiling for it."""
+    dynamic: Union[bool, Literal["auto"]] = "auto"
+    """``auto``: each graph is compiled for the shapes it first sees; a dimension that takes a second size becomes
+    dynamic (one recompile: dynamo's automatic dynamic shapes), and a short last batch gets one static graph of
+    its own; ``false``: static shapes only, one graph per shape, up to dynamo's recompile limit (then the step runs
+    eagerly, with a warning); ``true``: every dimension dynamic from the first graph. No batch is ever dropped."""
     regional: Union[bool, Literal["auto"]] = "auto"
     """``auto``: the LightningModule's whole ``training_step`` — forward and loss — as one graph, cut at the gradient
     buckets at world size > 1 (with ``sync.mode: graph``: uncut, the collectives inside it); ``true``: each block
@@ -70,6 +74,11 @@ class CompileConfig:
     why, and names every graph inductor left without CUDA graphs. Tensors a CUDA-graphed step returns live in
     the graphs' memory pool until the next step (Lightning's loop and ``self.log`` copy what they keep); a tensor
     kept across steps must be cloned, or the next step's replay overwrites it and reading it raises."""
+
+    @property
+    def torch_dynamic(self) -> Optional[bool]:
+        """``dynamic`` as ``torch.compile`` takes it (``None``: automatic dynamic shapes)."""
+        return None if self.dynamic == "auto" else bool(self.dynamic)
 
     def __post_init__(self) -> None:
         check_fields(self)

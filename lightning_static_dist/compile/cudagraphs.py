@@ -81,7 +81,7 @@ def hazards(config: CompileConfig, sync_mode: str, gathers_parameters: bool, mic
     if config.regional is True:
         found.append("compile.regional=true makes each block a graph of its own, and a forward without gradients"
                      " (validation) would overwrite one block's output with the next's")
-    if config.dynamic:
+    if config.dynamic is True:
         found.append("compile.dynamic=true records a graph for each input shape")
     if not automatic_optimization:
         found.append("manual optimization steps the optimizer inside the compiled step, so its state would live in"

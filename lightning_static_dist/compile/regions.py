@@ -5,8 +5,8 @@ eager fallback and a report.
 world size > 1 so that the graph is cut where the gradient buckets end (``split.py``); ``true`` compiles each
 repeated block on its own (identical blocks share one artefact); ``false`` the whole step uncut. A region's forward
 is replaced by a wrapper (:class:`_RegionForward`) that falls back to eager when it fails to compile
-(``strategy.compile.fallback``). :func:`compile_optimizer_step` compiles the optimizer's step, and
-:func:`drop_short_last_batch` keeps static shapes static.
+(``strategy.compile.fallback``). :func:`compile_optimizer_step` compiles the optimizer's step. Shapes that vary (a
+short last batch, padded text) are ``shapes.py``'s.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from lightning_static_dist.compat import unwrap_optimizer
 from lightning_static_dist.compile.backends import RecordingBackend
 from lightning_static_dist.compile.log_calls import LogCalls
 from lightning_static_dist.compile.report import CompileFailure, CompileReport, _capture_dynamo_logs, failure_reason
+from lightning_static_dist.compile.shapes import mark_tail, notice_recompile_limit
 from lightning_static_dist.compile.split import BucketGraphSplitter
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.config import ConfigError
@@ -104,18 +105,25 @@ class _RegionForward:
         """For a LightningModule's ``training_step``: its ``self.log`` calls, recorded in the graph, made after it."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.region in self.report.fallbacks:
+        report = self.report
+        if self.region in report.fallbacks:
             return self.eager(*args, **kwargs)
-        outer, self.report.active_region = self.report.active_region, self.region
+        outer, report.active_region = report.active_region, self.region
+        call = report.calls[self.region] = report.calls.get(self.region, 0) + 1
+        runs, outer_tail = report.graph_runs, report.in_tail
+        # the short last batch: one graph of its own, static in the batch dimension (dynamic: true needs none)
+        report.in_tail = outer_tail or (self.config.dynamic is not True and mark_tail((args, kwargs), report.tail_rows))
         try:
             if self.log_calls is None:
                 return self._run(*args, **kwargs)
             with self.log_calls.recording():
                 out = self._run(*args, **kwargs)
-            self.report.logged_calls = self.log_calls.replayed
+            report.logged_calls = self.log_calls.replayed
             return out
         finally:
-            self.report.active_region = outer
+            report.active_region, report.in_tail = outer, outer_tail
+            if report.limit_hit is not None and report.graph_runs == runs:  # dynamo ran the whole call eagerly
+                report.eager_calls.setdefault(self.region, []).append(call)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -194,6 +202,7 @@ def compile_regions(module: nn.Module, config: CompileConfig, report: Optional[C
     """
     report = report if report is not None else CompileReport()
     _capture_dynamo_logs(report)
+    notice_recompile_limit(report)
     recording = RecordingBackend(config, report, inductor_patches)
     backend: Any = recording
     if inductor_patches and config.backend in ("inductor", "inductor_distributed"):
@@ -230,7 +239,7 @@ def compile_regions(module: nn.Module, config: CompileConfig, report: Optional[C
 def _compile_method(region: nn.Module, method: str, name: str, backend: Callable[..., Any], config: CompileConfig,
                     report: CompileReport, wrapper: type) -> None:
     eager = getattr(type(region), method)
-    compiled = torch.compile(eager, backend=backend, fullgraph=config.fullgraph, dynamic=config.dynamic)
+    compiled = torch.compile(eager, backend=backend, fullgraph=config.fullgraph, dynamic=config.torch_dynamic)
     # a LightningModule's step: self.log / self.log_dict recorded in the graph, replayed when it returns (one graph)
     log_calls = LogCalls.install(region) if method == "training_step" and hasattr(type(region), "log") else None
     # an instance attribute shadows the class's method: nn.Module.__call__ (and its hooks) stay as they are
@@ -256,24 +265,6 @@ def compile_optimizer_step(optimizer: torch.optim.Optimizer, config: CompileConf
 
     inner.step = step
     report.regions.append("optimizer.step")
-
-
-def drop_short_last_batch(loader: Any) -> None:
-    """With static shapes, a short last training batch would compile a second graph: drop it, and say so once."""
-    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-    from torch.utils.data import BatchSampler, DataLoader
-
-    if not isinstance(loader, DataLoader) or not isinstance(loader.batch_sampler, BatchSampler):
-        return
-    batches = loader.batch_sampler
-    remainder = len(batches.sampler) % batches.batch_size
-    if not batches.drop_last and remainder:
-        batches.drop_last = True  # BatchSampler reads it on every epoch
-        rank_zero_warn(
-            f"static_dist: the last training batch of each epoch would hold {counted(remainder, 'sample')} instead of"
-            f" {batches.batch_size} and compile a second graph; it is dropped (strategy.compile.dynamic=false)."
-            " Set strategy.compile.dynamic=true to keep it."
-        )
 
 
 def is_compiled(module: nn.Module) -> bool:

@@ -9,7 +9,6 @@ file; the recording backend (``backends.py``) calls them.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -41,6 +40,14 @@ class GraphRecord:
     """The region whose call compiled it."""
     params: int = 0
     """Trainable parameters among its inputs (graphs without any hold no model code: a ``self.log`` tail ...)."""
+    shapes: str = ""
+    """The shapes of its inputs other than parameters, a dynamic size written ``?`` (``shapes.input_shapes``)."""
+    dynamic: bool = False
+    """Compiled with a dynamic size (a dimension took a second size, or ``compile.dynamic: true``)."""
+    tail: bool = False
+    """Compiled for the loader's short last batch (``shapes.mark_tail``): expected, not a recompile."""
+    compile_id: str = ""
+    """Dynamo's compile of the frame (``0/1``): the pieces of one graph cut at the buckets share it."""
 
 
 @dataclass
@@ -87,6 +94,18 @@ class CompileReport:
     logged_calls: int = 0
     """How many ``self.log`` / ``self.log_dict`` calls the last compiled ``training_step`` recorded in its graph and
     made after it returned (:mod:`~lightning_static_dist.compile.log_calls`)."""
+    tail_rows: Optional[int] = None
+    """The rows of the training loader's short last batch, if it has one (it gets a graph of its own)."""
+    in_tail: bool = False
+    """Whether the call running now is that short batch's."""
+    limit_hit: Optional[str] = None
+    """Where and on which guard dynamo's recompile limit was reached (calls matching no graph then run eagerly)."""
+    graph_runs: int = 0
+    """How many compiled graphs ran so far (a call that ran none ran eagerly)."""
+    calls: dict[str, int] = field(default_factory=dict)
+    """Region -> how many times it was called."""
+    eager_calls: dict[str, list[int]] = field(default_factory=dict)
+    """Region -> its calls (numbered from 1) that ran eagerly after the recompile limit was reached."""
     outside_blocks: list[str] = field(default_factory=list)
     """With blocks compiled one by one: the modules holding parameters outside every block (they run eagerly, with
     the rest of ``training_step``, unless ``around_blocks`` compiles around the blocks)."""
@@ -100,22 +119,43 @@ class CompileReport:
         (sorted), then the regions. Graphs without parameters and the graphs around the blocks are left out:
         ``training_step`` code that differs by rank (``if self.global_rank == 0``, ``self.print``) splits them
         differently on each rank without anything being wrong."""
-        shared = [g.structure for g in self.graphs if g.region != self.around_blocks and g.params]
+        shared = {g.structure for g in self.graphs if g.region != self.around_blocks and g.params}
+        # a set: a rank whose batches took a second shape compiled the same program once more (its structure has
+        # no shapes), and that is no difference between the ranks
         return sorted(shared) + self.regions
 
+    def shape_lines(self) -> list[str]:
+        """The input shapes each graph holding model parameters was compiled for, in order (differ between ranks
+        whose batches differ in shape: a note, not an error)."""
+        return [g.shapes for g in self.graphs if g.region != self.around_blocks and g.params]
+
+    def graph_count(self, **where: bool) -> int:
+        """Graphs dynamo compiled (the pieces of a graph cut at the buckets count once) whose record has the given
+        flags (``tail=True``, ``dynamic=True``)."""
+        return len({g.compile_id or id(g) for g in self.graphs if all(getattr(g, k) == v for k, v in where.items())})
+
     def summary(self) -> str:
+        tails, dynamic = self.graph_count(tail=True), self.graph_count(dynamic=True)
+        kinds = ", ".join(k for k in (f"{tails} for the short last batch" if tails else "",
+                                      f"{dynamic} with dynamic shapes" if dynamic else "") if k)
         lines = [
             f"compiled regions: {len(self.regions)} ({', '.join(self.regions[:4])}{' ...' if len(self.regions) > 4 else ''})",
-            f"graphs compiled: {len(self.graphs)} in {self.compile_s:.1f} s",
+            f"graphs compiled: {self.graph_count()}{f' ({kinds})' if kinds else ''}; compiling took {self.compile_s:.1f} s",
             f"graph breaks: {len(self.graph_breaks)}"
             + (f" (and {self.block_boundaries} at the compiled blocks, by design)" if self.block_boundaries else ""),
             *[f"  - {reason} at {where}" for reason, where in self.graph_breaks[:10]],
             f"recompiles: {len(self.recompiles)}",
             *[f"  - {guard}" for guard in self.recompiles[:10]],
         ]
+        if tails:
+            lines.append(f"the short last batch ({counted(self.tail_rows or 0, 'row')}) runs its own graph (compiled"
+                         " once, static in the batch dimension; not a recompile)")
+        if self.limit_hit is not None:
+            eager = "; ".join(f"{region} calls {_numbers(calls)}" for region, calls in self.eager_calls.items())
+            lines.append(f"RECOMPILE LIMIT: {self.limit_hit}; ran eagerly: {eager or 'no call yet'}"
+                         " (strategy.compile.dynamic=true compiles one graph for every shape)")
         if self.splitter is not None:
-            lines.insert(2, f"  cut into {counted(self.splitter.pieces, 'piece')} at the gradient buckets (one autograd node"
-                            " each: their collectives overlap backward)")
+            lines.insert(2, self.splitter.describe())
             lines.extend(f"  - NOT cut, its gradients are ready only at its end: {why}" for why in self.splitter.uncut)
         if self.cudagraphs is not None:
             lines.append(self.cudagraphs)
@@ -142,12 +182,12 @@ class CompileReport:
         return "\n".join(lines)
 
 
+def _numbers(calls: list[int]) -> str:
+    """``3, 4, 5 ... (12 calls)``: the first few call numbers and how many."""
+    return ", ".join(map(str, calls[:6])) + (f" ... ({len(calls)} calls)" if len(calls) > 6 else "")
+
+
 # -------------------------------------------------------------------------------------------- reading a graph
-
-
-def _structure(gm: torch.fx.GraphModule) -> str:
-    ops = [f"{n.op}:{getattr(n.target, '__name__', n.target)}" for n in gm.graph.nodes]
-    return hashlib.sha1("\n".join(ops).encode()).hexdigest()[:12]
 
 
 _TRANSFER_METHODS = {"to", "cuda", "cpu"}

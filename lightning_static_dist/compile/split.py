@@ -51,7 +51,9 @@ class BucketGraphSplitter:
         self.ready_groups: dict[int, int] = {}
         """``id(parameter)`` -> the piece whose backward completes its gradient (numbered across graphs)."""
         self.pieces = 0
-        """Pieces made so far, over every graph this backend compiled."""
+        """Pieces made so far, over every graph this backend compiled (the numbering of ``ready_groups``)."""
+        self.cuts: list[int] = []
+        """The pieces of each graph holding parameters, in the order compiled (1: not cut)."""
         self.uncut: list[str] = []
         """Why a graph holding parameters was compiled whole (its gradients are then ready only at its end)."""
 
@@ -85,8 +87,31 @@ class BucketGraphSplitter:
         if not pieces:  # not cut (all its parameters fit one bucket): one piece
             pieces = [list(params)]
         first = self.pieces
+        self.cuts.append(len(pieces))
         for k, reads in enumerate(pieces):
             for i in reads:
                 # the earliest piece in forward order wins (and an earlier graph's piece over this one's)
                 self.ready_groups.setdefault(id(params[i]), first + k)
         self.pieces += len(pieces)
+
+    def describe(self) -> str:
+        """One line of the compile report: the pieces of each graph, and what they are for.
+
+        Example::
+
+            >>> splitter.describe()
+            '  each of its 2 graphs cut into 4 pieces at the gradient buckets (one autograd node each: their ...'
+        """
+        if not self.cuts:
+            return "  nothing cut at the gradient buckets yet"
+        counts = sorted(set(self.cuts))
+        if counts == [1]:
+            return (f"  not cut at the gradient buckets: the parameters of {'each graph' if len(self.cuts) > 1 else 'the graph'}"
+                    " fit one bucket, whose collective goes out when backward ends")
+        if len(counts) > 1:
+            graphs, pieces = f"its {len(self.cuts)} graphs", f"{', '.join(map(str, self.cuts[:8]))} pieces"
+        else:
+            graphs = f"each of its {len(self.cuts)} graphs" if len(self.cuts) > 1 else "its graph"
+            pieces = counted(counts[0], "piece")
+        return (f"  {graphs} cut into {pieces} at the gradient buckets (one autograd node each: their"
+                " collectives overlap backward)")

@@ -1,6 +1,6 @@
-"""``strategy.compile``: the LightningModule compiled at setup (or as ``trainer.fit(torch.compile(model))`` asked),
-the ranks' compiled graphs compared once before the plan's first bucket collective, and the short last batch
-dropped where a static-shape compile would recompile for it.
+"""``strategy.compile``: the LightningModule compiled at setup (or as ``trainer.fit(torch.compile(model))`` asked;
+``enabled: auto`` on CUDA), the ranks' compiled graphs compared once before the plan's first bucket collective, and
+the training loader's short last batch told to the report (it gets a graph of its own; no batch is dropped).
 
 Example (the strategy builds it in its ``__init__``)::
 
@@ -25,22 +25,39 @@ from lightning_static_dist.compile import (
     backend_of,
     compile_optimizer_step,
     compile_regions,
-    drop_short_last_batch,
     find_regions,
     graph_mode_patches,
     is_compiled,
 )
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compile.cudagraphs import CudagraphChoice, capture_skips, choose_cudagraphs
+from lightning_static_dist.compile.shapes import tail_rows
 from lightning_static_dist.config import ConfigError
-from lightning_static_dist.processes.fingerprint import check_same_on_all_ranks
+from lightning_static_dist.processes.fingerprint import RankMismatchError, first_difference
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
 
 
 def check_same_graphs(report: Any, group: Optional[dist.ProcessGroup]) -> None:
-    """Every rank compiled the same graphs (a ``CompileReport``'s structure lines); a difference stops every rank
-    with the first one. Collective: after round 1, before the first bucket collective of the plan."""
-    check_same_on_all_ranks("what they compiled (graph structures)", report.structure_lines(), group)
+    """Every rank compiled the same program (a ``CompileReport``'s structure lines: its graphs' tensor operations,
+    whatever the shapes); a difference stops every rank with the first one. Ranks whose batches differ in shape
+    (text padded to each batch's longest sequence) compiled the same program for other shapes: rank 0 says so in
+    one line, and training goes on (each rank runs the graph of its own batch; the gradients are averaged as
+    always). Collective: after round 1, before the first bucket collective of the plan."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (report.structure_lines(), report.shape_lines()), group=group)
+    difference = first_difference([structures for structures, _ in gathered])
+    if difference is not None:
+        raise RankMismatchError(f"static_dist: ranks disagree on what they compiled (graph structures): {difference}."
+                                " Every rank must run the same program.")
+    shapes = [" ".join(lines[:1]) for _, lines in gathered]
+    if len(set(shapes)) > 1:
+        seen = ", ".join(f"rank {rank}: {shape or '-'}" for rank, shape in enumerate(shapes[:4]))
+        note = (f"the ranks compiled their step for different input shapes ({seen}{' ...' if len(shapes) > 4 else ''});"
+                " each runs the graph of its own batch, the gradients are averaged as always")
+        report.notes.append(note)
+        rank_zero_info(f"static_dist: {note}")
 
 
 class StaticCompile(StepParticipant):
@@ -56,6 +73,8 @@ class StaticCompile(StepParticipant):
         self._resolution: Optional[tuple[CompileConfig, CudagraphChoice]] = None
         self.graphs_checked = True
         """Whether the ranks' compiled graphs were compared since the last compilation."""
+        self._tail_rows: Optional[int] = None
+        """The rows of the training loader's short last batch (``process_dataloader``; ``None``: none)."""
 
     def adopt(self, dynamo_ctx: Any) -> None:
         """Compile the way ``torch.compile(model)`` asked: with the user's backend (else ``compile.backend``, read
@@ -85,6 +104,8 @@ class StaticCompile(StepParticipant):
             if self.requested_backend is not None:
                 # the user passed torch.compile(model); Lightning's compile check unwrapped it
                 config = dataclasses.replace(config, enabled=True, backend=self.requested_backend or config.backend)
+            elif config.enabled == "auto":  # on where it pays: CUDA (on a CPU the compile outlasts a small model's fit)
+                config = dataclasses.replace(config, enabled=self._view.root_device.type == "cuda")
             if config.regional == "auto" and plan.reduce_by_scatter:
                 config = dataclasses.replace(config, regional=bool(self.repeated_blocks()))
             choice = self._choose_cudagraphs(config)
@@ -117,8 +138,6 @@ class StaticCompile(StepParticipant):
         module = view.lightning_module
         assert module is not None
         config, cudagraphs = self._resolved()
-        if self.requested_backend is not None:
-            rank_zero_info(f"static_dist: compiling the torch.compile()-d model in the strategy (backend {config.backend!r})")
         plan = view.plan
         graph_mode = plan.sync_mode == "graph"
         if graph_mode and not config.enabled:
@@ -126,6 +145,12 @@ class StaticCompile(StepParticipant):
                               " strategy.compile.enabled=true (or trainer.fit(torch.compile(model))); allowed"
                               " without compile: 'hooks'")
         if config.enabled and not is_compiled(module):
+            if context.fitting:
+                asked = "the torch.compile()-d model" if self.requested_backend is not None else "the training step"
+                off = ("pass the model uncompiled" if self.requested_backend is not None
+                       else "strategy.compile.enabled=false runs it eagerly")
+                rank_zero_info(f"static_dist: compiling {asked} (backend {config.backend!r}; the compile report follows"
+                               f" the first step and says how long it took); {off}")
             # one graph for forward + loss, cut where the buckets end so that collectives still overlap backward
             # (decided from the config, not from this stage: a validate before fit compiles for the fit too)
             cut = plan.compile_cut
@@ -133,6 +158,7 @@ class StaticCompile(StepParticipant):
             self.report = compile_regions(module, config, split=(cut.first_bytes, cut.bytes) if cut else None,
                                           inductor_patches=patches)
             self.report.cudagraphs = cudagraphs.describe()
+            self.report.tail_rows = self._tail_rows
             capture_skips(self.report.cudagraph_skips)
             if config.optimizer and context.fitting:
                 for optimizer in view.optimizers:
@@ -155,10 +181,14 @@ class StaticCompile(StepParticipant):
         check_same_graphs(self.report, self._view.dp_group)
 
     def process_dataloader(self, dataloader: object) -> None:
-        # here, not in on_train_start: Lightning counts an epoch's batches (validation schedule, progress) right after
+        """The training loader's short last batch, if any, told to the report: it is trained (``drop_last`` stays the
+        user's) and gets one graph of its own (``compile/shapes.py``)."""
         context = self._view.context
-        if context is not None and context.training and self.report is not None and not self._view.plan.compile.dynamic:
-            drop_short_last_batch(dataloader)
+        if context is not None and not context.training:
+            return
+        self._tail_rows = tail_rows(dataloader)
+        if self.report is not None:
+            self.report.tail_rows = self._tail_rows
 
     def teardown(self, failed: bool) -> None:
         self.requested_backend, self._resolution = None, None

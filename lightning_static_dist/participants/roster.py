@@ -47,8 +47,8 @@ class Participants:
 
     def __init__(self, view: StrategyView, failed: Callable[[], bool]) -> None:
         self.recording = PhaseRecording()
-        self.probe = ScheduleProbe(view)
         self.compile = StaticCompile(view)
+        self.probe = ScheduleProbe(view, self.compile)
         self.embeddings = EmbeddingShards(view, self.recording)
         self.gradients = GradientAveraging(view, self.compile, self.embeddings, self.recording)
         self.sharded = ParameterShards(view, self.gradients, self.compile)

@@ -9,7 +9,7 @@ in the same world applies it without probing again, and says so) and offered to 
 
 Example (the roster builds it)::
 
-    probe = ScheduleProbe(strategy)
+    probe = ScheduleProbe(strategy, compile)
     probe.setup(context)      # "static_dist: sync.schedule measured: after_backward/fp32+optimizer_overlap (probe ..."
 """
 
@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
+from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.processes.faults import waiting_in
 from lightning_static_dist.simulate import group as simulated
 from lightning_static_dist.sync.link_probe import probe_link
@@ -70,8 +71,9 @@ class ScheduleProbe(StepParticipant):
     checkpoint. Every step that decides is agreed between the ranks (rank 0's checkpoint entry, the optimizer
     overlap's possibility, the probe's figures), so that every rank issues the same collectives and chooses alike."""
 
-    def __init__(self, view: StrategyView) -> None:
+    def __init__(self, view: StrategyView, compile: StaticCompile) -> None:
         self._view = view
+        self._compile = compile
         self.choice: Optional[MeasuredChoice] = None
         """The measured choice of this run (readable after teardown)."""
         self._saved: Optional[dict[str, Any]] = None
@@ -200,7 +202,8 @@ class ScheduleProbe(StepParticipant):
         """Each candidate predicted on this run's buckets from ``measured``'s figures (pure: every rank alike)."""
         plan = self._view.plan
         buckets = bucket_sizes(module, plan.capacity.first_bytes, plan.capacity.bytes)
-        compiled_cut = plan.compile.enabled is True and plan.compile.regional == "auto"
+        config = self._compile.config()  # (enabled as this run resolves it: auto on CUDA, or torch.compile(model))
+        compiled_cut = bool(config.enabled) and config.regional == "auto"
         rates: dict[Optional[int], LinkRates] = {r.sms: r for r in measured.rates}
         return choose_schedule(rates, buckets, measured.world, dtypes, step_per_bucket,
                                mem_gbps=float(measured.details.get("mem_gbps", 0.0)) or None,

@@ -228,7 +228,8 @@ def test_self_log_under_a_batch_idx_branch_logs_what_eager_logs(tmp_path: Any, m
                              StaticDistStrategy(compile={"enabled": True, "backend": "aot_eager"}))
     _assert_same_numbers(rows, eager_rows, "metrics.csv")
     report = trainer.strategy.offer.compile_report
-    # the branch on batch_idx is traced, so each new batch_idx recompiles (static shapes, dynamic=false): every
-    # recompile says so; no graph break is Lightning's log (the metric's own update may break: its lines are named)
-    assert report.recompiles and all("batch_idx ==" in r for r in report.recompiles), report.summary()
+    # the branch on batch_idx is traced, so a new batch_idx recompiles (until dynamo makes it dynamic and guards on
+    # `batch_idx % 2`): every recompile says so; no graph break is Lightning's log (the metric's own update may
+    # break: its lines are named)
+    assert report.recompiles and all("batch_idx" in r for r in report.recompiles), report.summary()
     assert not any("ResultCollection" in reason for reason, _ in report.graph_breaks), report.summary()

@@ -38,7 +38,7 @@ pytestmark = pytest.mark.multiprocess
 SIMULATED = dict(simulate={"world_size": 4}, sync={"comm_sms": 8, "first_bucket_mb": 0.0002, "bucket_mb": 0.0005},
                  compile={"enabled": True, "backend": "aot_eager"})
 STEPS = 5
-BATCH = 5  # rank 0 of 4 reads 16 samples an epoch: 3 batches of 5 and a short one of 1 (dropped: static shapes)
+BATCH = 5  # rank 0 of 4 reads 16 samples an epoch: 3 batches of 5 and a short one of 1 (trained, its own graph)
 
 
 #: the Fabric strategy's deprecated properties, the internal object each still returns, and what its warning names
@@ -82,7 +82,7 @@ def _fabric_in_a_simulated_world() -> dict[str, Any]:
     torch.manual_seed(0)  # Regression's weights
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
-    # set up after the model: the compiled model's loader drops its short last batch, as the Trainer's does
+    # set up after the model: the compiled model's loader tells the report of its short last batch, as the Trainer's
     loader = fabric.setup_dataloaders(DataLoader(_regression_data(), batch_size=BATCH, shuffle=True))
     steps, per_epoch = 0, []
     while steps < STEPS:
@@ -108,7 +108,7 @@ def test_a_simulated_world_under_fabric_gives_the_trainer_strategys_figures() ->
     fabric = _in_fresh_process(_fabric_in_a_simulated_world, timeout=300)
     assert (fabric["world"], fabric["world_size"], fabric["global_rank"], fabric["backend"]) == (4, 4, 0, BACKEND)
     assert fabric["sampler"] == ("DistributedSampler", 4, 0)  # rank 0's shard of a world of 4
-    assert fabric["batches"] == [3, 2]  # the short last batch dropped: no second graph
+    assert fabric["batches"] == [4, 1]  # the short last batch trained: compile never drops a batch
     assert fabric["sms"] == 8 == trainer["sms"]  # sync.comm_sms reached the simulated groups
     assert fabric["buckets"] > 1 and fabric["buckets"] == trainer["buckets"]
     assert fabric["stats"] == trainer["stats"] and fabric["stats"]["rounds"] == STEPS

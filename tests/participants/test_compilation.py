@@ -1,6 +1,7 @@
 """StaticCompile: setup compiles the LightningModule as ``strategy.compile`` says (its training step then runs through
 the recorded graphs and computes what eager computes), once; a ``torch.compile``-d model's backend is adopted; the
-graphs are compared across the ranks once per compilation; a static-shape compile drops the short last batch."""
+graphs are compared across the ranks once per compilation; the short last batch is kept, with a graph of its own;
+``enabled: auto`` compiles on CUDA only."""
 
 from __future__ import annotations
 
@@ -97,19 +98,45 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(torch.randn(10, 8), torch.randn(10, 1)), batch_size=4)  # 4 + 4 + 2
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_static_shapes_drop_the_short_last_training_batch(dynamic: bool) -> None:
+@pytest.mark.parametrize("dynamic", [False, "auto"])
+def test_the_short_last_batch_is_trained_with_a_graph_of_its_own(dynamic: object) -> None:
+    torch._dynamo.reset()  # (dynamo's record of the sizes each frame saw is per process: as in a fresh one)
     view = _compiling(dynamic=dynamic)
     participant = StaticCompile(view)
     participant.setup(view.enter(Context()))
     loader = _loader()
-    if dynamic:
-        participant.process_dataloader(loader)
-    else:
-        with pytest.warns(UserWarning, match="would hold 2 samples instead of 4"):
-            participant.process_dataloader(loader)
-    assert [len(x) for x, _ in loader] == ([4, 4, 2] if dynamic else [4, 4])
+    participant.process_dataloader(loader)
+    assert [len(x) for x, _ in loader] == [4, 4, 2]  # nothing dropped, the sampler untouched
+    assert loader.batch_sampler.drop_last is False
+    module, report = view.lightning_module, participant.report
+    assert module is not None and report is not None and report.tail_rows == 2
+    for _epoch in range(2):
+        for i, batch in enumerate(loader):
+            torch.testing.assert_close(module.training_step(batch, i), Regression().training_step(batch, i))
+    # the full batches' graph and the tail's: static in the batch dimension, no recompile reported
+    assert report.graph_count() == 2 and report.graph_count(tail=True) == 1, report.summary()
+    assert report.graph_count(dynamic=True) == 0 and report.recompiles == [], report.summary()
+    assert "the short last batch (2 rows) runs its own graph" in report.summary()
     validation = _loader()
-    view.enter(Context(training=False))  # a validation loader keeps every sample
+    view.enter(Context(training=False))  # a validation loader is not the training loader
     participant.process_dataloader(validation)
-    assert [len(x) for x, _ in validation] == [4, 4, 2]
+    assert report.tail_rows == 2
+
+
+class _CudaView(View):
+    """A view whose strategy would run on a GPU (the module stays on the CPU: only the decision is under test)."""
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_enabled_auto_compiles_on_cuda_only(device: str) -> None:
+    config = StrategyConfig.from_dict({"compile": {"backend": "aot_eager"}})
+    assert config.compile.enabled == "auto"  # the default
+    view = (_CudaView if device == "cuda" else View)(Regression(), config)
+    participant = StaticCompile(view)
+    participant.setup(view.enter(Context()))
+    assert participant.config().enabled is (device == "cuda")
+    assert (participant.report is not None) is (device == "cuda")
