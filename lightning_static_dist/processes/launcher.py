@@ -29,7 +29,7 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
 from lightning_static_dist.compat import exit_without_native_teardown
-from lightning_static_dist.processes.ending import LocalRanks
+from lightning_static_dist.processes.ending import LocalRanks, freeze_heap_at_exit
 
 
 class _PatientObserver(_ChildProcessObserver):
@@ -74,6 +74,7 @@ class StaticDistLauncher(_SubprocessScriptLauncher):
         if trainer is not None and self.before_launch is not None:
             self.before_launch(trainer)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        freeze_heap_at_exit()  # every rank: registered before the process groups' destruction at exit, run after it
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
             observer = _PatientObserver(os.getpid(), self.procs, self.grace_s)
