@@ -442,6 +442,7 @@ class ScheduleProbe(Callback):
         self.facts: dict[str, Any] = {"launch_during_backward": [], "issued_in_backward": [], "issued": [],
                                       "first": None}
         self._log: Any = None
+        self._launching: Optional[bool] = None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.facts["first"] is None:  # (before the strategy's own batch-start hook: a trial would start there)
@@ -454,10 +455,14 @@ class ScheduleProbe(Callback):
             self._log = synchronizer.recorder = _IssueLog(synchronizer.recorder)
         self._log.events.clear()
 
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
+        # (read inside the step: a trial that decides at the end of its last step switches before the batch's end)
+        self._launching = synchronizer_of(trainer.strategy).launch_during_backward
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         events = self._log.events
         end = events.index("end of backward") if "end of backward" in events else len(events)
-        self.facts["launch_during_backward"].append(synchronizer_of(trainer.strategy).launch_during_backward)
+        self.facts["launch_during_backward"].append(self._launching)
         self.facts["issued_in_backward"].append(events[:end].count("issued"))
         self.facts["issued"].append(events.count("issued"))
 
