@@ -23,7 +23,7 @@ from lightning_static_dist.offer import offer_of
 from lightning_static_dist.trainer_context import TrainerContext
 from _dist import RankPool
 from tests._parts import parts_of, synchronizer_of
-from tests.test_strategy import assert_same_weights, ddp, fit, fit_in, rank_reports, static_dist
+from tests.test_strategy import assert_same_weights, ddp, fit, fit_in, rank_reports, static_dist, write_rank_report
 
 pytestmark = pytest.mark.multiprocess
 
@@ -82,8 +82,7 @@ class SubSteps(Callback):
         facts = {"choice": parts_of(trainer.strategy).overlap.choice.describe(), "seen": self.seen,
                  "buckets": len(synchronizer_of(trainer.strategy).plan.buckets),
                  "summary": offer_of(trainer).sync_figures().optimizer_overlap}  # (what RunSummary records)
-        with open(os.path.join(self.directory, f"rank{trainer.global_rank}.json"), "w") as f:
-            json.dump(facts, f)
+        write_rank_report(self.directory, trainer.global_rank, facts)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ the same choice on every rank, the same weights as Lightning's ``ddp``, and the 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +15,8 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning_static_dist.offer import offer_of
 from _dist import RankPool
-from tests.test_strategy import Steady, assert_same_weights, ddp, fit, fit_in, rank_reports, static_dist
+from tests.test_strategy import (Steady, assert_same_weights, ddp, fit, fit_in, rank_reports, static_dist,
+                                 write_rank_report)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -34,8 +34,7 @@ class ChoiceReport(Callback):
         plan = trainer.strategy.plan
         facts = {"schedule": plan.schedule, "line": plan.schedule_line,
                  "choice": choice.as_dict() if choice is not None else None}
-        with open(os.path.join(self.directory, f"rank{trainer.global_rank}.json"), "w") as f:
-            json.dump(facts, f)
+        write_rank_report(self.directory, trainer.global_rank, facts)
 
 
 @pytest.fixture(scope="module")

@@ -202,8 +202,13 @@ class RankReport(Callback):
             "stats": vars(sync.stats) if sync is not None else None,
             "state": {k: v.float().sum().item() for k, v in pl_module.state_dict().items()},
         }
-        with open(os.path.join(self.directory, f"rank{trainer.global_rank}.json"), "w") as f:
-            json.dump(facts, f)
+        write_rank_report(self.directory, trainer.global_rank, facts)
+
+
+def write_rank_report(directory: str, rank: int, facts: dict[str, Any]) -> None:
+    """``<directory>/rank<N>.json``, as :func:`rank_reports` reads it back."""
+    with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
+        json.dump(facts, f)
 
 
 def fit(

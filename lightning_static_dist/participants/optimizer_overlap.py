@@ -31,6 +31,15 @@ from lightning_static_dist.sync.optimizer_overlap import (
 )
 
 
+def run_hazards(view: StrategyView, context: Optional[StepContext]) -> list[str]:
+    """What the run shows that rules the optimizer overlap out, a clause each: the front end's gradient readers, the
+    optimizers and their step hooks, the precision plugin (the config's part: ``SyncConfig.optimizer_overlap_hazards``)."""
+    return step_hazards(context.gradient_readers if context is not None else None,
+                        automatic_optimization=getattr(view.lightning_module, "automatic_optimization", True),
+                        scaler=getattr(view.precision_plugin, "scaler", None) is not None,
+                        optimizers=view.optimizers)
+
+
 class OptimizerOverlap(StepParticipant):
     """``sync.optimizer_overlap``: resolved at setup (:attr:`choice`); while on, each after-backward round leaves its
     waits to the optimizer step, which settles and steps one bucket at a time. Under ``sync.schedule: auto`` only the
@@ -96,13 +105,8 @@ class OptimizerOverlap(StepParticipant):
         return True
 
     def _run_hazards(self) -> list[str]:
-        """What the run shows that rules the overlap out: the front end's gradient readers, the optimizers and their
-        step hooks, the precision plugin. At setup, and again before each batch (a hook can be registered later)."""
-        view, context = self._view, self._context
-        return step_hazards(context.gradient_readers if context is not None else None,
-                            automatic_optimization=getattr(view.lightning_module, "automatic_optimization", True),
-                            scaler=getattr(view.precision_plugin, "scaler", None) is not None,
-                            optimizers=view.optimizers)
+        """:func:`run_hazards` at setup, and again before each batch (a hook can be registered later)."""
+        return run_hazards(self._view, self._context)
 
     def turn_off(self, hazard: str) -> None:
         """A hazard that appeared after setup (a step hook registered in ``on_train_start``, a callback that reads

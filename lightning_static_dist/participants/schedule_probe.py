@@ -24,10 +24,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
 from lightning_static_dist.participants.compilation import StaticCompile
+from lightning_static_dist.participants.optimizer_overlap import run_hazards
 from lightning_static_dist.processes.faults import waiting_in
 from lightning_static_dist.simulate import group as simulated
 from lightning_static_dist.sync.link_probe import probe_link
-from lightning_static_dist.sync.optimizer_overlap import step_hazards
 from lightning_static_dist.sync.schedule_choice import (
     CUT_S_PER_PIECE,
     SMS_CANDIDATE,
@@ -93,11 +93,12 @@ class ScheduleProbe(StepParticipant):
         step_per_bucket, saved = self._agreed(self._step_per_bucket_possible(context), self._saved)
         self._saved = None
         dtypes, budgets = self._candidates()
+        buckets = bucket_sizes(module, plan.capacity.first_bytes, plan.capacity.bytes)
         choice = self._from_checkpoint(saved, dtypes, budgets, step_per_bucket)
         if choice is None and self.choice is not None and self._same_world(self.choice):
-            choice = self._predict(self.choice, module, dtypes, step_per_bucket)  # (measured in an earlier stage)
+            choice = self._predict(self.choice, buckets, dtypes, step_per_bucket)  # (measured in an earlier stage)
         if choice is None:
-            choice = self._predict(self._probe(module, budgets), module, dtypes, step_per_bucket)
+            choice = self._predict(self._probe(module, buckets, budgets), buckets, dtypes, step_per_bucket)
         candidate = choice.candidate  # (its optimizer overlap: OptimizerOverlap reads the plan's choice)
         self.choice = choice
         line = f"sync.schedule measured: {choice.describe()}"
@@ -163,21 +164,14 @@ class ScheduleProbe(StepParticipant):
             return False
         hazards = plan.sync.optimizer_overlap_hazards(plan.compression.name, plan.compile.optimizer,
                                                       sharded=plan.reduce_by_scatter, schedule="after_backward")
-        module = view.lightning_module
-        hazards += step_hazards(context.gradient_readers,
-                                automatic_optimization=getattr(module, "automatic_optimization", True),
-                                scaler=getattr(view.precision_plugin, "scaler", None) is not None,
-                                optimizers=view.optimizers)
-        return not hazards
+        return not (hazards + run_hazards(view, context))
 
-    def _probe(self, module: torch.nn.Module, budgets: tuple[Optional[int], ...]) -> MeasuredChoice:
+    def _probe(self, module: torch.nn.Module, buckets: list[int],
+               budgets: tuple[Optional[int], ...]) -> MeasuredChoice:
         """The link's figures at each SM budget (a collective), as a choice to predict from."""
         view = self._view
-        plan = view.plan
         device = view.root_device
-        capacity = plan.capacity
-        buckets = bucket_sizes(module, capacity.first_bytes, capacity.bytes)
-        nbytes = max(2**16, min(capacity.bytes, max(buckets, default=0)))  # (a bucket's size, the largest)
+        nbytes = max(2**16, min(view.plan.capacity.bytes, max(buckets, default=0)))  # (a bucket's size, the largest)
         width = gemm_width(module, device)
         rows = PROBE_ROWS if device.type == "cuda" else width
         measures = []
@@ -197,11 +191,9 @@ class ScheduleProbe(StepParticipant):
                                        "mem_gbps": round(measures[0].mem_gbps, 1),
                                        "simulated": view.simulation is not None})
 
-    def _predict(self, measured: MeasuredChoice, module: torch.nn.Module, dtypes: tuple[str, ...],
+    def _predict(self, measured: MeasuredChoice, buckets: list[int], dtypes: tuple[str, ...],
                  step_per_bucket: bool) -> MeasuredChoice:
         """Each candidate predicted on this run's buckets from ``measured``'s figures (pure: every rank alike)."""
-        plan = self._view.plan
-        buckets = bucket_sizes(module, plan.capacity.first_bytes, plan.capacity.bytes)
         config = self._compile.config()  # (enabled as this run resolves it: auto on CUDA, or torch.compile(model))
         compiled_cut = bool(config.enabled) and config.regional == "auto"
         rates: dict[Optional[int], LinkRates] = {r.sms: r for r in measured.rates}

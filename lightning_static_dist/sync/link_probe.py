@@ -134,6 +134,7 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
     (the caller switched the link to it)."""
     started = time.perf_counter()
     world = dist.get_world_size(group)
+    host = device if device.type == "cuda" else torch.device("cpu")  # (where the agreement's small tensors live)
     clock = _Clock(device)
     n = max(1, nbytes // 4)
     bucket = torch.zeros(n, dtype=torch.float32, device=device)
@@ -174,7 +175,7 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
     # a slow link need not move a whole bucket to show its rate: a message of about MESSAGE_S there (agreed: the
     # ranks must issue the same collectives)
     sized = torch.tensor([_median(lambda: all_reduce(bucket[: min(n, 2**18)]))],
-                         device=device if device.type == "cuda" else "cpu")
+                         device=host)
     with waiting_in("the link probe's agreement on its message size (sync.schedule measured)"):
         dist.all_reduce(sized, op=dist.ReduceOp.MAX, group=group)
     per_element_s = sized.item() / min(n, 2**18)
@@ -183,7 +184,7 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
     idle_s = _median(lambda: all_reduce(bucket))
     one_gemm = max(_median(lambda: gemms_alone(4)) / 4, 1e-7)
     # (beside compute the collective runs slower: grown below; agreed, so that every rank runs the same GEMMs)
-    count_t = torch.tensor([max(4, int(2 * idle_s / one_gemm))], device=device if device.type == "cuda" else "cpu")
+    count_t = torch.tensor([max(4, int(2 * idle_s / one_gemm))], device=host)
     with waiting_in("the link probe's agreement on its GEMM count (sync.schedule measured)"):
         dist.all_reduce(count_t, op=dist.ReduceOp.MAX, group=group)
     count = int(count_t.item())
@@ -196,7 +197,7 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
         gemm_s = statistics.median(t[2] for t in turns)
         added_s = max(0.0, statistics.median(t[2] - t[0] for t in turns))
         # the collective ended while the GEMMs ran, on every rank (agreed: the ranks issue the same collectives)?
-        outlasted = torch.tensor([float(comm_s >= 0.9 * gemm_s)], device=device if device.type == "cuda" else "cpu")
+        outlasted = torch.tensor([float(comm_s >= 0.9 * gemm_s)], device=host)
         with waiting_in("the link probe's agreement on its GEMM count (sync.schedule measured)"):
             dist.all_reduce(outlasted, op=dist.ReduceOp.MAX, group=group)
         if not outlasted.item():
@@ -206,7 +207,7 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
 
     figures = torch.tensor([latency_s, idle_s, comm_s, added_s, copy_s,
                             time.perf_counter() - started], dtype=torch.float64,
-                           device=device if device.type == "cuda" else "cpu")
+                           device=host)
     with waiting_in("the all-reduce of the link probe's figures (sync.schedule measured)"):
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's (every rank alike)
     latency_s, idle_s, comm_s, added_s, copy_s, probe_s = figures.tolist()
