@@ -119,10 +119,14 @@ def one_call(record: dict[str, Any], cal: str, monitor_link: str) -> dict[str, A
     return out
 
 
-def summarise(calls: list[dict[str, Any]], cal: str) -> dict[str, Any]:
+def summarise(calls: list[dict[str, Any]], cal: str, probe_calls: Optional[set[int]] = None) -> dict[str, Any]:
+    """Over ``calls``; the probe's keys over ``probe_calls`` only (0-based; ``None``: all), the calls that ran the
+    probe's code as it lands, with ``_all_calls`` beside them."""
     entries = [(i, key, e) for i, call in enumerate(calls) for key, e in call["links"].items()]
     ratios = [e["default_vs_best"] for _, _, e in entries if e.get("default_vs_best") is not None]
-    probes = [p for _, _, e in entries for p in (e.get("probe") or {}).values()]
+    probed = [(i, e) for i, _, e in entries if probe_calls is None or i in probe_calls]
+    probes = [p for _, e in probed for p in (e.get("probe") or {}).values()]
+    every_probe = [p for _, _, e in entries for p in (e.get("probe") or {}).values()]
     free = [r for _, key, e in entries if key.startswith("free@") for r in e["vs_cg_ceiling_per_round"]]
     cal2 = [e["vs_cg_ceiling"] for _, key, e in entries if key == f"{cal}@2" and e.get("vs_cg_ceiling")]
     per_key: dict[str, list[float]] = {}
@@ -139,9 +143,13 @@ def summarise(calls: list[dict[str, Any]], cal: str) -> dict[str, Any]:
         "default_vs_best_min_pinned": min(pinned) if pinned else None,
         "default_vs_best_by_link": {k: {"median": round(statistics.median(v), 4), "min": min(v), "calls": len(v),
                                         "spread": round(max(v) - min(v), 4)} for k, v in sorted(per_key.items())},
-        "probe_s": max((e["probe_s"] for _, _, e in entries if e.get("probe_s") is not None), default=None),
+        "probe_s": max((e["probe_s"] for _, e in probed if e.get("probe_s") is not None), default=None),
         "probe_error_idle": max((p["error_idle"] for p in probes), default=None),
         "probe_error_busy": max((p["error_busy"] for p in probes), default=None),
+        "probe_calls": sorted(i + 1 for i in {i for i, _ in probed}),
+        "probe_s_all_calls": max((e["probe_s"] for _, _, e in entries if e.get("probe_s") is not None), default=None),
+        "probe_error_idle_all_calls": max((p["error_idle"] for p in every_probe), default=None),
+        "probe_error_busy_all_calls": max((p["error_busy"] for p in every_probe), default=None),
         "sim_cal_vs_cg_ceiling": round(statistics.median(cal2), 4) if cal2 else None,
         "sim_cal_vs_cg_ceiling_spread": round(max(cal2) - min(cal2), 4) if len(cal2) > 1 else None,
         "sim_free_vs_cg_ceiling_min": min(free) if free else None,
@@ -165,6 +173,9 @@ def main() -> None:
     parser.add_argument("--monitor-link", default=None, help="the link the monitor's contenders were pinned to"
                         " (default: --cal)")
     parser.add_argument("--note", default="")
+    parser.add_argument("--probe-calls", default=None, help="comma list of the records (1-based) whose probe is the"
+                        " code as it lands: the probe's keys come from those (default: all)")
+    parser.add_argument("--probe-check", default=None, help="a sim_probe_check.py record: its summary is added")
     args = parser.parse_args()
     records = []
     for path in args.records:
@@ -181,8 +192,15 @@ def main() -> None:
         "hardware": records[0].get("hardware"), "versions": records[0].get("versions"),
         "command": "python benchmarks/schedule_choice.py " + " ".join(sys.argv[1:]),
         "call_commands": [r.get("command") for r in records],
-        "rows": calls, "summary": summarise(calls, args.cal), "note": args.note,
+        "rows": calls, "note": args.note,
+        "summary": summarise(calls, args.cal, {int(i) - 1 for i in args.probe_calls.split(",")}
+                             if args.probe_calls else None),
     }
+    if args.probe_check:
+        with open(args.probe_check) as f:
+            check = json.load(f)
+        record["summary"]["probe_check"] = {"command": check["command"], **{k: v for k, v in check["summary"].items()
+                                                                           if k != "targets"}}
     path = os.path.join(args.out_dir, f"sim-gpt2s-choice-{today}.json")
     with open(path, "w") as f:
         json.dump(record, f, indent=2)

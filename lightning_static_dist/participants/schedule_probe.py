@@ -60,9 +60,19 @@ def bucket_sizes(module: torch.nn.Module, first_bytes: int, capacity: int) -> li
 
 
 def gemm_width(module: torch.nn.Module, device: torch.device) -> int:
-    """The probe's GEMM width: the model's widest linear layer (its backward's GEMMs), at least 256."""
-    widths = [m.in_features for m in module.modules() if isinstance(m, torch.nn.Linear)]
-    width = max(widths, default=1024 if device.type == "cuda" else 256)
+    """The probe's GEMM width: the input width that most of the model's linear weights have (where most of backward's
+    GEMM work is: GPT-2 small's 768, not its MLP's 3072), between 256 and 8192.
+
+    The width matters: a GEMM's tiles against the SMs a collective holds decide how much it slows, and how long
+    the collective waits for SMs. Over the two-regime link with 8 SMs, one H200 read 8192 x 3072 x 3072 GEMMs slowed
+    past the probe's cap (0.9) and the rate beside them 45 % low (benchmarks/results/
+    sim-gpt2s-choice-call6-w2tr-2026-12-04.json); 8192 x 768 x 768 ones slowed 0.44 ms per ms, as the 2 x H200
+    traces' 0.40 for GPT-2's backward, and the rate 2 % off (sim-gpt2s-choice-call7-tr-2026-12-04.json)."""
+    weights: dict[int, int] = {}
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear):
+            weights[m.in_features] = weights.get(m.in_features, 0) + m.weight.numel()
+    width = max(weights, key=lambda w: (weights[w], w)) if weights else (1024 if device.type == "cuda" else 256)
     return max(256, min(width, 8192))
 
 
@@ -188,6 +198,7 @@ class ScheduleProbe(StepParticipant):
         return MeasuredChoice("", {}, tuple(m.rates for m in measures), view.world_size, device.type,
                               probe_s=sum(m.probe_s for m in measures),
                               details={"nbytes": measures[0].nbytes, "gemm_width": width, "gemms": measures[0].gemms,
+                                       "first_use_s": round(sum(m.first_use_s for m in measures), 3),
                                        "mem_gbps": round(measures[0].mem_gbps, 1),
                                        "simulated": view.simulation is not None})
 

@@ -11,7 +11,9 @@ emulated link), a few hundred milliseconds:
 3. a copy of the bucket (the device's memory rate: the optimizer's time per bucket and the bf16 casts).
 
 Each figure is the median of its repetitions; the ranks then take the slowest rank's figures (one small all-reduce),
-so that every rank predicts, and chooses, alike (:mod:`~lightning_static_dist.sync.schedule_choice`).
+so that every rank predicts, and chooses, alike (:mod:`~lightning_static_dist.sync.schedule_choice`). What the run's
+first step would pay anyway (the communicator's first collective, cuBLAS's first GEMM, a simulated link's kernel
+compiled) happens first and is timed apart: ``first_use_s``, not ``probe_s``.
 
 Example::
 
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_static_dist.processes.faults import waiting_in
+from lightning_static_dist.sync.bucket_reducer import supports_avg
 from lightning_static_dist.sync.schedule_choice import LinkRates
 
 REPEATS = 3
@@ -45,6 +48,10 @@ MAX_SLOWDOWN = 0.9
 
 MESSAGE_S = 2e-3
 """About how long the probe's bucket-sized message may take alone (a slow link gets a smaller one, never under 4 MiB)."""
+
+MIN_MESSAGE_ELEMENTS = 2**23
+"""The smallest rate-probing message (32 MiB of fp32, unless the bucket is smaller): on a fast link a smaller one's
+bytes take little longer than its latency, and the difference of two would be noise."""
 
 HEAD_START_CYCLES = 2_000_000
 """GPU clock cycles (about a millisecond) the stream spins before a measurement starts: the host's head start."""
@@ -60,9 +67,12 @@ class LinkMeasure:
     nbytes: int
     """The bucket-sized message probed."""
     probe_s: float
-    """Wall seconds the probe took (the slowest rank's)."""
+    """Wall seconds the probe took (the slowest rank's), after its first use."""
     gemms: int
     """GEMMs run beside the collective (grown until they outlast it)."""
+    first_use_s: float = 0.0
+    """Wall seconds of the first collective and GEMM, which the run's first step would otherwise pay (the slowest
+    rank's)."""
 
 
 class _Clock:
@@ -132,7 +142,7 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
     """Probe the link of ``group`` on ``device`` with a message of ``nbytes`` and GEMMs of ``rows`` x ``width`` by
     ``width`` (a collective: every rank of the group calls it). ``sms``: the SM budget the rates are labelled with
     (the caller switched the link to it)."""
-    started = time.perf_counter()
+    first_used = time.perf_counter()
     world = dist.get_world_size(group)
     host = device if device.type == "cuda" else torch.device("cpu")  # (where the agreement's small tensors live)
     clock = _Clock(device)
@@ -144,11 +154,14 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
     generator = torch.Generator(device).manual_seed(0)
     a = torch.randn(rows or width, width, device=device, generator=generator).to(dtype)
     b = torch.randn(width, width, device=device, generator=generator).to(dtype)
+    # the synchroniser's own collective (MeanAllReduce): a native average where the group has one. A sum would time
+    # a pass the step never makes (a simulated world multiplies by N after the link: 13 % off a 317 GB/s link idle)
+    op = dist.ReduceOp.AVG if supports_avg(group, device) else dist.ReduceOp.SUM
 
     def all_reduce(tensor: torch.Tensor) -> float:
         start = clock.start()
         with waiting_in("the link probe's all-reduce (sync.schedule measured)"):
-            dist.all_reduce(tensor, group=group)
+            dist.all_reduce(tensor, op=op, group=group)
         return clock.seconds(start, clock.now())
 
     def gemms(count: int) -> None:
@@ -163,7 +176,7 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
     def beside(count: int) -> tuple[float, float]:
         """(seconds until the collective ended, seconds the GEMMs took), both from the same start."""
         start = clock.start()
-        work = dist.all_reduce(bucket, group=group, async_op=True)
+        work = dist.all_reduce(bucket, op=op, group=group, async_op=True)
         comm_end = clock.end_of(work)
         gemms(count)
         compute_end = clock.now()
@@ -171,16 +184,23 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
             work.wait()
         return clock.seconds(start, comm_end), clock.seconds(start, compute_end)
 
+    # first use (the communicator, cuBLAS, a simulated link's kernel): what the first step would pay, timed apart
+    all_reduce(small), all_reduce(bucket[: min(n, 2**18)]), gemms_alone(1)
+    started = time.perf_counter()
     latency_s = _median(lambda: all_reduce(small))
-    # a slow link need not move a whole bucket to show its rate: a message of about MESSAGE_S there (agreed: the
-    # ranks must issue the same collectives)
-    sized = torch.tensor([_median(lambda: all_reduce(bucket[: min(n, 2**18)]))],
+    # a slow link need not move a whole bucket to show its rate: a message of about MESSAGE_S there, from a 1 MiB
+    # one's time beyond the latency (its rate; a latency-bound estimate would size a fast link's message too small
+    # for its rate to show). Agreed: the ranks must issue the same collectives
+    sized = torch.tensor([max(0.0, _median(lambda: all_reduce(bucket[: min(n, 2**18)])) - latency_s)],
                          device=host)
     with waiting_in("the link probe's agreement on its message size (sync.schedule measured)"):
         dist.all_reduce(sized, op=dist.ReduceOp.MAX, group=group)
     per_element_s = sized.item() / min(n, 2**18)
-    n = max(min(n, 2**20), min(n, int(MESSAGE_S / max(per_element_s, 1e-15))))
+    n = max(min(n, MIN_MESSAGE_ELEMENTS), min(n, int(MESSAGE_S / max(per_element_s, 1e-15))))
     bucket = bucket[:n]
+    # the idle rate from two messages' difference (whatever each collective pays besides its bytes cancels: the
+    # ring's latency, a launch, a stream's wait); that fixed part is then taken off the time beside compute too
+    half_s = _median(lambda: all_reduce(bucket[: n // 2]))
     idle_s = _median(lambda: all_reduce(bucket))
     one_gemm = max(_median(lambda: gemms_alone(4)) / 4, 1e-7)
     # (beside compute the collective runs slower: grown below; agreed, so that every rank runs the same GEMMs)
@@ -205,24 +225,26 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
         count *= 2
     copy_s = _median(lambda: _copy_seconds(bucket, clock))
 
-    figures = torch.tensor([latency_s, idle_s, comm_s, added_s, copy_s,
-                            time.perf_counter() - started], dtype=torch.float64,
+    figures = torch.tensor([latency_s, half_s, idle_s, comm_s, added_s, copy_s,
+                            time.perf_counter() - started, started - first_used], dtype=torch.float64,
                            device=host)
     with waiting_in("the all-reduce of the link probe's figures (sync.schedule measured)"):
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's (every rank alike)
-    latency_s, idle_s, comm_s, added_s, copy_s, probe_s = figures.tolist()
+    latency_s, half_s, idle_s, comm_s, added_s, copy_s, probe_s, first_use_s = figures.tolist()
     moved = 2 * (world - 1) / world * 4 * n  # bus bytes, as NCCL's tests count them
     steps = 2 * (world - 1)
-    # (the small all-reduce is all latency; the big ones pay it too before their bytes)
-    latency_us = 1e6 * latency_s / steps if steps else 0.0
-    lat_s = latency_us * 1e-6 * steps
-    rates = LinkRates(idle_gbps=moved / max(idle_s - lat_s, 1e-9) / 1e9,
-                      busy_gbps=moved / max(comm_s - lat_s, 1e-9) / 1e9,
-                      latency_us=latency_us,
+    per_byte_s = max(idle_s - half_s, 1e-12) / (moved - 2 * (world - 1) / world * 4 * (n // 2) or 1.0)
+    fixed_s = idle_s - moved * per_byte_s  # (t = fixed + bytes x per byte, read from the two messages)
+    if not 0.0 <= fixed_s < idle_s:  # (a noisy difference: the small all-reduce's time instead)
+        fixed_s = min(latency_s, 0.5 * idle_s)
+    rates = LinkRates(idle_gbps=1e-9 / per_byte_s,
+                      busy_gbps=moved / max(comm_s - fixed_s, 1e-9) / 1e9,
+                      latency_us=1e6 * fixed_s / steps if steps else 0.0,
                       slowdown=min(MAX_SLOWDOWN, added_s / max(comm_s, 1e-9)),
                       sms=sms)
     return LinkMeasure(rates=rates, mem_gbps=2 * 4 * n / max(copy_s, 1e-9) / 1e9, nbytes=4 * n,
-                       probe_s=time.perf_counter() - started if probe_s <= 0 else probe_s, gemms=count)
+                       probe_s=time.perf_counter() - started if probe_s <= 0 else probe_s, gemms=count,
+                       first_use_s=first_use_s)
 
 
 def _copy_seconds(bucket: torch.Tensor, clock: _Clock) -> float:

@@ -230,7 +230,9 @@ class MeasuredChoice:
                     f" compute slowed {100 * default.slowdown:.0f}% while a collective runs, {default.latency_us:.3g} us")\
             if default is not None else "no figures"
         ranked = ", ".join(f"{name} +{ms:.3g} ms" for name, ms in sorted(self.predicted_ms.items(), key=lambda kv: kv[1]))
-        how = f"probe {self.probe_s:.2f} s" if self.source == "probe" else "from the checkpoint, not probed again"
+        first_use = self.details.get("first_use_s")
+        how = f"probe {self.probe_s:.2f} s" + (f" after {first_use:.2f} s of first use" if first_use else "") \
+            if self.source == "probe" else "from the checkpoint, not probed again"
         return f"{self.choice} ({how}: {evidence}; predicted beyond compute: {ranked})"
 
     def as_dict(self) -> dict[str, Any]:
