@@ -134,7 +134,7 @@ Left where they are (so that this list is the whole inventory)
 ``sync/graph.py``
     ``torch.distributed._functional_collectives`` are the collectives that dynamo and AOTAutograd can trace. The
     file also reads ``module._parameters``, because the parameters live there while the attribute is a property.
-``processes/faults.py``
+``agreement/faults.py``
     ``distributed_c10d._get_default_store`` gives the rendezvous store for the roll call after a failure. A public
     accessor for the default store would retire it.
 ``processes/watchdog.py``

@@ -37,7 +37,7 @@ from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.trial import StepTrial
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.embedding import EmbeddingConfig, EmbeddingSharder
-from lightning_static_dist.processes.fingerprint import RankMismatchError
+from lightning_static_dist.agreement.fingerprint import RankMismatchError
 from lightning_static_dist.processes.launcher import register_names
 from lightning_static_dist.mesh import MeshConfig
 from lightning_static_dist.offer import StaticDistOffer, warn_deprecated_read

@@ -33,7 +33,7 @@ LAYERS: dict[str, int] = {
     # the leaves
     "overlap": 4, "offer": 4, "checkpoint": 4, "config": 4, "ddp_arguments": 4, "compat": 4,
     # (the process package's own __init__ imports nothing; its two leaves serve the features below the strategy)
-    "processes": 4, "processes.faults": 4, "processes.fingerprint": 4,
+    "processes": 4, "agreement": 4,
     "simulate": 4, "trial": 4,
     "examples": 4, "wording": 4,
 }
@@ -102,7 +102,7 @@ def import_time_nodes(tree: ast.Module) -> Iterator[ast.AST]:
 
 def room(module: str) -> str:
     """The top-level room of ``module``; in a package whose modules sit in different layers (``processes``), the
-    module's own name within it (``processes.faults``)."""
+    module's own name within it (``processes.world``)."""
     parts = module.split(".")
     if len(parts) > 2 and ".".join(parts[1:3]) in LAYERS:
         return ".".join(parts[1:3])

@@ -28,7 +28,7 @@ from lightning_static_dist.compat import mark_run_failed
 from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.ddp_arguments import check_process_group_backend
 from lightning_static_dist.processes.ending import install_excepthook
-from lightning_static_dist.processes.faults import (AgreedFailure, collective_failed, diagnose, is_collective_failure,
+from lightning_static_dist.agreement.faults import (AgreedFailure, collective_failed, diagnose, is_collective_failure,
                                                     post_own_failure)
 from lightning_static_dist.processes.world import DataParallelWorld, WorldFacts
 from lightning_static_dist.processes.launcher import FabricSpawnLauncher, StaticDistLauncher
@@ -75,7 +75,7 @@ class FabricProcesses(WorldFacts, DDPStrategy):
     def failed_at_teardown(self) -> bool:
         """Whether teardown follows a failure. Fabric has no ``on_exception`` hook, so it is read here: an exception
         propagating or handled where teardown is called (``try: ... finally: fabric.strategy.teardown()``), or one
-        that left a collective of the package's (``processes/faults.py``; also when the user's loop caught it)."""
+        that left a collective of the package's (``agreement/faults.py``; also when the user's loop caught it)."""
         if sys.exc_info()[0] is not None or collective_failed():
             self.mark_failed()
         return self._failed

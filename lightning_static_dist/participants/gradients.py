@@ -24,8 +24,8 @@ from torch.nn import Parameter
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_static_dist.processes.faults import AgreedFailure, enter_collective, leave_collective
-from lightning_static_dist.processes.fingerprint import RankMismatchError
+from lightning_static_dist.agreement.faults import AgreedFailure, enter_collective, leave_collective
+from lightning_static_dist.agreement.fingerprint import RankMismatchError
 from lightning_static_dist.participants.base import (
     StepContext,
     StepParticipant,
@@ -92,7 +92,7 @@ class BufferBroadcast:
 
 class NonfiniteGradientError(AgreedFailure, FloatingPointError):
     """``strategy.sync.nonfinite: error``: every rank raises it at the same step (their flag is all-reduced), and the
-    job ends with its one line (``processes/faults.py``'s :class:`AgreedFailure`)."""
+    job ends with its one line (``agreement/faults.py``'s :class:`AgreedFailure`)."""
 
 
 class NonfiniteCheck:

@@ -33,7 +33,7 @@ from lightning_static_dist.config import ConfigError
 from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.ddp_arguments import device_backend
 from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
-from lightning_static_dist.processes.faults import record_nccl_flight, waiting_in
+from lightning_static_dist.agreement.faults import record_nccl_flight, waiting_in
 from lightning_static_dist.simulate import BACKEND as SIMULATED_BACKEND
 from lightning_static_dist.simulate import init_simulated_world, is_simulated, set_link
 from lightning_static_dist.simulate.config import SimulateConfig

@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_static_dist.processes.faults import waiting_in
+from lightning_static_dist.agreement.faults import waiting_in
 from lightning_static_dist.sync.schedule_choice import LinkRates
 
 REPEATS = 3
