@@ -24,7 +24,7 @@ from lightning_static_dist.sync.config import SyncConfig
 from lightning_static_dist.callbacks import GraphReport, RunSummary
 from lightning_static_dist.compile import CompileReport, inductor_distributed, register_inductor_distributed
 from lightning_static_dist.compression.guard import CompressionGuard
-from lightning_static_dist.overlap.monitor import OverlapMonitor
+from lightning_static_dist.callbacks.monitor import OverlapMonitor
 from lightning_static_dist.fabric import StaticDistFabricStrategy
 from lightning_static_dist.offer import StaticDistOffer, offer_of
 from lightning_static_dist.runfile import RunConfig, load_run_config

@@ -8,7 +8,7 @@ named only where one exists.
 
 Defined here
 ------------
-:func:`lightning_log_step` (used by ``callbacks.py``'s ``GraphReport``)
+:func:`lightning_log_step` (used by ``callbacks/__init__.py``'s ``GraphReport``)
     Reads ``trainer.fit_loop.epoch_loop._batches_that_stepped``, the step Lightning's own logger connector (and its
     ``LearningRateMonitor``) logs a training step's metrics at, so that figures logged straight to the loggers land in
     the same rows as ``self.log``'s. A public "logging step" on the trainer would retire it.

@@ -33,7 +33,7 @@ from lightning_static_dist.config.yaml_file import check_nesting, yaml_error_tex
 from lightning_static_dist.strategy_config import StrategyConfig
 from lightning_static_dist.trainer_context import TrainerSettings, refuse_before_launch
 from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
-from lightning_static_dist.overlap.monitor import OverlapMonitor
+from lightning_static_dist.callbacks.monitor import OverlapMonitor
 
 __all__ = [
     "CALLBACKS",

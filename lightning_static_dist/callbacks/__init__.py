@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_modu
 from lightning_static_dist.compat import lightning_log_step
 from lightning_static_dist.config.check import check_fields, fail
 from lightning_static_dist.offer import CompileFacts, offer_of
-from lightning_static_dist.overlap.monitor import log_straight
+from lightning_static_dist.callbacks.monitor import log_straight
 
 SUMMARY_FILE = "summary.json"
 
