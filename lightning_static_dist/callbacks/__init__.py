@@ -1,5 +1,6 @@
 """Callbacks a run file can switch on under ``callbacks:``; each validates its options with a ``Config`` dataclass
-beside it (the run file's ``callbacks.<name>`` block), like the strategy's sections.
+beside it (the run file's ``callbacks.<name>`` block), like the strategy's sections. The overlap monitor is
+``monitor.py`` beside this module.
 
 :class:`RunSummary` ends a run with the figures a user looks for first — loss, tokens/s (samples/s where batches are
 not token ids) and the bytes the gradient synchroniser put on the wire — printed as a table on rank 0 and written to
