@@ -19,7 +19,7 @@ from lightning_static_dist.config import ConfigError
 from lightning_static_dist.config.lightning_cli import report_config_errors_under_jsonargparse, sections_of
 from lightning_static_dist.embedding import EmbeddingConfig
 from lightning_static_dist.mesh import MeshConfig
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.sync.config import SyncConfig
 from lightning_static_dist.callbacks import GraphReport, RunSummary
 from lightning_static_dist.compile import CompileReport, inductor_distributed, register_inductor_distributed

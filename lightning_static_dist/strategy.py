@@ -45,7 +45,7 @@ from lightning_static_dist.participants import Participants, StepPhases
 from lightning_static_dist.participants.roster_offer import RosterOffer
 from lightning_static_dist.processes.data_parallel import DataParallelProcesses
 from lightning_static_dist.simulate.config import SimulateConfig
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.trainer_context import TrainerContext, refuse_saves_on_exception
 from lightning_static_dist.sync import RoundSynchronizer
 from lightning_static_dist.sync.broadcast import start_from_rank_zero

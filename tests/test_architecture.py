@@ -22,9 +22,9 @@ LAYERS: dict[str, int] = {
     # what a front end runs a step with (the strategy's processes and groups, Lightning's loop patch, the watchdog,
     # launchers, callbacks, reports)
     "processes.data_parallel": 2, "processes.launcher": 2, "processes.sigterm": 2, "processes.watchdog": 2,
-    "processes.ending": 2, "processes.world": 2,
+    "processes.ending": 2, "plan": 2,
     # the strategy block: every feature's section (each defined beside its feature), checked together
-    "strategy_config": 2, "step_plan": 2, "trainer_context": 2, "trainer_checkpoints": 2, "callbacks": 2,
+    "trainer_context": 2, "trainer_checkpoints": 2, "callbacks": 2,
     "report_plot": 2, "sweep_report": 2,
     # each feature's part of the strategy's hooks (the step participants)
     "participants": 2,

@@ -104,7 +104,7 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     # Lightning
     ("lightning.fabric.strategies", "_StrategyRegistry", "strategy.py: register_strategies' registry type"),
     ("lightning.fabric.strategies.registry", "_StrategyRegistry", "processes/launcher.py, fabric/strategy.py: the registry type"),
-    ("lightning.fabric.utilities.distributed", "_init_dist_connection", "processes/world.py: DDPStrategy's group setup"),
+    ("lightning.fabric.utilities.distributed", "_init_dist_connection", "plan/world.py: DDPStrategy's group setup"),
     ("lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device",
      "processes/data_parallel.py: the default backend"),
     ("lightning.fabric.utilities.distributed", "_distributed_is_initialized", "processes/data_parallel.py: guard clauses"),

@@ -40,7 +40,7 @@ from lightning_static_dist.sync import GradientSynchronizer, RoundSynchronizer
 from lightning_static_dist.sync.broadcast import broadcast_buffers
 from lightning_static_dist.sync.graph import GraphSynchronizer
 from lightning_static_dist.sync.sharded_synchronizer import ShardedSynchronizer
-from lightning_static_dist.step_plan import StepPlan, SyncMode
+from lightning_static_dist.plan.step_plan import StepPlan, SyncMode
 from lightning_static_dist.sync.config import launches_during_backward, reduce_torch_dtype
 from lightning_static_dist.sync.schedule import ScheduleCandidate
 

@@ -206,7 +206,7 @@ def test_invalid_config_is_one_line_naming_the_key(kwargs: dict, message: str) -
 def test_ddp_arguments_and_the_run_file_block_carry_over() -> None:
     from datetime import timedelta
 
-    from lightning_static_dist.strategy_config import StrategyConfig
+    from lightning_static_dist.plan.strategy_config import StrategyConfig
 
     strategy = StaticDistFabricStrategy(timeout=timedelta(seconds=37), bucket_cap_mb=5, find_unused_parameters=True)
     assert strategy.config.timeout_s == 37.0 and strategy.config.sync.bucket_mb == 5.0

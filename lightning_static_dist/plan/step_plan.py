@@ -29,7 +29,7 @@ from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.embedding import EmbeddingConfig
 from lightning_static_dist.mesh import reduces_by_scatter
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.sync.config import SyncConfig, launches_during_backward, reduce_torch_dtype
 from lightning_static_dist.sync.plan import BucketCapacity
 from lightning_static_dist.sync.schedule_choice import MeasuredChoice

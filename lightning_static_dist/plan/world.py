@@ -38,8 +38,8 @@ from lightning_static_dist.simulate import BACKEND as SIMULATED_BACKEND
 from lightning_static_dist.simulate import init_simulated_world, is_simulated, set_link
 from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.simulate.link import check_available as check_link_available
-from lightning_static_dist.step_plan import StepPlan, resolve_plan, start_up_timeout
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.step_plan import StepPlan, resolve_plan, start_up_timeout
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 
 #: backends whose communicator is created eagerly on the rank's device when the process group is bound to it
 _DEVICE_BOUND_BACKENDS = ("nccl", "xccl", "hccl")
