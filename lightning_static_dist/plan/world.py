@@ -1,8 +1,8 @@
 """How a data-parallel world starts, for both front ends (the Trainer's
-:class:`~lightning_static_dist.processes.data_parallel.DataParallelProcesses` and Fabric's ``FabricProcesses``): the
-launch environment and a simulated world checked before any rank starts, the default process group started (bound to
-the rank's device where that helps, with ``sync.comm_sms``'s NCCL options), and the mesh and the config resolved for
-the world that started, held by one :class:`DataParallelWorld` per front end.
+:class:`~lightning_static_dist.processes.data_parallel.DataParallelProcesses` and Fabric's ``FabricProcesses``): a
+simulated world checked before any rank starts (the launch environment is ``processes/environment.py``'s), the
+default process group started (bound to the rank's device where that helps, with ``sync.comm_sms``'s NCCL options),
+and the mesh and the config resolved for the world that started, held by one :class:`DataParallelWorld` per front end.
 
 Example::
 
@@ -14,9 +14,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import errno
-import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -308,38 +306,3 @@ def check_simulation(simulation: Optional[SimulateConfig], num_processes: int, n
                           f" allowed: {front_end} (got devices={num_processes}, num_nodes={num_nodes})")
     if simulation.link is not None and devices:
         check_link_available(devices[0])  # (a link on CPU, or CuPy missing: one line, now)
-
-
-#: the launch variables read as integers, and the least value each may take
-_INTEGER_VARIABLES = {"WORLD_SIZE": (1, "the number of processes in the job"), "RANK": (0, "this process's rank"),
-                      "LOCAL_RANK": (0, "this process's rank on its node"), "NODE_RANK": (0, "this node's rank")}
-
-
-def check_launch_environment(environ: Mapping[str, str], hosts_store: bool) -> None:
-    """Refuse a launch variable that cannot work, with one line naming it, before any process starts: ``MASTER_PORT``
-    not a port number, or (``hosts_store``: this process will open the rendezvous store on it) a port some other
-    process already listens on; ``WORLD_SIZE`` below 1; a rank that is not an integer >= 0. Otherwise each would fail
-    later: a ``ValueError`` from deep inside Lightning, a store that never binds, or ranks waiting for a world of 0."""
-    port = environ.get("MASTER_PORT")
-    if port is not None and not (port.strip().isdigit() and 0 < int(port) < 65536):
-        raise ConfigError(f"MASTER_PORT={port!r}: must be a TCP port number (an integer 1-65535), or unset to let"
-                          " Lightning pick a free one")
-    for name, (least, meaning) in _INTEGER_VARIABLES.items():
-        value = environ.get(name)
-        if value is not None and not (value.strip().isdigit() and int(value) >= least):
-            raise ConfigError(f"{name}={value!r}: must be an integer >= {least} ({meaning}), or unset")
-    if port is not None and hosts_store and _port_in_use(int(port)):
-        raise ConfigError(f"MASTER_PORT={port}: the port is already in use on this machine (another job's"
-                          " rendezvous?); set MASTER_PORT to a free port, or unset it to let Lightning pick one")
-
-
-def _port_in_use(port: int) -> bool:
-    """Whether a process listens on ``port`` here (bound as torch's TCP store binds it: every interface, reusing a
-    port that only lingers from a closed connection)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", port))
-        except OSError as err:
-            return err.errno == errno.EADDRINUSE  # (EACCES, a port below 1024 without root: torch's own error says so)
-    return False

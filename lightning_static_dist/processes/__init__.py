@@ -3,6 +3,7 @@ run. Each module owns one concern:
 
     data_parallel   ``DataParallelProcesses``, the Trainer strategy's base: launchers, the process group, the
                     data-parallel mesh, the host group, Lightning's collectives, a failed rank's diagnosis
+    environment     the launch environment (``MASTER_PORT``, ``WORLD_SIZE``, the ranks) checked before any rank starts
     launcher        Lightning's launchers, with a grace period when a rank dies, and spawned ranks that leave
                     without the interpreter's native teardown
     sigterm         a SIGTERM (or SLURM's SIGUSR1) agreed on by every rank over the host group, and the stop at an
