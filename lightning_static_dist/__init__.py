@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 StaticDistStrategy.register_strategies(StrategyRegistry)
-register_inductor_distributed()
+register_inductor_distributed(SyncConfig().capacity)  # (compile imports no sync/: its default comes from here)
 # LightningCLI builds these after parsing (the sections too, from a nested key): a bad value is one line there too,
 # not jsonargparse's traceback
 report_config_errors_under_jsonargparse(StaticDistStrategy, StaticDistFabricStrategy, OverlapMonitor, RunSummary,
