@@ -2,7 +2,7 @@
 
 The config says what the user asked (``sync.schedule: measured``, ``sync.reduce: auto``, ``bucket_mb`` in MiB);
 the world (its size, device type, nodes and mesh) decides what that becomes. :func:`resolve_plan` makes that decision
-once, when the processes have started and the mesh is built (``processes/world.py``'s ``DataParallelWorld.build``,
+once, when the processes have started and the mesh is built (``plan/world.py``'s ``DataParallelWorld.build``,
 for both front ends), and the participants read the frozen result as ``view.plan``: none re-reads or re-converts the
 config at phase time. One decision waits for the model: ``measured`` stays pending until the link probe at setup,
 which settles it through :meth:`StepPlan.settled` (a new frozen plan) before any participant acts on the schedule.

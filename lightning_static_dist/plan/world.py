@@ -194,7 +194,7 @@ class DataParallelWorld:
         return start_process_group(environment, backend, device, self._asked, run_dir)
 
     def build(self, owner: Any, device: torch.device, world_size: int, num_nodes: int) -> None:
-        """The mesh over the started group, and the step plan for it (:func:`~lightning_static_dist.step_plan.
+        """The mesh over the started group, and the step plan for it (:func:`~lightning_static_dist.plan.step_plan.
         resolve_plan`) from the config as asked: the line saying what ``measured`` became printed on rank 0 where no
         probe decides it, a refusal in one line (``parse_errors_of(owner)``). At setup, once the group is up."""
         self._mesh = build_dp_mesh(device.type, self._asked.mesh)
@@ -207,7 +207,7 @@ class DataParallelWorld:
         self._adopt(plan)
 
     def settle_schedule(self, plan: StepPlan) -> None:
-        """The plan with ``sync.schedule: measured`` settled (:meth:`~lightning_static_dist.step_plan.StepPlan.settled`,
+        """The plan with ``sync.schedule: measured`` settled (:meth:`~lightning_static_dist.plan.step_plan.StepPlan.settled`,
         by the probe at setup) replaces the pending one."""
         if self._plan is None or self._plan.schedule != "measured" or plan.schedule == "measured":
             raise RuntimeError("settle_schedule: only a pending sync.schedule measured is settled, once")
