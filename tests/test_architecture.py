@@ -49,10 +49,10 @@ LAYERS: dict[str, int] = {
 def modules() -> dict[str, str]:
     """Dotted module name -> its file, for every module of the package."""
     found = {}
-    for folder, _, files in os.walk(ROOT):
+    for directory, _, files in os.walk(ROOT):
         for name in files:
             if name.endswith(".py"):
-                path = os.path.join(folder, name)
+                path = os.path.join(directory, name)
                 dotted = PACKAGE + "." + os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
                 found[dotted.removesuffix(".__init__")] = path
     return found
