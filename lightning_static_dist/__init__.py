@@ -19,12 +19,12 @@ from lightning_static_dist.config import ConfigError
 from lightning_static_dist.config.lightning_cli import report_config_errors_under_jsonargparse, sections_of
 from lightning_static_dist.embedding import EmbeddingConfig
 from lightning_static_dist.mesh import MeshConfig
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.sync.config import SyncConfig
 from lightning_static_dist.callbacks import GraphReport, RunSummary
 from lightning_static_dist.compile import CompileReport, inductor_distributed, register_inductor_distributed
 from lightning_static_dist.compression.guard import CompressionGuard
-from lightning_static_dist.overlap.monitor import OverlapMonitor
+from lightning_static_dist.callbacks.monitor import OverlapMonitor
 from lightning_static_dist.fabric import StaticDistFabricStrategy
 from lightning_static_dist.offer import StaticDistOffer, offer_of
 from lightning_static_dist.runfile import RunConfig, load_run_config
@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 StaticDistStrategy.register_strategies(StrategyRegistry)
-register_inductor_distributed()
+register_inductor_distributed(SyncConfig().capacity)  # (compile imports no sync/: its default comes from here)
 # LightningCLI builds these after parsing (the sections too, from a nested key): a bad value is one line there too,
 # not jsonargparse's traceback
 report_config_errors_under_jsonargparse(StaticDistStrategy, StaticDistFabricStrategy, OverlapMonitor, RunSummary,

@@ -8,7 +8,7 @@ named only where one exists.
 
 Defined here
 ------------
-:func:`lightning_log_step` (used by ``callbacks.py``'s ``GraphReport``)
+:func:`lightning_log_step` (used by ``callbacks/__init__.py``'s ``GraphReport``)
     Reads ``trainer.fit_loop.epoch_loop._batches_that_stepped``, the step Lightning's own logger connector (and its
     ``LearningRateMonitor``) logs a training step's metrics at, so that figures logged straight to the loggers land in
     the same rows as ``self.log``'s. A public "logging step" on the trainer would retire it.
@@ -108,7 +108,7 @@ Left where they are (so that this list is the whole inventory)
     subclassed in the same way (``FabricSpawnLauncher``). ``_StrategyRegistry`` is the type ``register_names``
     takes. A grace period in Lightning's observer would retire the first group, and a launcher hook that runs when a
     rank finishes would retire the second.
-``processes/world.py`` (how both front ends start the process group)
+``plan/world.py`` (how both front ends start the process group)
     ``_init_dist_connection`` from ``lightning.fabric.utilities.distributed``: the process group starts with
     ``DDPStrategy``'s environment variables and rank-zero messages. A public Lightning toolkit for third-party
     strategies would retire it.
@@ -116,7 +116,7 @@ Left where they are (so that this list is the whole inventory)
     ``_StrategyRegistry`` (``strategy.py``), ``_BackwardSyncControl`` (subclassed in ``model.py``, for
     ``no_backward_sync``), ``_PATH`` (``checkpoints.py``) and the ``_configure_launcher`` override
     (``processes.py``). In ``processes.py`` also Fabric ``DDPStrategy``'s ``_setup_distributed`` (overridden: the
-    process group starts as the Trainer strategy's, ``processes/world.py``'s ``start_process_group``, for
+    process group starts as the Trainer strategy's, ``plan/world.py``'s ``start_process_group``, for
     ``simulate`` and ``sync.comm_sms``), with the ``_set_world_ranks`` and ``_get_process_group_backend`` it calls.
     A public hook in Fabric's ``DDPStrategy`` for how the process group starts would retire these.
 ``processes/sigterm.py``
@@ -134,7 +134,7 @@ Left where they are (so that this list is the whole inventory)
 ``sync/graph.py``
     ``torch.distributed._functional_collectives`` are the collectives that dynamo and AOTAutograd can trace. The
     file also reads ``module._parameters``, because the parameters live there while the attribute is a property.
-``processes/faults.py``
+``agreement/faults.py``
     ``distributed_c10d._get_default_store`` gives the rendezvous store for the roll call after a failure. A public
     accessor for the default store would retire it.
 ``processes/watchdog.py``

@@ -10,8 +10,8 @@ nothing there. The strategies' older properties (``strategy.synchronizer`` ...) 
 :func:`warn_deprecated_read` names each one's replacement here.
 
 The offer names what a callback may read by its shape (:class:`CompileFacts`, :class:`CompressionCheck` ...), not
-by the classes that hold it: this module is a leaf, so that every callback can import it, the overlap monitor in
-the leaf layer too, and a leaf imports no feature (``tests/test_architecture.py``). The features' own classes
+by the classes that hold it: this module sits below the features and the callbacks, so that every callback can
+import it, and imports no feature (``tests/test_architecture.py``). The features' own classes
 (``CompileReport``, ``CompressingReducer``, ``StepTrial``) have these shapes.
 
 Example::

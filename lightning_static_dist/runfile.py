@@ -3,7 +3,7 @@
 The top level is ``seed``, ``model``, ``data``, ``trainer``, ``strategy``, ``callbacks`` and ``ckpt_path``. :func:`load_run_config`
 merges the ``dotted.key=value`` overrides over the file with OmegaConf and validates everything with the package's
 one checker (:mod:`lightning_static_dist.config.check`): the ``strategy`` block as
-:class:`~lightning_static_dist.strategy_config.StrategyConfig`, each ``callbacks.<name>`` block as its callback's ``Config``,
+:class:`~lightning_static_dist.plan.strategy_config.StrategyConfig`, each ``callbacks.<name>`` block as its callback's ``Config``,
 the ``trainer`` block against ``lightning.Trainer``'s signature and the ``model``/``data`` blocks against their
 classes' signatures. Every error is one line naming the full key.
 
@@ -30,10 +30,10 @@ from lightning_static_dist.compression.guard import CompressionGuard
 from lightning_static_dist.config import (ConfigError, check_kwargs_against, check_value, fail, import_object,
                                           section_from_dict)
 from lightning_static_dist.config.yaml_file import check_nesting, yaml_error_text
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.trainer_context import TrainerSettings, refuse_before_launch
 from lightning_static_dist.examples.charlm import CharDataModule, CharGPT
-from lightning_static_dist.overlap.monitor import OverlapMonitor
+from lightning_static_dist.callbacks.monitor import OverlapMonitor
 
 __all__ = [
     "CALLBACKS",

@@ -37,7 +37,7 @@ from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.trial import StepTrial
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.embedding import EmbeddingConfig, EmbeddingSharder
-from lightning_static_dist.processes.fingerprint import RankMismatchError
+from lightning_static_dist.agreement.fingerprint import RankMismatchError
 from lightning_static_dist.processes.launcher import register_names
 from lightning_static_dist.mesh import MeshConfig
 from lightning_static_dist.offer import StaticDistOffer, warn_deprecated_read
@@ -45,7 +45,7 @@ from lightning_static_dist.participants import Participants, StepPhases
 from lightning_static_dist.participants.roster_offer import RosterOffer
 from lightning_static_dist.processes.data_parallel import DataParallelProcesses
 from lightning_static_dist.simulate.config import SimulateConfig
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.trainer_context import TrainerContext, refuse_saves_on_exception
 from lightning_static_dist.sync import RoundSynchronizer
 from lightning_static_dist.sync.broadcast import start_from_rank_zero

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_static_dist.compile.cudagraphs import choose_cudagraphs
 from lightning_static_dist.config import ConfigError
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.sync.optimizer_overlap import SCALER_HAZARD, choose_optimizer_overlap
 
 #: Lightning's precisions that carry a gradient scaler.

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_static_dist.processes.faults import waiting_in
+from lightning_static_dist.agreement.faults import waiting_in
 
 MIN_GAIN = 0.05
 """The fraction of exact's step time a compressor must save to be chosen."""

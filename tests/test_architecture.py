@@ -1,51 +1,58 @@
-"""The package's import graph: no circles, and imports flow one way, from the front ends down to the leaves.
+"""The package's import graph, folder by folder: each top-level folder (or top-level module) of the package is one
+layer, a folder imports only folders below it, and the folders form no knot. Inside a folder its modules may import
+each other, without a circle.
 
 Read from the source with ``ast`` (every import, inside functions too), so an import that would close a circle
-fails here before it can fail at import time in some order of first use.
+fails here before it can fail at import time in some order of first use. ``python tests/test_architecture.py --graph``
+prints the folder-level graph (docs/architecture.md: Layers).
 """
 
 from __future__ import annotations
 
 import ast
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterable, Iterator, Mapping
 
 PACKAGE = "lightning_static_dist"
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PACKAGE)
 
-#: top-level room -> its layer; a module may import its own layer's rooms (acyclically) and the layers below it
+#: top-level folder (or module) -> its layer, 0 at the top; a folder imports only folders of a higher number. The
+#: package's root (the public facade, which imports everything) is not a layer.
 LAYERS: dict[str, int] = {
-    # the command line and its run file
-    "__main__": 0, "cli": 0, "runfile": 0,
-    # the Lightning and Fabric front ends
-    "strategy": 1, "fabric": 1,
-    # what a front end runs a step with (the strategy's processes and groups, Lightning's loop patch, the watchdog,
-    # launchers, callbacks, reports)
-    "processes.data_parallel": 2, "processes.launcher": 2, "processes.sigterm": 2, "processes.watchdog": 2,
-    "processes.ending": 2, "processes.world": 2,
-    # the strategy block: every feature's section (each defined beside its feature), checked together
-    "strategy_config": 2, "step_plan": 2, "trainer_context": 2, "trainer_checkpoints": 2, "callbacks": 2,
-    "report_plot": 2, "sweep_report": 2,
-    # each feature's part of the strategy's hooks (the step participants)
-    "participants": 2,
-    # the features
-    "sync": 3, "compile": 3, "compression": 3, "embedding": 3, "mesh": 3,
-    # the leaves
-    "overlap": 4, "offer": 4, "checkpoint": 4, "config": 4, "ddp_arguments": 4, "compat": 4,
-    # (the process package's own __init__ imports nothing; its two leaves serve the features below the strategy)
-    "processes": 4, "processes.faults": 4, "processes.fingerprint": 4,
-    "simulate": 4, "trial": 4,
-    "examples": 4, "wording": 4,
+    # the command line (``python -m lightning_static_dist``, then lsd-train, lsd-report, lsd-consolidate)
+    "__main__": 0, "cli": 1,
+    # what the command line runs: the run file, the Lightning and Fabric front ends, the reports of a finished run
+    "runfile": 2, "strategy": 2, "fabric": 2, "report_plot": 2, "sweep_report": 2,
+    # the Trainer front end's checkpoint reading and writing
+    "trainer_checkpoints": 3,
+    # each feature's part of the front ends' hooks (the step participants)
+    "participants": 4,
+    # what the participants run in and with: the ranks' processes (launch, SIGTERM, watchdog, ending), the callbacks
+    "processes": 5, "callbacks": 5,
+    # the Trainer's own settings, read once for the plan
+    "trainer_context": 6,
+    # the strategy block, the step plan resolved from it, and the world that starts and builds them
+    "plan": 7,
+    # the features: compression plugs into sync
+    "compression": 8,
+    "sync": 9, "compile": 9, "embedding": 9, "mesh": 9,
+    # what the features share: the timed trials, the checkpoint format, what the strategy offers its callbacks
+    "trial": 10, "checkpoint": 10, "offer": 10,
+    # the leaves: the ranks' agreement (faults, fingerprints), measurement, the simulated world
+    "agreement": 11, "overlap": 11, "simulate": 11,
+    "ddp_arguments": 12,
+    "config": 13, "compat": 13, "wording": 13, "examples": 13,
 }
 
 
 def modules() -> dict[str, str]:
     """Dotted module name -> its file, for every module of the package."""
     found = {}
-    for folder, _, files in os.walk(ROOT):
+    for directory, _, files in os.walk(ROOT):
         for name in files:
             if name.endswith(".py"):
-                path = os.path.join(folder, name)
+                path = os.path.join(directory, name)
                 dotted = PACKAGE + "." + os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
                 found[dotted.removesuffix(".__init__")] = path
     return found
@@ -100,13 +107,9 @@ def import_time_nodes(tree: ast.Module) -> Iterator[ast.AST]:
             stack.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt))
 
 
-def room(module: str) -> str:
-    """The top-level room of ``module``; in a package whose modules sit in different layers (``processes``), the
-    module's own name within it (``processes.faults``)."""
-    parts = module.split(".")
-    if len(parts) > 2 and ".".join(parts[1:3]) in LAYERS:
-        return ".".join(parts[1:3])
-    return parts[1] if len(parts) > 1 else "<root>"
+def folder(module: str) -> str:
+    """The top-level folder (or top-level module) that holds ``module``: its layer."""
+    return module.split(".")[1]
 
 
 def graph() -> dict[str, dict[str, int]]:
@@ -120,40 +123,66 @@ def graph() -> dict[str, dict[str, int]]:
     return edges
 
 
-def test_every_room_of_the_package_has_a_layer() -> None:
-    assert {room(m) for m in graph()} <= set(LAYERS), sorted({room(m) for m in graph()} - set(LAYERS))
+def folder_graph() -> dict[str, dict[str, list[str]]]:
+    """folder -> {folder it imports: the imports that make the arrow, as ``module:line -> module``}."""
+    arrows: dict[str, dict[str, list[str]]] = {folder(m): {} for m in graph()}
+    for module, deps in graph().items():
+        for dep, line in deps.items():
+            if folder(dep) != folder(module):
+                arrows[folder(module)].setdefault(folder(dep), []).append(
+                    f"{module.removeprefix(PACKAGE + '.')}:{line} -> {dep.removeprefix(PACKAGE + '.')}")
+    return arrows
 
 
-def test_imports_never_go_up_a_layer() -> None:
-    upward = [f"{m} (layer {LAYERS[room(m)]}) imports {dep} (layer {LAYERS[room(dep)]}) at line {line}"
-              for m, deps in graph().items() for dep, line in deps.items() if LAYERS[room(dep)] < LAYERS[room(m)]]
-    assert not upward, "\n".join(upward)
-
-
-def test_the_import_graph_has_no_circle() -> None:
-    edges = graph()
+def knot(edges: Mapping[str, Iterable[str]]) -> list[str]:
+    """A circle of ``edges`` (node -> the nodes it points to) as ``[a, b, ..., a]``; ``[]`` where there is none."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 
-    def visit(module: str) -> list[str]:
-        state[module] = 1
-        path.append(module)
-        for dep in edges.get(module, {}):
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for dep in edges.get(node, ()):
             if state.get(dep) == 1:
                 return path[path.index(dep):] + [dep]
             if dep not in state and (circle := visit(dep)):
                 return circle
         path.pop()
-        state[module] = 2
+        state[node] = 2
         return []
 
-    for module in sorted(edges):
-        if module not in state and (circle := visit(module)):
-            raise AssertionError("import circle: " + " -> ".join(circle))
+    for node in sorted(edges):
+        if node not in state and (circle := visit(node)):
+            return circle
+    return []
+
+
+def test_every_folder_of_the_package_has_one_layer_and_every_layer_a_folder() -> None:
+    folders = {folder(m) for m in graph()}
+    assert folders == set(LAYERS), (f"without a layer: {sorted(folders - set(LAYERS))};"
+                                    f" a layer without a folder: {sorted(set(LAYERS) - folders)}")
+
+
+def test_a_folder_imports_only_folders_below_it() -> None:
+    upward = [f"{arrow} ({source}, layer {LAYERS[source]}, imports {target}, layer {LAYERS[target]})"
+              for source, targets in folder_graph().items() for target, arrows in targets.items()
+              if LAYERS[target] <= LAYERS[source] for arrow in arrows]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_folders_form_no_knot() -> None:
+    # implied by the layers; said on its own so that a knot is named as one, whatever the numbers say
+    circle = knot(folder_graph())
+    assert not circle, "a knot of folders: " + " -> ".join(circle)
+
+
+def test_the_import_graph_has_no_circle() -> None:
+    circle = knot(graph())
+    assert not circle, "import circle: " + " -> ".join(circle)
 
 
 def test_no_module_imports_the_package_root_at_import_time() -> None:
-    # the root imports every room: a room importing it at import time is a circle through the facade. Inside a
+    # the root imports every folder: a folder importing it at import time is a circle through the facade. Inside a
     # function it is how a spawned rank registers the strategy names, and allowed.
     known = modules()
     offenders = []
@@ -167,10 +196,6 @@ def test_no_module_imports_the_package_root_at_import_time() -> None:
                 if not all(f"{PACKAGE}.{a.name}" in known for a in node.names):  # a name from the root's own code
                     offenders.append(f"{module} line {node.lineno}")
     assert not offenders, offenders
-
-
-def test_every_layer_names_a_room_that_exists() -> None:
-    assert set(LAYERS) <= {room(m) for m in modules()}, sorted(set(LAYERS) - {room(m) for m in modules()})
 
 
 def test_no_step_participant_reads_lightnings_trainer() -> None:
@@ -199,3 +224,17 @@ def test_no_module_is_longer_than_one_sitting() -> None:
     # issue 36: one concept per module, each short enough to read at once (STYLE.md); split along a seam, not a line
     long = {m: n for m, path in modules().items() if (n := sum(1 for _ in open(path))) > 400}
     assert not long, long
+
+
+def print_graph() -> None:
+    """The folder-level graph, top layer first: each folder with its layer and the folders it imports."""
+    arrows = folder_graph()
+    for name in sorted(LAYERS, key=lambda f: (LAYERS[f], f)):
+        below = sorted(arrows.get(name, {}), key=lambda f: (LAYERS.get(f, -1), f))
+        print(f"{LAYERS[name]:>2} {name:<20} -> {', '.join(below) or '(nothing)'}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--graph"]:
+        sys.exit("usage: python tests/test_architecture.py --graph")
+    print_graph()

@@ -104,7 +104,7 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     # Lightning
     ("lightning.fabric.strategies", "_StrategyRegistry", "strategy.py: register_strategies' registry type"),
     ("lightning.fabric.strategies.registry", "_StrategyRegistry", "processes/launcher.py, fabric/strategy.py: the registry type"),
-    ("lightning.fabric.utilities.distributed", "_init_dist_connection", "processes/world.py: DDPStrategy's group setup"),
+    ("lightning.fabric.utilities.distributed", "_init_dist_connection", "plan/world.py: DDPStrategy's group setup"),
     ("lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device",
      "processes/data_parallel.py: the default backend"),
     ("lightning.fabric.utilities.distributed", "_distributed_is_initialized", "processes/data_parallel.py: guard clauses"),
@@ -142,7 +142,7 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     ("lightning.pytorch.callbacks", "ModelCheckpoint._save_last_checkpoint", "compat.py: save_step_as_at_interval"),
     ("lightning.pytorch.callbacks", "ModelCheckpoint._save_checkpoint", "compat.py: save_step_as_at_interval"),
     # torch
-    ("torch.distributed.distributed_c10d", "_get_default_store", "processes/faults.py: the rendezvous store for the roll call"),
+    ("torch.distributed.distributed_c10d", "_get_default_store", "agreement/faults.py: the rendezvous store for the roll call"),
     ("torch.distributed.distributed_c10d", "_set_pg_timeout",
      "compat.py: set_collective_timeout, strategy.timeout_s from the first step on"),
     ("torch.autograd", "Variable._execution_engine.queue_callback", "sync/synchronizer.py: finish at end of backward"),

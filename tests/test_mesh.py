@@ -12,7 +12,7 @@ from _configs import assert_one_line_naming
 from _mesh_fit import static, tiny_gpt
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.mesh import MeshConfig
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.examples.charlm import CharDataModule
 from lightning_static_dist.mesh import RankPlace, TopologyError, check_topology, resolve_mesh_shape
 

@@ -25,7 +25,7 @@ from lightning_static_dist import StaticDistFabricStrategy
 from lightning_static_dist.callbacks import GraphReport, RunSummary
 from lightning_static_dist.compression import CompressionGuard, LowPrecisionCompressor
 from lightning_static_dist.offer import StaticDistOffer, offer_of
-from lightning_static_dist.overlap.monitor import OverlapMonitor
+from lightning_static_dist.callbacks.monitor import OverlapMonitor
 from lightning_static_dist.participants.compression_state import CompressionState
 
 

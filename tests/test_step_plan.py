@@ -12,8 +12,8 @@ import torch
 from _dist import run_ranks
 
 from lightning_static_dist.mesh import MeshConfig, build_dp_mesh
-from lightning_static_dist.step_plan import StepPlan, resolve_plan
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.step_plan import StepPlan, resolve_plan
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.sync.config import SyncConfig
 from lightning_static_dist.sync.plan import BucketCapacity
 

@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from _dist import RankPool, fresh_job_env, reference_ddp
 from tests._parts import synchronizer_of
 from lightning_static_dist import StaticDistStrategy
-from lightning_static_dist.processes.world import binds_device
+from lightning_static_dist.plan.world import binds_device
 
 pytestmark = pytest.mark.multiprocess
 

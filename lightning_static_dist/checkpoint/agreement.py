@@ -15,7 +15,7 @@ from typing import Any, Optional, TypeVar
 import torch.distributed as dist
 
 from lightning_static_dist.checkpoint.format import META_FILE
-from lightning_static_dist.processes.faults import waiting_in
+from lightning_static_dist.agreement.faults import waiting_in
 
 T = TypeVar("T")
 

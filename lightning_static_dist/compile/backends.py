@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch._dynamo
@@ -29,8 +29,6 @@ from lightning_static_dist.compile.report import (
 from lightning_static_dist.compile.shapes import input_shapes, is_dynamic, structure
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compile.cudagraphs import inductor_options
-from lightning_static_dist.sync.config import SyncConfig
-from lightning_static_dist.sync.plan import BucketCapacity
 from lightning_static_dist.wording import counted
 
 log = logging.getLogger(__name__)
@@ -118,18 +116,35 @@ class RecordingBackend:
 
 # ------------------------------------------------------------------------------- the inductor_distributed backend
 
-def graph_mode_patches(capacity: Optional[BucketCapacity] = None) -> dict[str, Any]:
+class CapacityMiB(Protocol):
+    """What compile reads of a bucket capacity: the first bucket's size and the later ones', in MiB. The caller
+    passes it (``sync/plan.py``'s ``BucketCapacity`` has this shape): compile sits below ``sync/`` and imports none
+    of it."""
+
+    @property
+    def first_mib(self) -> float: ...
+
+    @property
+    def mib(self) -> float: ...
+
+
+#: the capacity ``inductor_distributed`` buckets with where no plan gives one (the backend used without the strategy),
+#: given once by :func:`register_inductor_distributed` when the package is imported
+_registered_capacity: Optional[CapacityMiB] = None
+
+
+def graph_mode_patches(capacity: Optional[CapacityMiB] = None) -> dict[str, Any]:
     """Inductor settings that make it communication-aware, each only where this torch version has it: bucket the
-    traced all-reduces (the first bucket ``capacity.first_bytes``, later ones ``capacity.bytes``; ``None``: the
-    ``strategy.sync`` defaults, for ``inductor_distributed`` used without the strategy; inductor's default
-    is one 2 GB bucket, issued after the whole backward) and reorder collectives against compute (waits sunk,
-    collectives raised; the pass names changed between torch versions)."""
+    traced all-reduces (the first bucket ``capacity.first_mib``, later ones ``capacity.mib``; ``None``: the capacity
+    given to :func:`register_inductor_distributed`, for ``inductor_distributed`` used without the strategy;
+    inductor's default is one 2 GB bucket, issued after the whole backward) and reorder collectives against compute
+    (waits sunk, collectives raised; the pass names changed between torch versions)."""
     import torch._inductor.comms as comms
 
     config = torch._inductor.config
-    capacity = capacity if capacity is not None else SyncConfig().capacity
+    capacity = capacity if capacity is not None else _registered_capacity
     patches: dict[str, Any] = {}
-    if hasattr(config, "bucket_all_reduces_fx"):
+    if hasattr(config, "bucket_all_reduces_fx") and capacity is not None:
         patches["bucket_all_reduces_fx"] = "all"
         patches["bucket_all_reduces_fx_bucket_size_determinator"] = _BucketSizes(capacity.first_mib, capacity.mib)
     if hasattr(config, "reorder_for_compute_comm_overlap"):
@@ -167,7 +182,11 @@ def inductor_distributed(gm: torch.fx.GraphModule, example_inputs: list[Any]) ->
     return compile_fx(gm, example_inputs, config_patches=graph_mode_patches())
 
 
-def register_inductor_distributed() -> None:
+def register_inductor_distributed(capacity: CapacityMiB) -> None:
+    """Register :func:`inductor_distributed` as a dynamo backend, bucketing by ``capacity`` where no plan gives one
+    (the package's import passes ``strategy.sync``'s defaults)."""
+    global _registered_capacity
+    _registered_capacity = capacity
     if "inductor_distributed" not in torch._dynamo.list_backends(exclude_tags=()):
         torch._dynamo.register_backend(inductor_distributed, name="inductor_distributed")
 

@@ -3,7 +3,7 @@
 :mod:`~lightning_static_dist.config.check` checks a value against an annotation and a dataclass against its fields;
 :class:`ConfigError`'s message is one line naming the full key, the bad value and what is allowed. Every options
 dataclass uses it, each beside its owner: the strategy's sections (``CompileConfig`` in ``compile/config.py``,
-``SyncConfig`` in ``sync/config.py`` ..., held together by :mod:`lightning_static_dist.strategy_config`), the
+``SyncConfig`` in ``sync/config.py`` ..., held together by :mod:`lightning_static_dist.plan.strategy_config`), the
 callbacks' ``Config``s, and the run file (:mod:`lightning_static_dist.runfile`, beside the command line).
 
 Example::

@@ -28,7 +28,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.fabric.model import FabricModel
 from lightning_static_dist.fabric.processes import FabricProcesses
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 
 
 def one_file_checkpoints(config: StrategyConfig) -> StrategyConfig:

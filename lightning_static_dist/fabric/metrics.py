@@ -20,7 +20,7 @@ import torch
 
 from lightning_static_dist.compile import CompileReport
 from lightning_static_dist.overlap.intervals import step_metrics
-from lightning_static_dist.overlap.monitor import METRICS, RankAggregate, aggregate_over_ranks
+from lightning_static_dist.callbacks.monitor import METRICS, RankAggregate, aggregate_over_ranks
 from lightning_static_dist.overlap.timeline import StepTimeline
 
 

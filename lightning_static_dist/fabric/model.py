@@ -33,9 +33,9 @@ from lightning_static_dist.participants import Participants, StepPhases
 from lightning_static_dist.participants.roster_offer import RosterOffer
 from lightning_static_dist.participants.phases import run_backward as phases_run_backward
 from lightning_static_dist.participants.phases import teardown_all
-from lightning_static_dist.processes.fingerprint import RankMismatchError
+from lightning_static_dist.agreement.fingerprint import RankMismatchError
 from lightning_static_dist.simulate.config import SimulateConfig
-from lightning_static_dist.step_plan import StepPlan
+from lightning_static_dist.plan.step_plan import StepPlan
 
 if TYPE_CHECKING:
     from lightning_static_dist.fabric.processes import FabricProcesses

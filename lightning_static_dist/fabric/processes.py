@@ -1,7 +1,7 @@
 """The processes, ranks, mesh and groups of the Fabric strategy, below its step
 (:class:`~lightning_static_dist.fabric.strategy.StaticDistFabricStrategy`): Fabric's ``DDPStrategy`` with the
 process group started as the Trainer strategy starts it (``strategy.simulate``'s world, ``sync.comm_sms``) and the
-data-parallel ``DeviceMesh``, both held by a :class:`~lightning_static_dist.processes.world.DataParallelWorld` as the
+data-parallel ``DeviceMesh``, both held by a :class:`~lightning_static_dist.plan.world.DataParallelWorld` as the
 Trainer's processes hold theirs; this package's launchers; and what the step participants read of the processes
 (:class:`~lightning_static_dist.participants.StrategyView`).
 
@@ -28,11 +28,11 @@ from lightning_static_dist.compat import mark_run_failed
 from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.ddp_arguments import check_process_group_backend
 from lightning_static_dist.processes.ending import install_excepthook
-from lightning_static_dist.processes.faults import (AgreedFailure, collective_failed, diagnose, is_collective_failure,
+from lightning_static_dist.agreement.faults import (AgreedFailure, collective_failed, diagnose, is_collective_failure,
                                                     post_own_failure)
-from lightning_static_dist.processes.world import DataParallelWorld, WorldFacts
+from lightning_static_dist.plan.world import DataParallelWorld, WorldFacts
 from lightning_static_dist.processes.launcher import FabricSpawnLauncher, StaticDistLauncher
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 
 
 class FabricProcesses(WorldFacts, DDPStrategy):
@@ -75,7 +75,7 @@ class FabricProcesses(WorldFacts, DDPStrategy):
     def failed_at_teardown(self) -> bool:
         """Whether teardown follows a failure. Fabric has no ``on_exception`` hook, so it is read here: an exception
         propagating or handled where teardown is called (``try: ... finally: fabric.strategy.teardown()``), or one
-        that left a collective of the package's (``processes/faults.py``; also when the user's loop caught it)."""
+        that left a collective of the package's (``agreement/faults.py``; also when the user's loop caught it)."""
         if sys.exc_info()[0] is not None or collective_failed():
             self.mark_failed()
         return self._failed

@@ -33,7 +33,7 @@ from lightning_static_dist.processes.launcher import register_names
 from lightning_static_dist.offer import warn_deprecated_read
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.participants.roster_offer import RosterOffer
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.sync.broadcast import start_from_rank_zero
 
 log = logging.getLogger(__name__)

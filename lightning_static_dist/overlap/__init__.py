@@ -1,4 +1,5 @@
-"""Overlap measurement: step timelines, pure interval math, the recorder, the monitor callback and the picture."""
+"""Overlap measurement: step timelines, pure interval math, the recorder and the picture (the callback that
+logs them is ``callbacks/monitor.py``)."""
 
 from lightning_static_dist.overlap.intervals import intersection, merge, step_metrics, total
 from lightning_static_dist.overlap.timeline import CommRecord, StepTimeline

@@ -146,7 +146,7 @@ def gather_on_host(host_max: HostMax, rank: int, world_size: int, figures: Seque
 
 def mean_and_max(table: torch.Tensor) -> tuple[list[float], list[float]]:
     """The mean and the maximum of each column over the rows (ranks) of ``table``, NaN left out; NaN where a column
-    has no number (and a maximum of ±inf). The arithmetic of ``RankAggregate.compute`` (``overlap/monitor.py``).
+    has no number (and a maximum of ±inf). The arithmetic of ``RankAggregate.compute`` (``callbacks/monitor.py``).
 
     Example::
 

@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_static_dist.simulate.config import SimulateConfig
-from lightning_static_dist.step_plan import StepPlan
+from lightning_static_dist.plan.step_plan import StepPlan
 from lightning_static_dist.overlap.recorder import StepRecorder
 
 

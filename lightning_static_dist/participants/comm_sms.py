@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from lightning_static_dist.processes.world import nccl_options
+from lightning_static_dist.plan.world import nccl_options
 from lightning_static_dist.simulate.group import WORLD
 from lightning_static_dist.sync.schedule import Transport
 

@@ -33,7 +33,7 @@ from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compile.cudagraphs import CudagraphChoice, capture_skips, choose_cudagraphs
 from lightning_static_dist.compile.shapes import tail_rows
 from lightning_static_dist.config import ConfigError
-from lightning_static_dist.processes.fingerprint import RankMismatchError, first_difference
+from lightning_static_dist.agreement.fingerprint import RankMismatchError, first_difference
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
 
 

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_static_dist.compat import unwrap_optimizer
 from lightning_static_dist.embedding import EmbeddingSharder
-from lightning_static_dist.processes.faults import waiting_in
+from lightning_static_dist.agreement.faults import waiting_in
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
 from lightning_static_dist.participants.recording import PhaseRecording
 

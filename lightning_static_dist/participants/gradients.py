@@ -24,8 +24,8 @@ from torch.nn import Parameter
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_static_dist.processes.faults import AgreedFailure, enter_collective, leave_collective
-from lightning_static_dist.processes.fingerprint import RankMismatchError
+from lightning_static_dist.agreement.faults import AgreedFailure, enter_collective, leave_collective
+from lightning_static_dist.agreement.fingerprint import RankMismatchError
 from lightning_static_dist.participants.base import (
     StepContext,
     StepParticipant,
@@ -40,7 +40,7 @@ from lightning_static_dist.sync import GradientSynchronizer, RoundSynchronizer
 from lightning_static_dist.sync.broadcast import broadcast_buffers
 from lightning_static_dist.sync.graph import GraphSynchronizer
 from lightning_static_dist.sync.sharded_synchronizer import ShardedSynchronizer
-from lightning_static_dist.step_plan import StepPlan, SyncMode
+from lightning_static_dist.plan.step_plan import StepPlan, SyncMode
 from lightning_static_dist.sync.config import launches_during_backward, reduce_torch_dtype
 from lightning_static_dist.sync.schedule import ScheduleCandidate
 
@@ -92,7 +92,7 @@ class BufferBroadcast:
 
 class NonfiniteGradientError(AgreedFailure, FloatingPointError):
     """``strategy.sync.nonfinite: error``: every rank raises it at the same step (their flag is all-reduced), and the
-    job ends with its one line (``processes/faults.py``'s :class:`AgreedFailure`)."""
+    job ends with its one line (``agreement/faults.py``'s :class:`AgreedFailure`)."""
 
 
 class NonfiniteCheck:

@@ -33,7 +33,7 @@ from lightning_static_dist.checkpoint import (
 )
 from lightning_static_dist.compat import unwrap_optimizer
 from lightning_static_dist.config import ConfigError
-from lightning_static_dist.processes.faults import waiting_in
+from lightning_static_dist.agreement.faults import waiting_in
 from lightning_static_dist.mesh import REPLICATE_DIM, SHARD_DIM
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView, syncs_gradients
 from lightning_static_dist.participants.compilation import StaticCompile

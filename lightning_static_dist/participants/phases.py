@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.participants.base import StepContext
 from lightning_static_dist.participants.roster import Participants
-from lightning_static_dist.processes.fingerprint import RankMismatchError
+from lightning_static_dist.agreement.fingerprint import RankMismatchError
 
 
 class StepState(enum.Enum):

@@ -1,6 +1,6 @@
 """The overlap monitor's view of a step: the recorder is told where compute phases begin and end.
 
-The monitor (:class:`~lightning_static_dist.overlap.monitor.OverlapMonitor`) attaches a
+The monitor (:class:`~lightning_static_dist.callbacks.monitor.OverlapMonitor`) attaches a
 :class:`~lightning_static_dist.overlap.recorder.StepRecorder`; the synchronisers report their collectives to it
 themselves. Backward ends before the wait for the gradient collectives: waiting is not compute.
 

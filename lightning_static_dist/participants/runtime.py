@@ -53,7 +53,7 @@ class PeerWatch(StepParticipant):
 
 class CollectiveTimeout(StepParticipant):
     """``strategy.timeout_s`` from the first optimizer step on: the groups start with a longer timeout
-    (``step_plan.py``'s ``start_up_timeout``), since ranks wait for each other far longer while they start and
+    (``plan/step_plan.py``'s ``start_up_timeout``), since ranks wait for each other far longer while they start and
     compile than a running job's collective should. The default and host groups are set once; the groups a fit opens
     for itself (``groups``: ``sync.schedule: auto``'s SM budgets) after that fit's first optimizer step."""
 

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.optimizer_overlap import run_hazards
-from lightning_static_dist.processes.faults import waiting_in
+from lightning_static_dist.agreement.faults import waiting_in
 from lightning_static_dist.simulate import group as simulated
 from lightning_static_dist.sync.link_probe import probe_link
 from lightning_static_dist.sync.schedule_choice import (

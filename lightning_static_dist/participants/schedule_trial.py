@@ -18,8 +18,8 @@ import torch.distributed
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_static_dist.trial import Candidate, StepTrial
-from lightning_static_dist.processes.faults import waiting_in
-from lightning_static_dist.processes.world import nccl_options
+from lightning_static_dist.agreement.faults import waiting_in
+from lightning_static_dist.plan.world import nccl_options
 from lightning_static_dist.participants.base import (StepContext, StepParticipant, StrategyView, end_trial_step,
                                                      global_step)
 from lightning_static_dist.participants.comm_sms import CommSmsSwitch

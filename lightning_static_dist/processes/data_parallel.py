@@ -46,14 +46,15 @@ from lightning_static_dist.checkpoint import CheckpointError
 from lightning_static_dist.compat import mark_run_failed
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.config.lightning_cli import parse_errors_of
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.trainer_context import TrainerSettings, refuse_before_launch
 from lightning_static_dist.ddp_arguments import check_process_group_backend
 from lightning_static_dist.processes.ending import in_chain, install_excepthook
-from lightning_static_dist.processes.faults import (AgreedFailure, diagnose, is_collective_failure,
+from lightning_static_dist.processes.environment import check_launch_environment
+from lightning_static_dist.agreement.faults import (AgreedFailure, diagnose, is_collective_failure,
                                                     post_own_failure, waiting_in)
 from lightning_static_dist.processes.launcher import StaticDistLauncher, StaticDistSpawnLauncher
-from lightning_static_dist.processes.world import DataParallelWorld, WorldFacts, check_launch_environment
+from lightning_static_dist.plan.world import DataParallelWorld, WorldFacts
 
 log = logging.getLogger(__name__)
 

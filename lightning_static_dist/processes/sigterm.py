@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_static_dist.checkpoint import CheckpointError
-from lightning_static_dist.processes.faults import forget_failure, waiting_in
+from lightning_static_dist.agreement.faults import forget_failure, waiting_in
 from lightning_static_dist.simulate import is_simulated
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """A rank whose peer died while it was blocked where no error can reach it: one line and exit 1, not a SIGKILL.
 
 On Gloo a peer's death fails the survivors' pending collective at once, and the strategy's ``on_exception`` prints
-:func:`~lightning_static_dist.processes.faults.diagnose`'s line. On NCCL it need not: a survivor blocked in a device read
+:func:`~lightning_static_dist.agreement.faults.diagnose`'s line. On NCCL it need not: a survivor blocked in a device read
 (``.item()``, a stream synchronisation) behind a collective the dead peer never joins runs no Python on its main
 thread, so no exception comes before the process group's timeout (``strategy.timeout_s``), and the launcher kills it
 first, once its grace period is over (``StaticDistLauncher.grace_s``): exit -9, nothing said.
@@ -20,7 +20,7 @@ thread's client can be held for minutes by a rendezvous waiting for a late rank.
 
 A rank whose watchdog stopped cleanly (the end of a fit) says so in its last heartbeat: its exit is no death. A peer
 that is alive but stuck is left to the process group's timeout: the rank that times out posts its verdict
-(:class:`~lightning_static_dist.processes.faults.Verdict`), and the stuck rank's watchdog, reading that it is the one
+(:class:`~lightning_static_dist.agreement.faults.Verdict`), and the stuck rank's watchdog, reading that it is the one
 named, says so (with where its main thread was) and ends it, instead of blaming the peer that left. So does a
 verdict that a rank's own code raised: its blocked peers end with a line that names it.
 
@@ -47,7 +47,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch.distributed as dist
 
 from lightning_static_dist.compat import exit_after_failure
-from lightning_static_dist.processes.faults import (STORE_HOST_GONE, VERDICT_KEY, Verdict, failure_line, in_flight,
+from lightning_static_dist.agreement.faults import (STORE_HOST_GONE, VERDICT_KEY, Verdict, failure_line, in_flight,
                                                     posted_verdict, rendezvous_store, stopped_participating,
                                                     store_reachable)
 
@@ -289,7 +289,7 @@ class PeerWatchdog:
 
 
 def post_verdict_to(store: dist.Store, verdict: Verdict) -> None:
-    """:func:`~lightning_static_dist.processes.faults.post_verdict` through the watchdog's own store client."""
+    """:func:`~lightning_static_dist.agreement.faults.post_verdict` through the watchdog's own store client."""
     store.compare_set(VERDICT_KEY, "", json.dumps(asdict(verdict)))
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import Parameter
 
-from lightning_static_dist.processes.faults import waiting_in
+from lightning_static_dist.agreement.faults import waiting_in
 from lightning_static_dist.sync.plan import BucketCapacity, BucketPlan, param_specs, plan_buckets
 from lightning_static_dist.sync.bucket_reducer import all_reduce_sum
 

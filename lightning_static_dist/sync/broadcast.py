@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_static_dist.processes.faults import waiting_in
-from lightning_static_dist.processes.fingerprint import check_same_on_all_ranks, describe_parameters
+from lightning_static_dist.agreement.faults import waiting_in
+from lightning_static_dist.agreement.fingerprint import check_same_on_all_ranks, describe_parameters
 
 
 def broadcast_tensors(tensors: Iterable[Tensor], group: Optional[dist.ProcessGroup] = None, src: int = 0) -> int:

@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_static_dist.processes.faults import waiting_in
+from lightning_static_dist.agreement.faults import waiting_in
 from lightning_static_dist.sync.bucket_reducer import supports_avg
 from lightning_static_dist.sync.schedule_choice import LinkRates
 

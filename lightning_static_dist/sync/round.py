@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
-from lightning_static_dist.processes.faults import waiting_in
+from lightning_static_dist.agreement.faults import waiting_in
 from lightning_static_dist.sync.buffer import BucketBuffer
 from lightning_static_dist.sync.contracts import SyncObserver, SyncStats
 from lightning_static_dist.sync.plan import GradBucket

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_static_dist.processes.faults import waiting_in
-from lightning_static_dist.processes.fingerprint import RankMismatchError
+from lightning_static_dist.agreement.faults import waiting_in
+from lightning_static_dist.agreement.fingerprint import RankMismatchError
 from lightning_static_dist.sync.buffer import BucketBuffer
 from lightning_static_dist.wording import counted
 

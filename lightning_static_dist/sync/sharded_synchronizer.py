@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_static_dist.compat import all_gather_single
-from lightning_static_dist.processes.faults import waiting_in
+from lightning_static_dist.agreement.faults import waiting_in
 from lightning_static_dist.sync.buffer import BucketBuffer
 from lightning_static_dist.sync.contracts import SyncObserver, SyncStats
 from lightning_static_dist.sync.plan import (

@@ -206,7 +206,7 @@ def test_invalid_config_is_one_line_naming_the_key(kwargs: dict, message: str) -
 def test_ddp_arguments_and_the_run_file_block_carry_over() -> None:
     from datetime import timedelta
 
-    from lightning_static_dist.strategy_config import StrategyConfig
+    from lightning_static_dist.plan.strategy_config import StrategyConfig
 
     strategy = StaticDistFabricStrategy(timeout=timedelta(seconds=37), bucket_cap_mb=5, find_unused_parameters=True)
     assert strategy.config.timeout_s == 37.0 and strategy.config.sync.bucket_mb == 5.0
@@ -420,7 +420,7 @@ def test_an_optimizer_set_up_after_its_models_step_is_refused_in_one_line() -> N
 def _out_of_step_then_teardown(fabric: L.Fabric) -> bytes:
     """Rank 1 runs one backward more (accumulated locally) on the last step: the ranks' passes disagree, found at
     teardown; whatever it raises, the model's hooks are gone."""
-    from lightning_static_dist.processes.fingerprint import RankMismatchError
+    from lightning_static_dist.agreement.fingerprint import RankMismatchError
 
     fabric.seed_everything(7)
     net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))  # (no buffers: no broadcast per forward)

@@ -23,7 +23,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_static_dist import OverlapMonitor, StaticDistStrategy
 from lightning_static_dist.cli import report
 from lightning_static_dist.overlap.intervals import median_of
-from lightning_static_dist.overlap.monitor import METRICS
+from lightning_static_dist.callbacks.monitor import METRICS
 from lightning_static_dist.overlap.trace import TRACE_METRICS, classify, load_trace
 
 pytestmark = pytest.mark.multiprocess
@@ -236,7 +236,7 @@ def test_the_monitor_tells_an_uncut_whole_step_from_the_default_cut_one(tmp_path
 
 
 def _aggregate(rank: int, world: int) -> list[float]:
-    from lightning_static_dist.overlap.monitor import RankAggregate
+    from lightning_static_dist.callbacks.monitor import RankAggregate
 
     aggregate = RankAggregate(3)
     values = torch.tensor([1.0 + rank, math.nan if rank == 0 else 5.0, 2.0 * rank], dtype=torch.float64)

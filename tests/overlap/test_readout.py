@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from _dist import run_ranks
 from lightning_static_dist.overlap.intervals import step_metrics
-from lightning_static_dist.overlap.monitor import METRICS, RankAggregate
+from lightning_static_dist.callbacks.monitor import METRICS, RankAggregate
 from lightning_static_dist.overlap.readout import StepReadout, gather_on_host, row_of
 from lightning_static_dist.overlap.recorder import StepRecorder
 

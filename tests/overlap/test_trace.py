@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from lightning_static_dist.overlap.monitor import OverlapMonitor
+from lightning_static_dist.callbacks.monitor import OverlapMonitor
 from lightning_static_dist.overlap.trace import classify, trace_metrics
 
 

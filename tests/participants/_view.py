@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 import lightning as L
 
 from lightning_static_dist.simulate.config import SimulateConfig
-from lightning_static_dist.step_plan import StepPlan, resolve_plan
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.step_plan import StepPlan, resolve_plan
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 
 
 class Context:

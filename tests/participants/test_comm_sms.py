@@ -27,11 +27,11 @@ from lightning_static_dist.participants.schedule_trial import SCHEDULE_KEY, Sche
 from lightning_static_dist.participants.runtime import CollectiveTimeout
 from lightning_static_dist.simulate.config import LinkConfig, SimulateConfig
 from lightning_static_dist.simulate.group import WORLD
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 
 from ._view import Context, Regression, View, gradient_participant
 
-START_UP = timedelta(seconds=600)  # step_plan.py's START_UP_S: timeout_s (60) is shorter
+START_UP = timedelta(seconds=600)  # plan/step_plan.py's START_UP_S: timeout_s (60) is shorter
 TIMEOUT_S = 60.0
 TRIAL_STEPS = 2
 _REAL_NEW_GROUP = dist.new_group

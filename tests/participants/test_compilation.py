@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_static_dist.callbacks import GraphReport
 from lightning_static_dist.compile import is_compiled
 from lightning_static_dist.participants.compilation import StaticCompile
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 
 from ._view import Context, Regression, View
 

@@ -16,7 +16,7 @@ from lightning_static_dist.compression import CompressingReducer
 from lightning_static_dist.compression.reducer_state import COMPRESSION_KEY
 from lightning_static_dist.participants.compression_state import TRIAL_KEY, CompressionState
 from lightning_static_dist.participants.gradients import build_synchronizer
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.sync.bucket_reducer import MeanAllReduce
 
 from ._view import Context, Regression, View

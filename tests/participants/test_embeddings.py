@@ -18,7 +18,7 @@ import lightning as L
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.participants.embeddings import EmbeddingShards
 from lightning_static_dist.participants.recording import PhaseRecording
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 
 from ._view import Context, View
 

@@ -14,7 +14,7 @@ from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.embeddings import EmbeddingShards
 from lightning_static_dist.participants.gradients import GradientAveraging
 from lightning_static_dist.participants.recording import PhaseRecording
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 
 from ._view import Context, Regression, View
 

@@ -12,8 +12,8 @@ import torch
 
 from lightning_static_dist.participants import Participants, StepParticipant, StepPhases, StepState
 from lightning_static_dist.participants.phases import run_backward, teardown_all
-from lightning_static_dist.processes.fingerprint import RankMismatchError
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.agreement.fingerprint import RankMismatchError
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 
 from ._view import Context, Regression, View
 

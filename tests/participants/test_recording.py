@@ -11,7 +11,7 @@ import torch
 
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.participants import Participants, StepParticipant, StepPhases
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 
 from ._view import Context, Regression, View
 

@@ -15,7 +15,7 @@ from _dist import run_ranks
 
 import lightning as L
 
-from lightning_static_dist.processes.faults import rendezvous_store
+from lightning_static_dist.agreement.faults import rendezvous_store
 from lightning_static_dist.participants.runtime import SIMULATED_KEY, PeerWatch, SigtermAgreement, SimulationMark
 from lightning_static_dist.simulate.config import LinkConfig, SimulateConfig
 from lightning_static_dist.processes.watchdog import THREAD_NAME

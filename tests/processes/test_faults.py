@@ -22,7 +22,7 @@ import torch
 from _jobs import ForkedJob
 from _dist import fresh_job_env
 
-from lightning_static_dist.processes.faults import STORE_HOST_GONE
+from lightning_static_dist.agreement.faults import STORE_HOST_GONE
 from lightning_static_dist.processes.watchdog import _process_gone
 
 pytestmark = pytest.mark.multiprocess
@@ -263,8 +263,8 @@ def test_a_save_on_exception_is_refused_before_it_can_hang_the_job(tmp_path: Any
 def test_a_collective_failure_is_told_by_where_it_came_from_not_by_its_words() -> None:
     import torch.distributed as dist
 
-    from lightning_static_dist.processes import faults
-    from lightning_static_dist.processes.faults import (enter_collective, in_flight, is_collective_failure,
+    from lightning_static_dist.agreement import faults
+    from lightning_static_dist.agreement.faults import (enter_collective, in_flight, is_collective_failure,
                                                         leave_collective, waiting_in)
 
     def raised(make: Any, filename: str = __file__) -> BaseException:
@@ -311,7 +311,7 @@ def test_an_nccl_timeout_names_the_flight_recorder_dump_under_the_run_directory(
     # timeout, under the run directory, unless the user chose; the timeout's line names this rank's file
     import torch.distributed as dist
 
-    from lightning_static_dist.processes.faults import diagnose, flight_recorder_file, record_nccl_flight
+    from lightning_static_dist.agreement.faults import diagnose, flight_recorder_file, record_nccl_flight
 
     if dist.is_initialized():  # (an earlier in-process fit's world-1 group: torch read its settings already)
         dist.destroy_process_group()

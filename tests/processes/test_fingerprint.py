@@ -1,4 +1,4 @@
-"""What every rank must agree on, compared across ranks (:mod:`lightning_static_dist.processes.fingerprint`): the first
+"""What every rank must agree on, compared across ranks (:mod:`lightning_static_dist.agreement.fingerprint`): the first
 difference named, and ranks that built different models stopped at once with it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from torch import nn
 
 from _dist import run_ranks
-from lightning_static_dist.processes.fingerprint import first_difference
+from lightning_static_dist.agreement.fingerprint import first_difference
 
 
 def test_first_difference() -> None:
@@ -19,7 +19,7 @@ def test_first_difference() -> None:
 
 
 def _mismatched_models(rank: int, world: int) -> str:
-    from lightning_static_dist.processes.fingerprint import RankMismatchError, check_same_on_all_ranks, describe_parameters
+    from lightning_static_dist.agreement.fingerprint import RankMismatchError, check_same_on_all_ranks, describe_parameters
 
     model = nn.Linear(4, 4 if rank == 0 else 5)  # rank 1 built another model
     started = time.perf_counter()

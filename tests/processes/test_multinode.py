@@ -23,7 +23,7 @@ from _dist import fresh_job_env, free_port
 from tests.test_resume import REPO, TINY, summaries
 from tests.test_strategy import assert_same_weights
 
-from lightning_static_dist.processes.faults import failure_line, stopped_participating
+from lightning_static_dist.agreement.faults import failure_line, stopped_participating
 
 #: 2 nodes of 1 process each, 6 steps, the final checkpoint compared
 TWO_NODES = ["trainer.devices=1", "trainer.num_nodes=2", "trainer.max_steps=6", "data.max_bytes=20000",

@@ -38,7 +38,7 @@ def test_a_rank_killed_between_buckets_of_the_optimizer_step_is_one_line(tmp_pat
 
 
 def _check_without_a_peer(rank: int, world_size: int) -> Any:
-    from lightning_static_dist.processes import faults
+    from lightning_static_dist.agreement import faults
     from lightning_static_dist.sync.round_check import _RoundCheck
 
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))

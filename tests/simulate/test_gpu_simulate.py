@@ -67,7 +67,7 @@ def test_comm_sms_reaches_the_nccl_process_groups_options() -> None:
     out = _run("""
         import json, os, torch, torch.distributed as dist
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1")
-        from lightning_static_dist.processes.world import nccl_options
+        from lightning_static_dist.plan.world import nccl_options
         options = nccl_options("nccl", 8)
         dist.init_process_group("nccl", pg_options=options["pg_options"], device_id=torch.device("cuda", 0))
         backend = dist.group.WORLD._get_backend(torch.device("cuda"))

@@ -39,8 +39,8 @@ from lightning_static_dist.compat import all_gather_single, reduce_scatter_singl
 from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.config.check import ConfigError
 from lightning_static_dist.participants.schedule_trial import SCHEDULE_KEY
-from lightning_static_dist.step_plan import compile_split
-from lightning_static_dist.processes.world import nccl_options
+from lightning_static_dist.plan.step_plan import compile_split
+from lightning_static_dist.plan.world import nccl_options
 from lightning_static_dist.simulate import BACKEND, LinkConfig, SimulatedGroup, init_simulated_world, set_link
 from lightning_static_dist.simulate import group as simulated_group
 from lightning_static_dist.sync.config import SyncConfig

@@ -16,7 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from _dist import run_ranks
 from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.config import ConfigError
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.sync import BucketCapacity, GradientSynchronizer
 from lightning_static_dist.sync.optimizer_overlap import (
     PER_PARAMETER,

@@ -88,7 +88,7 @@ def test_parameters_outside_the_pieces_are_bucketed_by_capacity_and_never_join_a
 
 def test_bucket_sizes_in_mib_become_bytes_in_one_place() -> None:
     from lightning_static_dist.compile.config import CompileConfig
-    from lightning_static_dist.step_plan import compile_split
+    from lightning_static_dist.plan.step_plan import compile_split
     from lightning_static_dist.sync import BucketCapacity
     from lightning_static_dist.sync.config import SyncConfig
 

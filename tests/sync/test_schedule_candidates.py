@@ -8,8 +8,8 @@ import pytest
 
 from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.config.check import ConfigError
-from lightning_static_dist.step_plan import compile_split
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.step_plan import compile_split
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.sync.config import SyncConfig, schedule_without_probe
 from lightning_static_dist.sync.schedule import ScheduleCandidate, candidate_named, schedule_candidates
 

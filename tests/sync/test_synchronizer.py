@@ -231,7 +231,7 @@ def test_buckets_follow_the_observed_gradient_order_on_every_rank(ranks: RankPoo
 
 
 def _skip_a_step(rank: int, world: int, check_each_collective: bool = False) -> str:
-    from lightning_static_dist.processes.fingerprint import RankMismatchError
+    from lightning_static_dist.agreement.fingerprint import RankMismatchError
     from lightning_static_dist.sync import GradientSynchronizer
 
     torch.manual_seed(0)

@@ -1,8 +1,8 @@
 """How a data-parallel world starts, for both front ends (the Trainer's
-:class:`~lightning_static_dist.processes.data_parallel.DataParallelProcesses` and Fabric's ``FabricProcesses``): the
-launch environment and a simulated world checked before any rank starts, the default process group started (bound to
-the rank's device where that helps, with ``sync.comm_sms``'s NCCL options), and the mesh and the config resolved for
-the world that started, held by one :class:`DataParallelWorld` per front end.
+:class:`~lightning_static_dist.processes.data_parallel.DataParallelProcesses` and Fabric's ``FabricProcesses``): a
+simulated world checked before any rank starts (the launch environment is ``processes/environment.py``'s), the
+default process group started (bound to the rank's device where that helps, with ``sync.comm_sms``'s NCCL options),
+and the mesh and the config resolved for the world that started, held by one :class:`DataParallelWorld` per front end.
 
 Example::
 
@@ -14,9 +14,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import errno
-import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -33,13 +31,13 @@ from lightning_static_dist.config import ConfigError
 from lightning_static_dist.config.lightning_cli import parse_errors_of
 from lightning_static_dist.ddp_arguments import device_backend
 from lightning_static_dist.mesh import build_dp_mesh, reduces_by_scatter, resolve_mesh_shape
-from lightning_static_dist.processes.faults import record_nccl_flight, waiting_in
+from lightning_static_dist.agreement.faults import record_nccl_flight, waiting_in
 from lightning_static_dist.simulate import BACKEND as SIMULATED_BACKEND
 from lightning_static_dist.simulate import init_simulated_world, is_simulated, set_link
 from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.simulate.link import check_available as check_link_available
-from lightning_static_dist.step_plan import StepPlan, resolve_plan, start_up_timeout
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.step_plan import StepPlan, resolve_plan, start_up_timeout
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 
 #: backends whose communicator is created eagerly on the rank's device when the process group is bound to it
 _DEVICE_BOUND_BACKENDS = ("nccl", "xccl", "hccl")
@@ -196,7 +194,7 @@ class DataParallelWorld:
         return start_process_group(environment, backend, device, self._asked, run_dir)
 
     def build(self, owner: Any, device: torch.device, world_size: int, num_nodes: int) -> None:
-        """The mesh over the started group, and the step plan for it (:func:`~lightning_static_dist.step_plan.
+        """The mesh over the started group, and the step plan for it (:func:`~lightning_static_dist.plan.step_plan.
         resolve_plan`) from the config as asked: the line saying what ``measured`` became printed on rank 0 where no
         probe decides it, a refusal in one line (``parse_errors_of(owner)``). At setup, once the group is up."""
         self._mesh = build_dp_mesh(device.type, self._asked.mesh)
@@ -209,7 +207,7 @@ class DataParallelWorld:
         self._adopt(plan)
 
     def settle_schedule(self, plan: StepPlan) -> None:
-        """The plan with ``sync.schedule: measured`` settled (:meth:`~lightning_static_dist.step_plan.StepPlan.settled`,
+        """The plan with ``sync.schedule: measured`` settled (:meth:`~lightning_static_dist.plan.step_plan.StepPlan.settled`,
         by the probe at setup) replaces the pending one."""
         if self._plan is None or self._plan.schedule != "measured" or plan.schedule == "measured":
             raise RuntimeError("settle_schedule: only a pending sync.schedule measured is settled, once")
@@ -308,38 +306,3 @@ def check_simulation(simulation: Optional[SimulateConfig], num_processes: int, n
                           f" allowed: {front_end} (got devices={num_processes}, num_nodes={num_nodes})")
     if simulation.link is not None and devices:
         check_link_available(devices[0])  # (a link on CPU, or CuPy missing: one line, now)
-
-
-#: the launch variables read as integers, and the least value each may take
-_INTEGER_VARIABLES = {"WORLD_SIZE": (1, "the number of processes in the job"), "RANK": (0, "this process's rank"),
-                      "LOCAL_RANK": (0, "this process's rank on its node"), "NODE_RANK": (0, "this node's rank")}
-
-
-def check_launch_environment(environ: Mapping[str, str], hosts_store: bool) -> None:
-    """Refuse a launch variable that cannot work, with one line naming it, before any process starts: ``MASTER_PORT``
-    not a port number, or (``hosts_store``: this process will open the rendezvous store on it) a port some other
-    process already listens on; ``WORLD_SIZE`` below 1; a rank that is not an integer >= 0. Otherwise each would fail
-    later: a ``ValueError`` from deep inside Lightning, a store that never binds, or ranks waiting for a world of 0."""
-    port = environ.get("MASTER_PORT")
-    if port is not None and not (port.strip().isdigit() and 0 < int(port) < 65536):
-        raise ConfigError(f"MASTER_PORT={port!r}: must be a TCP port number (an integer 1-65535), or unset to let"
-                          " Lightning pick a free one")
-    for name, (least, meaning) in _INTEGER_VARIABLES.items():
-        value = environ.get(name)
-        if value is not None and not (value.strip().isdigit() and int(value) >= least):
-            raise ConfigError(f"{name}={value!r}: must be an integer >= {least} ({meaning}), or unset")
-    if port is not None and hosts_store and _port_in_use(int(port)):
-        raise ConfigError(f"MASTER_PORT={port}: the port is already in use on this machine (another job's"
-                          " rendezvous?); set MASTER_PORT to a free port, or unset it to let Lightning pick one")
-
-
-def _port_in_use(port: int) -> bool:
-    """Whether a process listens on ``port`` here (bound as torch's TCP store binds it: every interface, reusing a
-    port that only lingers from a closed connection)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", port))
-        except OSError as err:
-            return err.errno == errno.EADDRINUSE  # (EACCES, a port below 1024 without root: torch's own error says so)
-    return False

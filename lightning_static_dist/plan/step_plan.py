@@ -2,7 +2,7 @@
 
 The config says what the user asked (``sync.schedule: measured``, ``sync.reduce: auto``, ``bucket_mb`` in MiB);
 the world (its size, device type, nodes and mesh) decides what that becomes. :func:`resolve_plan` makes that decision
-once, when the processes have started and the mesh is built (``processes/world.py``'s ``DataParallelWorld.build``,
+once, when the processes have started and the mesh is built (``plan/world.py``'s ``DataParallelWorld.build``,
 for both front ends), and the participants read the frozen result as ``view.plan``: none re-reads or re-converts the
 config at phase time. One decision waits for the model: ``measured`` stays pending until the link probe at setup,
 which settles it through :meth:`StepPlan.settled` (a new frozen plan) before any participant acts on the schedule.
@@ -29,7 +29,7 @@ from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.embedding import EmbeddingConfig
 from lightning_static_dist.mesh import reduces_by_scatter
-from lightning_static_dist.strategy_config import StrategyConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.sync.config import SyncConfig, launches_during_backward, reduce_torch_dtype
 from lightning_static_dist.sync.plan import BucketCapacity
 from lightning_static_dist.sync.schedule_choice import MeasuredChoice

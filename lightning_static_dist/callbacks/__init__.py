@@ -1,5 +1,6 @@
 """Callbacks a run file can switch on under ``callbacks:``; each validates its options with a ``Config`` dataclass
-beside it (the run file's ``callbacks.<name>`` block), like the strategy's sections.
+beside it (the run file's ``callbacks.<name>`` block), like the strategy's sections. The overlap monitor is
+``monitor.py`` beside this module.
 
 :class:`RunSummary` ends a run with the figures a user looks for first — loss, tokens/s (samples/s where batches are
 not token ids) and the bytes the gradient synchroniser put on the wire — printed as a table on rank 0 and written to
@@ -27,7 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_modu
 from lightning_static_dist.compat import lightning_log_step
 from lightning_static_dist.config.check import check_fields, fail
 from lightning_static_dist.offer import CompileFacts, offer_of
-from lightning_static_dist.overlap.monitor import log_straight
+from lightning_static_dist.callbacks.monitor import log_straight
 
 SUMMARY_FILE = "summary.json"
 
