@@ -1,9 +1,9 @@
 """The link probe of ``sync.schedule: measured`` against the emulated links it should recover.
 
 For each ``--link`` and each world of ``--worlds``, ``--repeats`` times: :func:`probe_link` over the simulated world
-(GPT-2 small's bucket, 100 MiB, and its width, 768, with the strategy's 8192-row GEMMs), then the measured idle and
-busy rates against the link's configured ones (``|measured / configured - 1|``), the slowdown and the probe's seconds.
-The configured busy rate is the link's ``gbps`` at the probe's SM budget (the link's own).
+(GPT-2 small's bucket, 100 MiB, its width, 768, and the strategy's GEMM rows, ``PROBE_ROWS``), then the measured
+idle and busy rates against the link's configured ones (``|measured / configured - 1|``), the slowdown and the
+probe's seconds. The configured busy rate is the link's ``gbps`` at the probe's SM budget (the link's own).
 
     python benchmarks/sim_probe_check.py --link tr=237,12.5,57,317,65 --link one70=70,5,8 \
         --link pcie25=25,5,16 --link net12=12.5,20,16 --worlds 2,8 --out benchmarks/results/sim-probe-check-<date>.json
@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # (the package,
 
 NBYTES = 100 * 2**20
 WIDTH = 768
-ROWS = 8192  # (participants/schedule_probe.py PROBE_ROWS)
 
 
 def one_world(world: int, links: list[str], repeats: int) -> list[dict[str, Any]]:
@@ -37,6 +36,7 @@ def one_world(world: int, links: list[str], repeats: int) -> list[dict[str, Any]
     import torch
 
     from _simulated import parse_link
+    from lightning_static_dist.participants.schedule_probe import PROBE_ROWS
     from lightning_static_dist.simulate import init_simulated_world, set_link
     from lightning_static_dist.sync.link_probe import probe_link
 
@@ -49,16 +49,17 @@ def one_world(world: int, links: list[str], repeats: int) -> list[dict[str, Any]
         busy_cfg, idle_cfg = config.rates(config.sms)
         probes = []
         for _ in range(repeats):
-            m = probe_link(None, torch.device("cuda"), NBYTES, WIDTH, rows=ROWS)
+            m = probe_link(None, torch.device("cuda"), NBYTES, WIDTH, rows=PROBE_ROWS)
             probes.append({"idle_gbps": round(m.rates.idle_gbps, 2), "busy_gbps": round(m.rates.busy_gbps, 2),
                            "latency_us": round(m.rates.latency_us, 2), "slowdown": round(m.rates.slowdown, 4),
                            "probe_s": round(m.probe_s, 3), "nbytes": m.nbytes, "gemms": m.gemms,
                            "error_idle": round(abs(m.rates.idle_gbps / idle_cfg - 1), 4),
                            "error_busy": round(abs(m.rates.busy_gbps / busy_cfg - 1), 4)})
         set_link(None)
-        rows.append({"link": link.name, "spec": text, "world": world, "configured": {"busy_gbps": busy_cfg,
-                     "idle_gbps": idle_cfg}, "probes": probes,
-                     "slowdown_spread": round(max(p["slowdown"] for p in probes) - min(p["slowdown"] for p in probes), 4)})
+        slowdowns = [p["slowdown"] for p in probes]
+        rows.append({"link": link.name, "spec": text, "world": world,
+                     "configured": {"busy_gbps": busy_cfg, "idle_gbps": idle_cfg}, "probes": probes,
+                     "slowdown_spread": round(max(slowdowns) - min(slowdowns), 4)})
     return rows
 
 

@@ -3,8 +3,8 @@
 On every rank of the data-parallel group, over whatever carries its collectives (NCCL, Gloo, a simulated world's
 emulated link), a few hundred milliseconds:
 
-1. a small all-reduce (the ring's latency) and a bucket-sized one with the compute stream waiting for it (the idle
-   rate);
+1. a small all-reduce (the ring's latency), and a bucket-sized one and its half with the compute stream waiting for
+   them (the idle rate from their difference, and the fixed time each collective pays besides its bytes);
 2. GEMMs alone, then the same GEMMs with the bucket-sized all-reduce issued beside them: when the collective ends
    (a side stream waits for its future and records an event; on CPUs the future's callback reads the clock) gives the
    rate beside compute, and how much longer the GEMMs took gives the slowdown per second of collective beside them;
@@ -47,7 +47,8 @@ MAX_SLOWDOWN = 0.9
 """The most of the GEMMs' pace a collective is taken to cost (a difference of two noisy times can read more)."""
 
 MESSAGE_S = 2e-3
-"""About how long the probe's bucket-sized message may take alone (a slow link gets a smaller one, never under 4 MiB)."""
+"""About how long the probe's bucket-sized message may take alone (a slow link gets a smaller one, never under
+:data:`MIN_MESSAGE_ELEMENTS`)."""
 
 MIN_MESSAGE_ELEMENTS = 2**23
 """The smallest rate-probing message (32 MiB of fp32, unless the bucket is smaller): on a fast link a smaller one's
@@ -231,9 +232,13 @@ def probe_link(group: Optional[dist.ProcessGroup], device: torch.device, nbytes:
     with waiting_in("the all-reduce of the link probe's figures (sync.schedule measured)"):
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's (every rank alike)
     latency_s, half_s, idle_s, comm_s, added_s, copy_s, probe_s, first_use_s = figures.tolist()
-    moved = 2 * (world - 1) / world * 4 * n  # bus bytes, as NCCL's tests count them
     steps = 2 * (world - 1)
-    per_byte_s = max(idle_s - half_s, 1e-12) / (moved - 2 * (world - 1) / world * 4 * (n // 2) or 1.0)
+
+    def bus_bytes(elements: int) -> float:  # (of an fp32 all-reduce, as NCCL's tests count them)
+        return steps / world * 4 * elements
+
+    moved = bus_bytes(n)
+    per_byte_s = max(idle_s - half_s, 1e-12) / (moved - bus_bytes(n // 2) or 1.0)
     fixed_s = idle_s - moved * per_byte_s  # (t = fixed + bytes x per byte, read from the two messages)
     if not 0.0 <= fixed_s < idle_s:  # (a noisy difference: the small all-reduce's time instead)
         fixed_s = min(latency_s, 0.5 * idle_s)
