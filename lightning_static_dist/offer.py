@@ -6,8 +6,7 @@ compression guard, a user's own) or a Fabric loop reads the strategy's parts thr
 attribute names of the strategy. Both front ends provide it as ``strategy.offer`` (:class:`ProvidesOffer`; under
 Fabric the first trainable model's, ``strategy.offers`` one per model); :func:`offer_of` returns it for a Trainer or a
 Fabric object, or ``None`` where the strategy is another one, so that a callback can say in one line that it does
-nothing there. The strategies' older properties (``strategy.synchronizer`` ...) are deprecated:
-:func:`warn_deprecated_read` names each one's replacement here.
+nothing there.
 
 The offer names what a callback may read by its shape (:class:`CompileFacts`, :class:`CompressionCheck` ...), not
 by the classes that hold it: this module sits below the features and the callbacks, so that every callback can
@@ -26,7 +25,6 @@ Example::
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Protocol, runtime_checkable
@@ -203,18 +201,3 @@ def offer_of(owner: Any) -> Optional[StaticDistOffer]:
     """
     strategy = getattr(owner, "strategy", None)
     return strategy.offer if isinstance(strategy, ProvidesOffer) else None
-
-
-_WARNED: set[tuple[str, str]] = set()
-
-
-def warn_deprecated_read(strategy: object, name: str, instead: str) -> None:
-    """A :class:`FutureWarning`, once per front end and ``name`` per process, that ``strategy.<name>`` is deprecated
-    for the offer (``instead`` says what to read). The strategies' properties that duplicated the offer call it before
-    returning what they returned before, so that a user's code keeps working while it says where to move."""
-    key = (type(strategy).__name__, name)
-    if key in _WARNED:
-        return
-    _WARNED.add(key)
-    warnings.warn(f"static_dist: strategy.{name} is deprecated (removed in 0.3): {instead}", FutureWarning,
-                  stacklevel=3)

@@ -32,26 +32,21 @@ from lightning_static_dist.checkpoint import CheckpointConfig, agree_on
 from lightning_static_dist import trainer_checkpoints
 from lightning_static_dist.compat import allow_compiled_models_in_trainer
 from lightning_static_dist.config.lightning_cli import parse_errors_of
-from lightning_static_dist.compile import CompileReport
 from lightning_static_dist.compile.config import CompileConfig
-from lightning_static_dist.trial import StepTrial
 from lightning_static_dist.compression.config import CompressionConfig
-from lightning_static_dist.embedding import EmbeddingConfig, EmbeddingSharder
+from lightning_static_dist.embedding import EmbeddingConfig
 from lightning_static_dist.agreement.fingerprint import RankMismatchError
 from lightning_static_dist.processes.launcher import register_names
 from lightning_static_dist.mesh import MeshConfig
-from lightning_static_dist.offer import StaticDistOffer, warn_deprecated_read
+from lightning_static_dist.offer import StaticDistOffer
 from lightning_static_dist.participants import Participants, StepPhases
 from lightning_static_dist.participants.roster_offer import RosterOffer
 from lightning_static_dist.processes.data_parallel import DataParallelProcesses
 from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.trainer_context import TrainerContext, refuse_saves_on_exception
-from lightning_static_dist.sync import RoundSynchronizer
 from lightning_static_dist.sync.broadcast import start_from_rank_zero
 from lightning_static_dist.sync.config import SyncConfig
-from lightning_static_dist.sync.optimizer_overlap import OverlapChoice
-from lightning_static_dist.sync.sharded_synchronizer import ShardedSynchronizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -154,44 +149,6 @@ class StaticDistStrategy(DataParallelProcesses):
         """What the strategy offers its callbacks (:class:`~lightning_static_dist.offer.StaticDistOffer`, through
         :func:`~lightning_static_dist.offer.offer_of`): the protocol's members, nothing else of the strategy."""
         return self._offer
-
-    # ------------------------------------------------- deprecated: the offer says the same (removed in 0.3)
-
-    @property
-    def synchronizer(self) -> Optional[RoundSynchronizer]:
-        """Deprecated: ``offer.sync_figures()``. The gradient synchroniser (``None`` outside a multi-rank hooks fit)."""
-        warn_deprecated_read(self, "synchronizer", "read strategy.offer.sync_figures()")
-        return self._parts.gradients.synchronizer
-
-    @property
-    def sharded_sync(self) -> Optional[ShardedSynchronizer]:
-        """Deprecated: ``offer.wait_for_parameters()``. With ``sync.reduce: reduce_scatter``: the sharded synchroniser."""
-        warn_deprecated_read(self, "sharded_sync", "call strategy.offer.wait_for_parameters()")
-        return self._parts.gradients.sharded_sync
-
-    @property
-    def embedding_sharder(self) -> Optional[EmbeddingSharder]:
-        """Deprecated, internal: the sharded embeddings (``None`` when ``strategy.embedding.shard`` is off)."""
-        warn_deprecated_read(self, "embedding_sharder", "internal (full weights: the checkpoint's state_dict)")
-        return self._parts.embeddings.sharder
-
-    @property
-    def optimizer_overlap(self) -> Optional[OverlapChoice]:
-        """Deprecated: ``offer.sync_figures().optimizer_overlap``. ``sync.optimizer_overlap`` as resolved, and why."""
-        warn_deprecated_read(self, "optimizer_overlap", "read strategy.offer.sync_figures().optimizer_overlap")
-        return self._parts.overlap.choice
-
-    @property
-    def schedule_trial(self) -> Optional[StepTrial]:
-        """Deprecated: ``offer.schedule_choice()``. ``sync.schedule: auto``'s trial of the candidates."""
-        warn_deprecated_read(self, "schedule_trial", "call strategy.offer.schedule_choice()")
-        return self._parts.schedule.trial
-
-    @property
-    def compile_report(self) -> Optional[CompileReport]:
-        """Deprecated: ``offer.compile_report``. What static compilation did on this rank."""
-        warn_deprecated_read(self, "compile_report", "read strategy.offer.compile_report")
-        return self._parts.compile.report
 
     def adopt_compiled_model(self, dynamo_ctx: Any) -> None:
         """``trainer.fit(torch.compile(model))``: the user's ``torch.compile`` context, handed over by Lightning's

@@ -20,8 +20,8 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from _dist import run_ranks
 from tests.participants._view import Context, gradient_participant
-from tests._parts import Deprecated, check_deprecated, deprecated_reads, synchronizer_of
-from lightning_static_dist import StaticDistFabricStrategy
+from tests._parts import synchronizer_of
+from lightning_static_dist import StaticDistFabricStrategy, StaticDistStrategy
 from lightning_static_dist.callbacks import GraphReport, RunSummary
 from lightning_static_dist.compression import CompressionGuard, LowPrecisionCompressor
 from lightning_static_dist.offer import StaticDistOffer, offer_of
@@ -75,19 +75,20 @@ def _fit_through_the_offer(rank: int, world: int, tmp: str) -> dict[str, Any]:
     offer.wait_for_parameters()  # (all_reduce: the parameters are current, it returns at once)
     return {"summary": summary.summary, "figures": figures, "events": [(e["old"], e["new"]) for e in guard.events],
             "reducer": type(sync.reducer).__name__, "compressing": offer.compressing_reducer,
-            "dense": sync.stats.last_round_dense_bytes, "monitored": len(monitor.history),
-            "deprecated": deprecated_reads(strategy, TRAINER_DEPRECATED)}
+            "dense": sync.stats.last_round_dense_bytes, "monitored": len(monitor.history)}
 
 
-#: each deprecated property of the Trainer strategy, the internal object it still returns, and what its warning names
-TRAINER_DEPRECATED: Deprecated = {
-    "synchronizer": (lambda parts: parts.gradients.synchronizer, "strategy.offer.sync_figures()"),
-    "sharded_sync": (lambda parts: parts.gradients.sharded_sync, "strategy.offer.wait_for_parameters()"),
-    "embedding_sharder": (lambda parts: parts.embeddings.sharder, "internal (full weights: the checkpoint's"),
-    "optimizer_overlap": (lambda parts: parts.overlap.choice, "strategy.offer.sync_figures().optimizer_overlap"),
-    "schedule_trial": (lambda parts: parts.schedule.trial, "strategy.offer.schedule_choice()"),
-    "compile_report": (lambda parts: parts.compile.report, "strategy.offer.compile_report"),
-}
+#: what the strategies' properties returned before 0.2 (removed: the offer says each), and under which front end
+REMOVED = {"synchronizer": "both", "compile_report": "both", "sharded_sync": "Trainer", "embedding_sharder": "Trainer",
+           "optimizer_overlap": "Trainer", "schedule_trial": "Trainer", "compressing_reducer": "Fabric"}
+
+
+def test_the_strategies_offer_their_facts_through_the_offer_alone() -> None:
+    strategies = {"Trainer": StaticDistStrategy(), "Fabric": StaticDistFabricStrategy()}
+    for front_end, strategy in strategies.items():
+        kept = [name for name, where in REMOVED.items() if where in ("both", front_end) and hasattr(strategy, name)]
+        assert kept == [], f"{front_end}: {kept}"
+        assert "offer" in dir(type(strategy))  # (what each says instead)
 
 
 @pytest.mark.multiprocess
@@ -102,7 +103,6 @@ def test_the_callbacks_read_and_swap_through_the_offer_on_two_ranks(tmp_path: An
         assert summary["bytes_per_round"] == figures.bytes_per_round
         assert summary["bucket_plan"] == figures.bucket_plan and summary["sync_mode"] == "hooks"
         assert r["monitored"] == 4  # the monitor's recorder was attached through the offer
-        check_deprecated(r["deprecated"], TRAINER_DEPRECATED)  # the old surface: still the same objects, each warns once
 
 
 def _swapped_rounds(rank: int, world: int) -> dict[str, Any]:

@@ -22,15 +22,11 @@ from typing_extensions import override
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
-from lightning_static_dist.compile import CompileReport
-from lightning_static_dist.compression import CompressingReducer
-from lightning_static_dist.compression.reducer_state import compressing_reducer_of
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.fabric.metrics import StepFigures
 from lightning_static_dist.fabric.checkpoints import FabricCheckpoints
 from lightning_static_dist.fabric.model import LocalAccumulation, FabricModel, run_backward, teardown_models
 from lightning_static_dist.processes.launcher import register_names
-from lightning_static_dist.offer import warn_deprecated_read
 from lightning_static_dist.overlap.recorder import StepRecorder
 from lightning_static_dist.participants.roster_offer import RosterOffer
 from lightning_static_dist.plan.strategy_config import StrategyConfig
@@ -104,27 +100,6 @@ class StaticDistFabricStrategy(FabricCheckpoints):
         """One :class:`~lightning_static_dist.offer.StaticDistOffer` per trainable model, in set-up order (a GAN's
         generator's, then its discriminator's); after teardown, those of the models torn down."""
         return [model.offer for model in self._models] if self._models else list(self._torn_down_offers)
-
-    # ------------------------------------------------- deprecated: the offer says the same (removed in 0.3)
-
-    @property
-    def synchronizer(self) -> Any:
-        """Deprecated: ``offer.sync_figures()``. The first trainable model's gradient synchroniser (``None`` before
-        ``fabric.setup`` and on one rank)."""
-        warn_deprecated_read(self, "synchronizer", "read strategy.offer.sync_figures()")
-        return self._models[0].parts.gradients.synchronizer if self._models else None
-
-    @property
-    def compressing_reducer(self) -> Optional[CompressingReducer]:
-        """Deprecated: ``offer.compressing_reducer``. The first trainable model's compressing reducer."""
-        warn_deprecated_read(self, "compressing_reducer", "read strategy.offer.compressing_reducer")
-        return compressing_reducer_of(self._models[0].parts.gradients.synchronizer) if self._models else None
-
-    @property
-    def compile_report(self) -> Optional[CompileReport]:
-        """Deprecated: ``offer.compile_report``. What static compilation did to the first trainable model."""
-        warn_deprecated_read(self, "compile_report", "read strategy.offer.compile_report")
-        return self._models[0].parts.compile.report if self._models else None
 
     def metrics(self) -> dict[str, float]:
         """The ``static_dist/*`` figures for ``fabric.log_dict``, rank-local (no collective): ``sync_rounds``,

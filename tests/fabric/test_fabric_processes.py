@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 import lightning as L
 from _dist import fresh_job_env
-from tests._parts import Deprecated, check_deprecated, deprecated_reads, synchronizer_of
+from tests._parts import synchronizer_of
 from lightning_static_dist import StaticDistFabricStrategy, StaticDistStrategy, offer_of
 from lightning_static_dist.simulate import BACKEND
 from lightning_static_dist.simulate import group as simulated_group
@@ -40,13 +40,6 @@ SIMULATED = dict(simulate={"world_size": 4}, sync={"comm_sms": 8, "first_bucket_
 STEPS = 5
 BATCH = 5  # rank 0 of 4 reads 16 samples an epoch: 3 batches of 5 and a short one of 1 (trained, its own graph)
 
-
-#: the Fabric strategy's deprecated properties, the internal object each still returns, and what its warning names
-FABRIC_DEPRECATED: Deprecated = {
-    "synchronizer": (lambda parts: parts.gradients.synchronizer, "strategy.offer.sync_figures()"),
-    "compressing_reducer": (lambda parts: parts.compression.reducer, "strategy.offer.compressing_reducer"),
-    "compile_report": (lambda parts: parts.compile.report, "strategy.offer.compile_report"),
-}
 
 
 def _figures(strategy: Any, state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -99,8 +92,7 @@ def _fabric_in_a_simulated_world() -> dict[str, Any]:
     offers = fabric.strategy.offers
     return {**facts, "metrics": fabric.strategy.metrics(), "batches": per_epoch, "world": fabric.world_size,
             "sampler": (type(sampler).__name__, sampler.num_replicas, sampler.rank),
-            "offer_of": offer_of(fabric) is fabric.strategy.offer and len(offers) == 1 and offers[0] is offer_of(fabric),
-            "deprecated": deprecated_reads(fabric.strategy, FABRIC_DEPRECATED)}
+            "offer_of": offer_of(fabric) is fabric.strategy.offer and len(offers) == 1 and offers[0] is offer_of(fabric)}
 
 
 def test_a_simulated_world_under_fabric_gives_the_trainer_strategys_figures() -> None:
@@ -118,7 +110,6 @@ def test_a_simulated_world_under_fabric_gives_the_trainer_strategys_figures() ->
     assert fabric["figures"]["bucket_plan"].startswith(f"{fabric['buckets']} buckets")
     assert fabric["compile"] == trainer["compile"] and fabric["compile"]["recompiles"] == 0
     assert fabric["offer_of"]
-    check_deprecated(fabric["deprecated"], FABRIC_DEPRECATED)
     for key, value in trainer["state"].items():
         torch.testing.assert_close(fabric["state"][key], value, atol=1e-6, rtol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
 
