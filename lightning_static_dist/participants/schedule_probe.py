@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
 from lightning_static_dist.participants.compilation import StaticCompile
@@ -88,6 +88,8 @@ class ScheduleProbe(StepParticipant):
         """The measured choice of this run (readable after teardown)."""
         self._saved: Optional[dict[str, Any]] = None
         self._restore_sms: Optional[tuple[Any, Optional[int]]] = None
+        self._settled = False
+        """Whether this fit's setup has settled the schedule (a checkpoint loaded after it comes too late)."""
 
     def setup(self, context: StepContext) -> None:
         view = self._view
@@ -114,6 +116,7 @@ class ScheduleProbe(StepParticipant):
         line = f"sync.schedule measured: {choice.describe()}"
         view.settle_schedule(plan.settled(candidate.schedule, line, choice, reduce_dtype=candidate.reduce_dtype,
                                           comm_sms=candidate.comm_sms))
+        self._settled = True
         if candidate.comm_sms is not None and view.simulation is not None:
             self._restore_sms = (simulated.WORLD.link, simulated.WORLD.sms)
             simulated.set_link(simulated.WORLD.link, candidate.comm_sms)
@@ -219,10 +222,22 @@ class ScheduleProbe(StepParticipant):
 
     def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.pop(PROBE_KEY, None)
-        if saved is not None:
+        if saved is None:
+            return
+        if not self._settled:
             self._saved = saved  # (Lightning loads before the strategy's setup: applied there)
+            return
+        try:  # (Fabric: ``fabric.load`` after ``fabric.setup``, which has measured and compiled already)
+            theirs = MeasuredChoice.from_dict(saved).choice
+        except (TypeError, ValueError, KeyError):
+            return
+        ours = self.choice.choice if self.choice is not None else "?"
+        if theirs != ours:
+            rank_zero_warn(f"static_dist: the checkpoint's sync.schedule measured choice ({theirs}) was loaded after"
+                           f" setup, which had measured {ours}: this run keeps {ours} (the schedule is chosen at setup)")
 
     def teardown(self, failed: bool) -> None:
+        self._settled = False
         if self._restore_sms is not None:  # (after a failure too: the SMs of this fit are not the next one's)
             simulated.set_link(*self._restore_sms)
             self._restore_sms = None

@@ -15,6 +15,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -397,6 +398,35 @@ def test_a_script_with_strategy_static_dist_logs_the_metrics(tmp_path: Path) -> 
     assert all(float(row["static_dist/bytes_sent"]) > 0 for row in rows)
     assert all(float(row["static_dist/compression_ratio"]) == 1.0 for row in rows)
     assert all(0.0 <= float(row["static_dist/overlap_ratio"]) <= 1.0 for row in rows)
+
+
+def _a_checkpoint_loaded_after_setup(fabric: L.Fabric, path: str) -> bytes:
+    model, optimizer = fabric.setup(make_model(), torch.optim.SGD(make_model().parameters(), lr=0.1))
+    ours = offer_of(fabric).measured_schedule()
+    fabric.save(path, {"model": model})
+    if fabric.global_rank == 0:  # the same world's checkpoint, holding the other schedule's choice
+        saved = torch.load(path, weights_only=False)
+        entry = saved["static_dist_sync_schedule_measured"]
+        other = "after_backward" if entry["choice"].startswith("overlap") else "overlap"
+        entry["choice"] = "/".join([other, *entry["choice"].split("/")[1:]])
+        torch.save(saved, path)
+    fabric.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.load(path, {"model": model})  # too late: setup measured, built the synchroniser and the step
+    return pickle.dumps({"ours": ours.choice, "theirs": entry["choice"] if fabric.global_rank == 0 else None,
+                         "said": [str(w.message) for w in caught if "static_dist" in str(w.message)],
+                         "kept": offer_of(fabric).measured_schedule().choice})
+
+
+def test_a_checkpoint_loaded_after_setup_says_its_schedule_comes_too_late(tmp_path: Path) -> None:
+    # Fabric loads a checkpoint after fabric.setup, which has chosen the schedule: the run keeps its own, and says so
+    path = str(tmp_path / "run.ckpt")
+    facts = pickle.loads(fabric_launch(static_dist(sync={"probe": True}), _a_checkpoint_loaded_after_setup, path))
+    assert facts["kept"] == facts["ours"] != facts["theirs"]
+    assert facts["said"] == [f"static_dist: the checkpoint's sync.schedule measured choice ({facts['theirs']}) was"
+                             f" loaded after setup, which had measured {facts['ours']}: this run keeps {facts['ours']}"
+                             " (the schedule is chosen at setup)"]
 
 
 def _a_second_optimizer_set_up_late(fabric: L.Fabric) -> bytes:
