@@ -97,7 +97,7 @@ def _a_fit_with_defaults(rank: int, world: int, sync_defaults: dict[str, Any]) -
         model.training_step((x, torch.zeros(4, 1)), step).backward()
         gradients.finish_gradients(accumulating=False)
     sync = gradients.synchronizer
-    found = {"capacity": sync.capacity, "buckets": len(sync.plan.buckets), "launch": sync.launch_during_backward,
+    found = {"capacity": sync.capacity, "buckets": len(sync.plan.buckets), "launch": sync.schedule.launch_during_backward,
              "cut": view.plan.compile_cut}
     gradients.teardown(failed=False)
     return found

@@ -13,6 +13,7 @@ Example (the roster builds it; the offer's ``sync_figures()`` reads ``gradients.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import AbstractContextManager, nullcontext
 from collections.abc import Iterable, Mapping
 from typing import Optional
@@ -39,6 +40,7 @@ from lightning_static_dist.participants.parameter_shards import build_sharded_sy
 from lightning_static_dist.sync import GradientSynchronizer, RoundSynchronizer
 from lightning_static_dist.sync.broadcast import broadcast_buffers
 from lightning_static_dist.sync.graph import GraphSynchronizer
+from lightning_static_dist.sync.round_state import RoundSchedule
 from lightning_static_dist.sync.sharded_synchronizer import ShardedSynchronizer
 from lightning_static_dist.plan.step_plan import StepPlan, SyncMode
 from lightning_static_dist.sync.config import launches_during_backward, reduce_torch_dtype
@@ -58,8 +60,8 @@ def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], plan: 
         capacity=plan.capacity,
         check_each_collective=plan.check_each_collective,
         reduce_dtype=plan.reduce_dtype,
+        schedule=RoundSchedule(launch_during_backward=plan.launch_during_backward),  # (auto: its trial: reduce_as)
     )
-    synchronizer.launch_during_backward = plan.launch_during_backward  # (auto: its trial switches it: reduce_as)
     return synchronizer
 
 
@@ -308,7 +310,8 @@ class GradientAveraging(StepParticipant):
         if group is not None:
             synchronizer.group = group
         synchronizer.use_reduce_dtype(reduce_torch_dtype(candidate.reduce_dtype))
-        synchronizer.launch_during_backward = launches_during_backward(candidate.schedule)
+        synchronizer.follow(dataclasses.replace(synchronizer.schedule,
+                                                launch_during_backward=launches_during_backward(candidate.schedule)))
 
     def no_sync(self) -> AbstractContextManager[None]:
         return self.synchronizer.no_sync() if self.synchronizer is not None else nullcontext()

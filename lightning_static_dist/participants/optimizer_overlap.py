@@ -15,6 +15,7 @@ Example (the roster builds it; ``StaticDistStrategy.optimizer_step`` steps what 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -145,11 +146,11 @@ class OptimizerOverlap(StepParticipant):
         defers its waits.)"""
         sync = self._synchronizer()
         if sync is not None:
-            sync.defer_waits = on and self.choice is not None and self.choice.on
+            sync.follow(dataclasses.replace(sync.schedule, defer_waits=on and self.choice is not None and self.choice.on))
 
     def optimizer_to_step(self, optimizer: Any) -> Any:
         sync = self._synchronizer()
-        if sync is None or not sync.defer_waits:
+        if sync is None or not sync.schedule.defer_waits:
             return optimizer
         return BucketwiseOptimizer(optimizer, sync, on_late_hazard=self.turn_off)
 

@@ -457,7 +457,7 @@ class ScheduleProbe(Callback):
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
         # (read inside the step: a trial that decides at the end of its last step switches before the batch's end)
-        self._launching = synchronizer_of(trainer.strategy).launch_during_backward
+        self._launching = synchronizer_of(trainer.strategy).schedule.launch_during_backward
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         events = self._log.events
