@@ -66,3 +66,7 @@ class RoundSchedule:
     def leaves_waits(self) -> bool:
         """Whether a round's waits are left to ``settle()``: deferred, and issued after backward."""
         return self.defer_waits and not self.launch_during_backward
+
+
+#: Each bucket issued as it fills, every round waited for as backward ends (``sync.schedule: overlap``).
+OVERLAP = RoundSchedule()

@@ -25,7 +25,7 @@ from lightning_static_dist.sync.plan import DEFAULT_CAPACITY, BucketCapacity, Bu
 from lightning_static_dist.sync.bucket_reducer import BucketReducer, MeanAllReduce, PendingReduction, check_reducer
 from lightning_static_dist.sync.round import RoundCollectives
 from lightning_static_dist.sync.round_check import StepChecks, _RoundCheck, next_collective_mismatch
-from lightning_static_dist.sync.round_state import OPEN_ROUND, RoundSchedule, RoundState
+from lightning_static_dist.sync.round_state import OPEN_ROUND, OVERLAP, RoundSchedule, RoundState
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class GradientSynchronizer:
         capacity: BucketCapacity = DEFAULT_CAPACITY,
         check_each_collective: bool = False,
         reduce_dtype: Optional[torch.dtype] = None,
-        schedule: RoundSchedule = RoundSchedule(),
+        schedule: RoundSchedule = OVERLAP,
     ) -> None:
         self._members = PlanMembership(named_parameters, capacity)
         self._params = self._members.params  # (the same list: a bucket's ``param_indices`` index it)
