@@ -86,14 +86,14 @@ class CompressionState(StepParticipant):
         if self._gradients.mode != "hooks":
             return
         self._attached = True
-        config = self._view.plan.compression
-        if config.name == "auto":  # exact until the trial picks
-            self.trial = compression_trial(config, self._view.root_device, self._view.dp_group)
+        compression = self._view.plan.compression
+        if compression.name == "auto":  # exact until the trial picks
+            self.trial = compression_trial(compression, self._view.root_device, self._view.dp_group)
             self._resume_trial()
         else:
-            compressor = build_compressor(config)
+            compressor = build_compressor(compression)
             if compressor is not None:
-                self.use(compressor, config.start_step)
+                self.use(compressor, compression.start_step)
         if self.reducer is not None:
             self._restore_compression_state()
 

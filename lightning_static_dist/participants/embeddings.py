@@ -40,9 +40,9 @@ class EmbeddingShards(StepParticipant):
         config = plan.embedding
         if config.shard is False or self.sharder is not None:
             return
-        if not plan.shards_embeddings:
+        if not config.on:
             rank_zero_info("static_dist: reduce_scatter shards every parameter's optimizer state; strategy.embedding"
-                           " sharding is off" if plan.reduce_by_scatter else
+                           " sharding is off" if plan.sync.reduce_by_scatter else
                            "static_dist: world size 1, strategy.embedding.shard has nothing to shard across")
             return
         assert view.lightning_module is not None

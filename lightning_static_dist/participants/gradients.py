@@ -57,10 +57,10 @@ def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], plan: 
     synchronizer = GradientSynchronizer(
         named_parameters,
         group=group,
-        capacity=plan.capacity,
-        check_each_collective=plan.check_each_collective,
-        reduce_dtype=plan.reduce_dtype,
-        schedule=RoundSchedule(launch_during_backward=plan.launch_during_backward),  # (auto: its trial: reduce_as)
+        capacity=plan.sync.capacity,
+        check_each_collective=plan.sync.check_each_collective,
+        reduce_dtype=plan.sync.torch_reduce_dtype,
+        schedule=RoundSchedule(launch_during_backward=plan.sync.launch_during_backward),  # (auto: its trial: reduce_as)
     )
     return synchronizer
 
@@ -191,7 +191,7 @@ class GradientAveraging(StepParticipant):
 
     def choose_mode(self, context: StepContext) -> Optional[SyncMode]:
         """The mode this setup averages with (``None``: nothing to average, one rank or not fitting)."""
-        return self._view.plan.sync_mode if context.fitting else None
+        return self._view.plan.sync.mode if context.fitting else None
 
     # ------------------------------------------------------------------------------------------------ setup
 
@@ -208,7 +208,7 @@ class GradientAveraging(StepParticipant):
         if self.mode == "sharded":
             self.synchronizer = build_sharded_synchronizer(view)
         elif self.mode == "graph":
-            self.graph_sync = GraphSynchronizer(view.model, group=view.dp_group, reduce_dtype=plan.reduce_dtype)
+            self.graph_sync = GraphSynchronizer(view.model, group=view.dp_group, reduce_dtype=plan.sync.torch_reduce_dtype)
             self.graph_sync.attach()
             return
         else:
