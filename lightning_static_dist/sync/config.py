@@ -14,7 +14,7 @@ from typing import Literal, Optional, Union
 import torch
 
 from lightning_static_dist.config.check import check_fields, fail
-from lightning_static_dist.sync.plan import BucketCapacity
+from lightning_static_dist.sync.plan import DEFAULT_CAPACITY, BucketCapacity
 
 
 @dataclass
@@ -45,9 +45,9 @@ class SyncConfig:
     a persistent bf16 buffer, one all-reduce, one cast back; the sum is rounded to bf16). ``auto``: with
     ``schedule: auto`` only, its trial times every candidate in fp32 and in bf16 and keeps the fastest (so bf16 is
     never chosen for a user who did not ask for it). Not a compressor: no error feedback, no phases."""
-    bucket_mb: float = 100.0
+    bucket_mb: float = DEFAULT_CAPACITY.mib
     """Capacity of each bucket after the first, in MiB."""
-    first_bucket_mb: float = 1.0
+    first_bucket_mb: float = DEFAULT_CAPACITY.first_mib
     """Capacity of the first bucket, in MiB: small, so the first collective starts early in backward."""
     broadcast_buffers: bool = True
     """Broadcast module buffers (BatchNorm statistics ...) from rank 0 before every training forward, like DDP."""
