@@ -33,7 +33,7 @@ from lightning_static_dist.compression.reducer_state import (
     restore_compression_state,
     use_compressor,
 )
-from lightning_static_dist.participants.base import (StepContext, StepParticipant, StrategyView, advance_trial,
+from lightning_static_dist.participants.base import (StepContext, StepParticipant, TrialView, advance_trial,
                                                      end_trial_step)
 from lightning_static_dist.participants.gradients import GradientAveraging
 
@@ -44,7 +44,7 @@ class CompressionState(StepParticipant):
     """The reducer of the hook-driven synchroniser (its one owner), the compressor's state and the ``auto`` trial
     (``compression.name: auto``)."""
 
-    def __init__(self, view: StrategyView, gradients: GradientAveraging) -> None:
+    def __init__(self, view: TrialView, gradients: GradientAveraging) -> None:
         self._view = view
         self._gradients = gradients
         self.trial: Optional[StepTrial] = None

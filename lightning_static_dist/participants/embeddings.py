@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_static_dist.compat import unwrap_optimizer
 from lightning_static_dist.embedding import EmbeddingSharder
 from lightning_static_dist.agreement.faults import waiting_in
-from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
+from lightning_static_dist.participants.base import ModelWorldView, StepContext, StepParticipant
 from lightning_static_dist.participants.recording import PhaseRecording
 
 
@@ -27,7 +27,7 @@ class EmbeddingShards(StepParticipant):
     """The sharded embeddings of a fit (none when ``strategy.embedding.shard`` is off, at world size 1, or with
     ``reduce_scatter``, which shards every parameter's optimizer state already)."""
 
-    def __init__(self, view: StrategyView, recording: PhaseRecording) -> None:
+    def __init__(self, view: ModelWorldView, recording: PhaseRecording) -> None:
         self._view = view
         self._recording = recording
         self.sharder: Optional[EmbeddingSharder] = None

@@ -27,12 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_static_dist.agreement.faults import AgreedFailure, enter_collective, leave_collective
 from lightning_static_dist.agreement.fingerprint import RankMismatchError
-from lightning_static_dist.participants.base import (
-    StepContext,
-    StepParticipant,
-    StrategyView,
-    global_step,
-)
+from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView, TrialView, global_step
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.embeddings import EmbeddingShards
 from lightning_static_dist.participants.recording import PhaseRecording
@@ -107,7 +102,7 @@ class NonfiniteCheck:
         check(model.named_parameters(), "skip")   # NaN anywhere: every rank drops its gradients, warns once
     """
 
-    def __init__(self, view: StrategyView) -> None:
+    def __init__(self, view: TrialView) -> None:
         self._view = view
         self.steps = 0
         """Synchronised steps whose averaged gradients held NaN/Inf."""

@@ -20,7 +20,8 @@ from typing import Any, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView, global_step
+from lightning_static_dist.participants.base import (StepContext, StepParticipant, StrategyView, TrainingView,
+                                                     global_step)
 from lightning_static_dist.participants.gradients import GradientAveraging
 from lightning_static_dist.participants.schedule_trial import ScheduleTrial
 from lightning_static_dist.sync import GradientSynchronizer
@@ -32,7 +33,7 @@ from lightning_static_dist.sync.optimizer_overlap import (
 )
 
 
-def run_hazards(view: StrategyView, context: Optional[StepContext]) -> list[str]:
+def run_hazards(view: TrainingView, context: Optional[StepContext]) -> list[str]:
     """What the run shows that rules the optimizer overlap out, a clause each: the front end's gradient readers, the
     optimizers and their step hooks, the precision plugin (the block's part: ``StepPlan.overlap_hazards``)."""
     return step_hazards(context.gradient_readers if context is not None else None,

@@ -35,7 +35,8 @@ from lightning_static_dist.compat import unwrap_optimizer
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.agreement.faults import waiting_in
 from lightning_static_dist.mesh import REPLICATE_DIM, SHARD_DIM
-from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView, syncs_gradients
+from lightning_static_dist.participants.base import (ModelWorldView, StepContext, StepParticipant, StrategyView,
+                                                     syncs_gradients)
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.sync.sharded_synchronizer import ShardedSynchronizer
 
@@ -47,7 +48,7 @@ _NOT_ELEMENTWISE = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafa
                          if hasattr(torch.optim, name))
 
 
-def build_sharded_synchronizer(view: StrategyView) -> ShardedSynchronizer:
+def build_sharded_synchronizer(view: ModelWorldView) -> ShardedSynchronizer:
     """The sharded synchroniser of this fit, attached, with the one optimizer re-pointed at this rank's shards
     (the gradient participant calls this when it chooses ``reduce_scatter``). Refused, with a one-line
     :class:`ConfigError`, for several optimizers, an optimizer that does not update element by element, and the

@@ -22,7 +22,7 @@ import torch
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
+from lightning_static_dist.participants.base import ModelWorldView, StepContext, StepParticipant
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.optimizer_overlap import run_hazards
 from lightning_static_dist.agreement.faults import waiting_in
@@ -81,7 +81,7 @@ class ScheduleProbe(StepParticipant):
     checkpoint. Every step that decides is agreed between the ranks (rank 0's checkpoint entry, the optimizer
     overlap's possibility, the probe's figures), so that every rank issues the same collectives and chooses alike."""
 
-    def __init__(self, view: StrategyView, compile: StaticCompile) -> None:
+    def __init__(self, view: ModelWorldView, compile: StaticCompile) -> None:
         self._view = view
         self._compile = compile
         self.choice: Optional[MeasuredChoice] = None

@@ -20,8 +20,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_static_dist.trial import Candidate, StepTrial
 from lightning_static_dist.agreement.faults import waiting_in
 from lightning_static_dist.plan.world import nccl_options
-from lightning_static_dist.participants.base import (StepContext, StepParticipant, StrategyView, end_trial_step,
-                                                     global_step)
+from lightning_static_dist.participants.base import (RanksView, StepContext, StepParticipant, TrialView,
+                                                     end_trial_step, global_step)
 from lightning_static_dist.participants.comm_sms import CommSmsSwitch
 from lightning_static_dist.participants.gradients import GradientAveraging
 from lightning_static_dist.sync.schedule import (
@@ -38,7 +38,7 @@ H200 measured 141 ms for the first candidate's first timed step against 36 ms fo
 SCHEDULE_KEY = "static_dist_sync_schedule"  # sync.schedule: auto: the trial's choice and times
 
 
-def schedule_transport(view: StrategyView) -> Transport:
+def schedule_transport(view: RanksView) -> Transport:
     """What carries this run's gradient collectives, as ``sync.schedule: auto``'s candidates care: a simulated world
     with an emulated link (whose SMs are switched), NCCL over a data-parallel group of the whole world (a group per SM
     budget can be made on every rank) where this torch's NCCL options have ``max_ctas``, or anything whose SMs are
@@ -75,7 +75,7 @@ class ScheduleTrial(StepParticipant):
         schedule.on_train_batch_start()     # each batch: the candidate for this step
     """
 
-    def __init__(self, view: StrategyView, gradients: GradientAveraging) -> None:
+    def __init__(self, view: TrialView, gradients: GradientAveraging) -> None:
         self._view = view
         self._gradients = gradients
         self.trial: Optional[StepTrial] = None
