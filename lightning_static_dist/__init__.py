@@ -30,6 +30,7 @@ from lightning_static_dist.offer import StaticDistOffer, offer_of
 from lightning_static_dist.runfile import RunConfig, load_run_config
 from lightning_static_dist.strategy import StaticDistStrategy
 from lightning_static_dist.sync import BucketCapacity, GradientSynchronizer
+from lightning_static_dist.sync.plan import DEFAULT_CAPACITY
 
 __version__ = "0.1.0"
 
@@ -58,7 +59,7 @@ __all__ = [
 ]
 
 StaticDistStrategy.register_strategies(StrategyRegistry)
-register_inductor_distributed(SyncConfig().capacity)  # (compile imports no sync/: its default comes from here)
+register_inductor_distributed(DEFAULT_CAPACITY)  # (compile imports no sync/: the one default comes from here)
 # LightningCLI builds these after parsing (the sections too, from a nested key): a bad value is one line there too,
 # not jsonargparse's traceback
 report_config_errors_under_jsonargparse(StaticDistStrategy, StaticDistFabricStrategy, OverlapMonitor, RunSummary,

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -101,6 +101,15 @@ class ShardedWeight:
     done_at: dict[str, float] = field(default_factory=dict)
 
 
+class EmbeddingChoice(Protocol):
+    """Which embeddings get sharded: an :class:`EmbeddingConfig` as written, or the step plan's ``EmbeddingPlan``."""
+
+    @property
+    def shard(self) -> Union[bool, Literal["auto"]]: ...
+    @property
+    def min_rows(self) -> int: ...
+
+
 @dataclass
 class GatherTiming:
     """The last step's gathers: issued -> done (duration) and how long the forward waited for them."""
@@ -109,7 +118,7 @@ class GatherTiming:
     exposed_s: float = 0.0
 
 
-def find_embeddings(module: nn.Module, config: EmbeddingConfig) -> list[tuple[list[str], list[tuple[nn.Module, str]]]]:
+def find_embeddings(module: nn.Module, config: EmbeddingChoice) -> list[tuple[list[str], list[tuple[nn.Module, str]]]]:
     """Embedding weights to shard: (every name, every (owner, attribute)) per weight, tied uses included."""
     chosen: dict[int, nn.Parameter] = {}
     for child in module.modules():
@@ -142,7 +151,7 @@ class EmbeddingSharder:
         sharder.release()            # after the synchronised backward
     """
 
-    def __init__(self, module: nn.Module, config: EmbeddingConfig, group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, module: nn.Module, config: EmbeddingChoice, group: Optional[dist.ProcessGroup]) -> None:
         self.module = module
         self.config = config
         # its own process group: the reduce-scatter runs inside backward, where its order against the gradient

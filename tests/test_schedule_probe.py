@@ -32,7 +32,7 @@ class ChoiceReport(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         choice = offer_of(trainer).measured_schedule()
         plan = trainer.strategy.plan
-        facts = {"schedule": plan.schedule, "line": plan.schedule_line,
+        facts = {"schedule": plan.sync.schedule, "line": plan.sync.schedule_line,
                  "choice": choice.as_dict() if choice is not None else None}
         write_rank_report(self.directory, trainer.global_rank, facts)
 

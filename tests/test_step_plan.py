@@ -3,8 +3,10 @@ ranks with real meshes; and a default changed in a config dataclass reaching the
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
+import pathlib
 from typing import Any
 
 import pytest
@@ -14,6 +16,8 @@ from _dist import run_ranks
 from lightning_static_dist.mesh import MeshConfig, build_dp_mesh
 from lightning_static_dist.plan.step_plan import StepPlan, resolve_plan
 from lightning_static_dist.plan.strategy_config import StrategyConfig
+from lightning_static_dist.compile.config import CompileConfig
+from lightning_static_dist.compression.config import CompressionConfig
 from lightning_static_dist.sync.config import SyncConfig
 from lightning_static_dist.sync.plan import BucketCapacity
 
@@ -21,10 +25,10 @@ from tests.participants._view import Context, gradient_participant
 
 
 def _summary(plan: StepPlan) -> dict[str, Any]:
-    return {"mode": plan.sync_mode, "scatter": plan.reduce_by_scatter, "schedule": plan.schedule,
-            "sync.schedule": plan.sync.schedule, "launch": plan.launch_during_backward, "cut": plan.compile_cut,
-            "capacity": plan.capacity, "embeddings": plan.shards_embeddings, "line": plan.schedule_line,
-            "reduce_dtype": plan.reduce_dtype}
+    sync = plan.sync
+    return {"mode": sync.mode, "scatter": sync.reduce_by_scatter, "schedule": sync.schedule,
+            "launch": sync.launch_during_backward, "cut": plan.compile.cut, "capacity": sync.capacity,
+            "embeddings": plan.embedding.on, "line": sync.schedule_line, "reduce_dtype": sync.torch_reduce_dtype}
 
 
 def _plans(rank: int, world: int) -> dict[str, Any]:
@@ -55,14 +59,12 @@ def plans() -> list[dict[str, Any]]:
 def test_measured_is_resolved_for_the_world_or_left_pending_for_the_probe(plans: list[dict[str, Any]]) -> None:
     capacity = SyncConfig().capacity
     for r in plans:
-        assert r["cpu"] == {"mode": "hooks", "scatter": False, "schedule": "overlap", "sync.schedule": "overlap",
-                            "launch": True, "cut": capacity, "capacity": capacity, "embeddings": False,
+        assert r["cpu"] == {"mode": "hooks", "scatter": False, "schedule": "overlap", "launch": True, "cut": capacity, "capacity": capacity, "embeddings": False,
                             "line": "sync.schedule measured: overlap (CPU ranks: Gloo shares the cores with the step;"
                                     " sync.probe=true measures them)", "reduce_dtype": None}
         # GPUs: pending until the probe at setup settles it, and no cut until then
         for where in ("gpus", "nodes"):
-            assert (r[where]["schedule"], r[where]["sync.schedule"], r[where]["cut"], r[where]["line"]) == (
-                "measured", "measured", None, None)
+            assert (r[where]["schedule"], r[where]["cut"], r[where]["line"]) == ("measured", None, None)
 
 
 @pytest.mark.multiprocess
@@ -79,7 +81,9 @@ def test_the_mesh_decides_the_reduce_path_and_what_follows_from_it(plans: list[d
 def test_the_plan_is_frozen() -> None:
     plan = resolve_plan(StrategyConfig(), world_size=2, device_type="cpu", num_nodes=1, mesh=None)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.schedule = "after_backward"  # type: ignore[misc]
+        plan.sync = plan.sync  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.sync.schedule = "after_backward"  # type: ignore[misc]
 
 
 def _set_defaults(cls: type, **values: Any) -> None:
@@ -88,17 +92,25 @@ def _set_defaults(cls: type, **values: Any) -> None:
     cls.__init__.__defaults__ = tuple(values.get(n, d) for n, d in zip(names, cls.__init__.__defaults__))
 
 
-def _a_fit_with_defaults(rank: int, world: int, sync_defaults: dict[str, Any]) -> dict[str, Any]:
-    _set_defaults(SyncConfig, **sync_defaults)  # (this rank's own process: nothing else is edited)
+def _a_fit_with_defaults(rank: int, world: int, defaults: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    from lightning_static_dist.participants.compression_state import CompressionState
+
+    for cls in (SyncConfig, CompressionConfig, CompileConfig):  # (this rank's own process: nothing else is edited)
+        _set_defaults(cls, **defaults.get(cls.__name__, {}))
     model, view, gradients = gradient_participant({})
-    gradients.setup(view.enter(Context()))
+    compression = CompressionState(view, gradients)
+    context = view.enter(Context())
+    gradients.setup(context)
+    compression.setup(context)
     for step in range(2):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
         model.training_step((x, torch.zeros(4, 1)), step).backward()
         gradients.finish_gradients(accumulating=False)
     sync = gradients.synchronizer
-    found = {"capacity": sync.capacity, "buckets": len(sync.plan.buckets), "launch": sync.launch_during_backward,
-             "cut": view.plan.compile_cut}
+    found = {"capacity": sync.capacity, "buckets": len(sync.plan.buckets), "launch": sync.schedule.launch_during_backward,
+             "cut": view.plan.compile.cut, "reducer": type(sync.reducer).__name__,
+             "compressor": compression.reducer.compressor.name if compression.reducer is not None else None,
+             "bytes": sync.stats.bytes_sent}
     gradients.teardown(failed=False)
     return found
 
@@ -107,9 +119,72 @@ def _a_fit_with_defaults(rank: int, world: int, sync_defaults: dict[str, Any]) -
 def test_a_default_changed_in_the_config_dataclass_changes_the_step_with_no_other_edit() -> None:
     as_shipped = run_ranks(_a_fit_with_defaults, world_size=2, args=({},), timeout=120)
     small = {"bucket_mb": 100 / 2**20, "first_bucket_mb": 100 / 2**20, "schedule": "after_backward"}
-    changed = run_ranks(_a_fit_with_defaults, world_size=2, args=(small,), timeout=120)
+    changed = run_ranks(_a_fit_with_defaults, world_size=2, args=({"SyncConfig": small},), timeout=120)
     for shipped, edited in zip(as_shipped, changed):
         assert shipped["capacity"] == SyncConfig().capacity and shipped["buckets"] == 1  # 644 bytes of gradients
         assert (shipped["launch"], shipped["cut"]) == (True, SyncConfig().capacity)  # measured on CPUs: overlap
         assert edited["capacity"] == BucketCapacity(100, 100) and edited["buckets"] > 1
         assert (edited["launch"], edited["cut"]) == (False, None)  # after_backward: issued once backward ends, uncut
+
+
+@pytest.mark.multiprocess
+def test_a_default_changed_in_another_features_dataclass_reaches_its_plan_and_the_step() -> None:
+    as_shipped = run_ranks(_a_fit_with_defaults, world_size=2, args=({},), timeout=120)
+    changed = run_ranks(_a_fit_with_defaults, world_size=2,
+                        args=({"CompressionConfig": {"name": "bf16", "min_numel": 1},
+                               "CompileConfig": {"regional": False}},), timeout=120)
+    for shipped, edited in zip(as_shipped, changed):
+        assert (shipped["reducer"], shipped["compressor"]) == ("MeanAllReduce", None)
+        assert (edited["reducer"], edited["compressor"]) == ("CompressingReducer", "bf16")
+        assert edited["bytes"] < shipped["bytes"]  # bf16 on the wire: fewer bytes for the same rounds
+        assert shipped["cut"] is not None and edited["cut"] is None  # compile.regional false: the step is never cut
+
+
+# ---------------------------------------------------------------- participants read the plan, never a config section
+
+CONFIG_CLASSES = {"StrategyConfig", "SyncConfig", "CompileConfig", "CompressionConfig", "EmbeddingConfig",
+                  "CheckpointConfig", "MeshConfig"}
+
+
+def _config_reads(source: str) -> list[str]:
+    """Where ``source`` reads a config section: an import of a section's class or of the strategy block's module, or
+    any ``.config`` attribute (``view.config.sync``, ``strategy.config``, a participant's ``config()``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            names = {a.name for a in node.names}
+            if names & CONFIG_CLASSES or (node.module or "").endswith("plan.strategy_config"):
+                found.append(f"line {node.lineno}: from {node.module} import {', '.join(sorted(names))}")
+        elif isinstance(node, ast.Attribute) and node.attr == "config":
+            found.append(f"line {node.lineno}: .config")
+    return found
+
+
+def test_no_participant_reads_a_config_section() -> None:
+    import lightning_static_dist.participants as participants
+
+    folder = pathlib.Path(participants.__file__).parent
+    reads = {path.name: _config_reads(path.read_text()) for path in sorted(folder.glob("*.py"))}
+    assert {name: found for name, found in reads.items() if found} == {}
+    # the check itself finds what it forbids
+    assert _config_reads("from lightning_static_dist.sync.config import SyncConfig\nview.config.sync.bucket_mb") == [
+        "line 1: from lightning_static_dist.sync.config import SyncConfig", "line 2: .config"]
+
+
+def _sections(value: Any, path: str) -> list[str]:
+    """Every config dataclass held anywhere in ``value`` (a plan, its feature plans, their fields)."""
+    if type(value).__name__ in CONFIG_CLASSES:
+        return [path]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [found for f in dataclasses.fields(value) for found in _sections(getattr(value, f.name), f"{path}.{f.name}")]
+    return []
+
+
+def test_the_plan_holds_decisions_not_config_sections() -> None:
+    config = StrategyConfig.from_dict({"sync": {"schedule": "after_backward"}, "compression": {"name": "bf16"},
+                                       "embedding": {"shard": "auto"}, "checkpoint": {"format": "sharded"}})
+    plan = resolve_plan(config, world_size=2, device_type="cpu", num_nodes=1, mesh=None)
+    assert _sections(plan, "plan") == []
+    assert [type(getattr(plan, name)).__name__ for name in ("sync", "compile", "compression", "embedding", "checkpoint")] \
+        == ["SyncPlan", "CompilePlan", "CompressionPlan", "EmbeddingPlan", "CheckpointPlan"]
+    assert _sections(dataclasses.replace(plan, sync=config.sync), "plan") == ["plan.sync"]  # (the check finds one)

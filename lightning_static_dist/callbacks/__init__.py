@@ -233,11 +233,11 @@ class RunSummary(Callback):
         schedule = offer.schedule_choice() if offer is not None else None
         plan = getattr(trainer.strategy, "plan", None)  # (a strategy of one's own may offer figures and no plan)
         if sync is not None and plan is not None:  # the schedule this run used, as its plan resolved it
-            self.summary["sync_schedule"] = plan.schedule
-            if plan.schedule_line is not None:  # sync.schedule measured: what it became, and why
-                self.summary["sync_schedule_line"] = plan.schedule_line
-            if plan.schedule_choice is not None:  # the probe's evidence and each candidate's prediction
-                self.summary["sync_schedule_measured"] = plan.schedule_choice.as_dict()
+            self.summary["sync_schedule"] = plan.sync.schedule
+            if plan.sync.schedule_line is not None:  # sync.schedule measured: what it became, and why
+                self.summary["sync_schedule_line"] = plan.sync.schedule_line
+            if plan.sync.schedule_choice is not None:  # the probe's evidence and each candidate's prediction
+                self.summary["sync_schedule_measured"] = plan.sync.schedule_choice.as_dict()
         if schedule is not None:  # sync.schedule: auto: what it chose, and what choosing cost
             self.summary["sync_schedule"] = schedule.choice
             self.summary["sync_schedule_trial_steps"] = schedule.trial_steps or None

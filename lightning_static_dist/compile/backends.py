@@ -27,14 +27,14 @@ from lightning_static_dist.compile.report import (
     _guard_failures,
 )
 from lightning_static_dist.compile.shapes import input_shapes, is_dynamic, structure
-from lightning_static_dist.compile.config import CompileConfig
+from lightning_static_dist.compile.config import CompileOptions
 from lightning_static_dist.compile.cudagraphs import inductor_options
 from lightning_static_dist.wording import counted
 
 log = logging.getLogger(__name__)
 
 
-def _resolve_backend(config: CompileConfig, inductor_patches: Optional[dict[str, Any]] = None) -> Callable[..., Any]:
+def _resolve_backend(config: CompileOptions, inductor_patches: Optional[dict[str, Any]] = None) -> Callable[..., Any]:
     """The compiler function for ``config.backend``/``config.mode``, as ``torch.compile`` would pick it, with
     ``compile.cudagraphs`` (resolved) and ``inductor_patches`` on top when the backend is inductor."""
     if config.backend in ("inductor", "inductor_distributed"):
@@ -55,7 +55,7 @@ class RecordingBackend:
     identical blocks recompile instead of sharing one artefact.
     """
 
-    def __init__(self, config: CompileConfig, report: CompileReport,
+    def __init__(self, config: CompileOptions, report: CompileReport,
                  inductor_patches: Optional[dict[str, Any]] = None) -> None:
         self._compiler = _resolve_backend(config, inductor_patches)
         self._report = report

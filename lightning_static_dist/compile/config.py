@@ -8,7 +8,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, Protocol, Union
 
 from lightning_static_dist.config.check import check_fields, fail
 
@@ -100,3 +100,27 @@ class CompileConfig:
             fail(f"{self.KEY}.around_blocks", self.around_blocks,
                   f"compiles around blocks compiled one by one, which needs {self.KEY}.regional=true"
                   f" (it is {self.regional!r}); allowed otherwise: false")
+
+
+class CompileOptions(Protocol):
+    """What compilation reads of its options: a :class:`CompileConfig` as written, or the step plan's ``CompilePlan``
+    (``plan/features.py``: the same options decided for the world that started)."""
+
+    @property
+    def backend(self) -> str: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def fullgraph(self) -> bool: ...
+    @property
+    def dynamic(self) -> Union[bool, Literal["auto"]]: ...
+    @property
+    def torch_dynamic(self) -> Optional[bool]: ...
+    @property
+    def regional(self) -> Union[bool, Literal["auto"]]: ...
+    @property
+    def around_blocks(self) -> bool: ...
+    @property
+    def fallback(self) -> str: ...
+    @property
+    def cudagraphs(self) -> Union[bool, Literal["auto"]]: ...

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_static_dist.compile.config import INDUCTOR_BACKENDS, MODE_CUDAGRAPHS, CompileConfig
+from lightning_static_dist.compile.config import INDUCTOR_BACKENDS, MODE_CUDAGRAPHS, CompileConfig, CompileOptions
 from lightning_static_dist.config.check import fail
 from lightning_static_dist.compile.report import listen_to_artifacts
 
@@ -39,7 +39,7 @@ class CudagraphChoice:
         return f"CUDA graphs: {'on' if self.on else 'off'} ({self.why})"
 
 
-def choose_cudagraphs(config: CompileConfig, device: torch.device, sync_mode: str, gathers_parameters: bool,
+def choose_cudagraphs(config: CompileOptions, device: torch.device, sync_mode: str, gathers_parameters: bool,
                       micro_batches: Optional[int] = 1, automatic_optimization: bool = True) -> CudagraphChoice:
     """Resolve ``compile.cudagraphs`` for a run on ``device``.
 
@@ -63,13 +63,13 @@ def choose_cudagraphs(config: CompileConfig, device: torch.device, sync_mode: st
                                           " accumulated gradient would stay in the graphs' memory")
         return CudagraphChoice(True, "auto: CUDA, inductor, gradients synchronised by hooks")
     if config.cudagraphs and found:
-        fail(f"{config.KEY}.cudagraphs", True, f"{found[0]}; allowed with it: auto (off here), false")
+        fail(f"{CompileConfig.KEY}.cudagraphs", True, f"{found[0]}; allowed with it: auto (off here), false")
     if config.cudagraphs and device.type != "cuda":  # (inductor would drop them without a word: no CUDA kernels)
         return CudagraphChoice(False, f"compile.cudagraphs=true, but the device is {device.type}")
     return CudagraphChoice(config.cudagraphs, f"compile.cudagraphs={str(config.cudagraphs).lower()}")
 
 
-def hazards(config: CompileConfig, sync_mode: str, gathers_parameters: bool, micro_batches: Optional[int],
+def hazards(config: CompileOptions, sync_mode: str, gathers_parameters: bool, micro_batches: Optional[int],
             automatic_optimization: bool) -> list[str]:
     """What in this run would break CUDA graphs: each is a tensor that must outlive a replay, or a graph recorded
     for something that changes (why, in a clause each)."""
@@ -92,7 +92,7 @@ def hazards(config: CompileConfig, sync_mode: str, gathers_parameters: bool, mic
     return found
 
 
-def inductor_options(config: CompileConfig) -> dict[str, Any]:
+def inductor_options(config: CompileOptions) -> dict[str, Any]:
     """Inductor's settings for ``config.cudagraphs`` once resolved to a bool (nothing for ``auto``, or where the
     mode decides)."""
     if config.mode in MODE_CUDAGRAPHS or config.cudagraphs == "auto":

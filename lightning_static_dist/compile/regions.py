@@ -27,7 +27,7 @@ from lightning_static_dist.compile.log_calls import LogCalls
 from lightning_static_dist.compile.report import CompileFailure, CompileReport, _capture_dynamo_logs, failure_reason
 from lightning_static_dist.compile.shapes import mark_tail, notice_recompile_limit
 from lightning_static_dist.compile.split import BucketGraphSplitter
-from lightning_static_dist.compile.config import CompileConfig
+from lightning_static_dist.compile.config import CompileOptions
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.wording import counted
 
@@ -89,7 +89,7 @@ class _RegionForward:
     original's weights, and identical blocks share one compiled artefact.
     """
 
-    def __init__(self, region: str, eager: Callable[..., Any], compiled: Callable[..., Any], config: CompileConfig,
+    def __init__(self, region: str, eager: Callable[..., Any], compiled: Callable[..., Any], config: CompileOptions,
                  report: CompileReport, log_calls: Optional[LogCalls] = None) -> None:
         self.region = region
         self.eager = eager
@@ -184,7 +184,7 @@ def kept_graph_output(err: BaseException) -> Optional[RuntimeError]:
     return None
 
 
-def compile_regions(module: nn.Module, config: CompileConfig, report: Optional[CompileReport] = None,
+def compile_regions(module: nn.Module, config: CompileOptions, report: Optional[CompileReport] = None,
                     split: Optional[tuple[int, int]] = None,
                     inductor_patches: Optional[dict[str, Any]] = None) -> CompileReport:
     """Compile ``module`` in place as ``config`` says; return the report that fills as graphs compile.
@@ -236,7 +236,7 @@ def compile_regions(module: nn.Module, config: CompileConfig, report: Optional[C
     return report
 
 
-def _compile_method(region: nn.Module, method: str, name: str, backend: Callable[..., Any], config: CompileConfig,
+def _compile_method(region: nn.Module, method: str, name: str, backend: Callable[..., Any], config: CompileOptions,
                     report: CompileReport, wrapper: type) -> None:
     eager = getattr(type(region), method)
     compiled = torch.compile(eager, backend=backend, fullgraph=config.fullgraph, dynamic=config.torch_dynamic)
@@ -247,7 +247,7 @@ def _compile_method(region: nn.Module, method: str, name: str, backend: Callable
     report.regions.append(name)
 
 
-def compile_optimizer_step(optimizer: torch.optim.Optimizer, config: CompileConfig, report: CompileReport) -> None:
+def compile_optimizer_step(optimizer: torch.optim.Optimizer, config: CompileOptions, report: CompileReport) -> None:
     """Compile ``optimizer.step()``; a closure, when Lightning passes one, runs eagerly before the compiled step.
 
     Lightning's precision plugins call ``optimizer.step(closure=...)`` with forward and backward inside the closure;

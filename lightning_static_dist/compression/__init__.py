@@ -16,7 +16,7 @@ from lightning_static_dist.compression.compressors import (
 )
 from lightning_static_dist.compression.guard import CompressionGuard
 from lightning_static_dist.compression.compressing_reducer import CompressingReducer, PhasedReduction
-from lightning_static_dist.compression.config import CompressionConfig
+from lightning_static_dist.compression.config import CompressionConfig, CompressorOptions
 from lightning_static_dist.config import ConfigError, import_object
 
 __all__ = [
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 
-def build_compressor(config: CompressionConfig, seed: int = 0) -> Optional[Compressor]:
+def build_compressor(config: CompressorOptions, seed: int = 0) -> Optional[Compressor]:
     """The compressor ``strategy.compression`` names (``None`` for ``none``).
 
     Example::

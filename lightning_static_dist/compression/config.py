@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 from lightning_static_dist.config.check import check_fields, fail, import_object
 
@@ -75,3 +76,30 @@ class CompressionConfig:
             fail(f"{self.KEY}.min_numel", self.min_numel, "must be an integer >= 1")
         if self.trial_steps < 2:
             fail(f"{self.KEY}.trial_steps", self.trial_steps, "must be an integer >= 2 (the first step is not timed)")
+
+
+class CompressorOptions(Protocol):
+    """What building a compressor reads: a :class:`CompressionConfig` as written, or the step plan's
+    ``CompressionPlan`` (``plan/features.py``: the same options, frozen). A dataclass: the ``auto`` trial replaces
+    ``name``."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def warm_start(self) -> bool: ...
+    @property
+    def min_compression_rate(self) -> float: ...
+    @property
+    def levels(self) -> int: ...
+    @property
+    def density(self) -> float: ...
+    @property
+    def error_feedback(self) -> bool: ...
+    @property
+    def start_step(self) -> int: ...
+    @property
+    def min_numel(self) -> int: ...
+    @property
+    def trial_steps(self) -> int: ...

@@ -22,7 +22,7 @@ from lightning_static_dist.compression import build_compressor
 from lightning_static_dist.trial import Candidate, StepTrial
 from lightning_static_dist.compression.base import Compressor
 from lightning_static_dist.compression.compressors import LowPrecisionCompressor
-from lightning_static_dist.compression.config import CompressionConfig
+from lightning_static_dist.compression.config import CompressorOptions
 from lightning_static_dist.compression.compressing_reducer import CompressingReducer
 from lightning_static_dist.sync import GradientSynchronizer
 from lightning_static_dist.sync.bucket_reducer import MeanAllReduce
@@ -41,7 +41,7 @@ def use_compressor(synchronizer: GradientSynchronizer, compressor: Optional[Comp
     synchronizer.reducer = CompressingReducer(compressor, shapes, start_step, names=synchronizer.parameter_names)
 
 
-def compression_trial(compression: CompressionConfig, device: torch.device,
+def compression_trial(compression: CompressorOptions, device: torch.device,
                       group: Optional[dist.ProcessGroup]) -> StepTrial:
     """``strategy.compression.name: auto``: the trial of exact fp32, bf16 and PowerSGD at ``compression.rank``."""
     powersgd = dataclasses.replace(compression, name="powersgd")

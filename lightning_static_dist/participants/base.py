@@ -79,19 +79,22 @@ class StepContext(Protocol):
         ...
 
 
-class StrategyView(Protocol):
-    """What a participant reads of the front end: the resolved plan, ranks, device, groups and model. A participant
-    never imports the strategy (a layer above); it is handed this view."""
+class PlanView(Protocol):
+    """The plan of the world that started: what phases read, never the config."""
 
     @property
     def plan(self) -> StepPlan:
-        """The config resolved for the world that started (set up with the processes): what phases read."""
+        """The config resolved for the world that started (set up with the processes)."""
         ...
 
     def settle_schedule(self, plan: StepPlan) -> None:
         """Replace the plan by ``plan``, in which a pending ``sync.schedule: measured`` is settled (the probe at
         setup; ``participants/schedule_probe.py``)."""
         ...
+
+
+class RanksView(Protocol):
+    """The ranks that started: their number, this rank, its device, the groups and the mesh, a simulated world."""
 
     @property
     def world_size(self) -> int: ...
@@ -119,15 +122,11 @@ class StrategyView(Protocol):
     @property
     def host_group(self) -> Optional[dist.ProcessGroup]: ...
 
-    @property
-    def preempted(self) -> bool:
-        """Whether ``fit`` ended at the ranks' agreed SIGTERM stop (its checkpoint already written on every rank)."""
-        ...
+    def barrier(self, *args: Any, **kwargs: Any) -> None: ...
 
-    @property
-    def context(self) -> Optional[StepContext]:
-        """The run's :class:`StepContext` once a stage's setup began; ``None`` before."""
-        ...
+
+class TrainingView(Protocol):
+    """What is trained: the module, the optimizers, the precision plugin."""
 
     @property
     def lightning_module(self) -> Optional[pl.LightningModule]: ...
@@ -141,21 +140,51 @@ class StrategyView(Protocol):
     @property
     def precision_plugin(self) -> Any: ...
 
-    def barrier(self, *args: Any, **kwargs: Any) -> None: ...
+
+class StepView(Protocol):
+    """Where the run stands: its :class:`StepContext` and whether it stopped at an agreed SIGTERM."""
+
+    @property
+    def context(self) -> Optional[StepContext]:
+        """The run's :class:`StepContext` once a stage's setup began; ``None`` before."""
+        ...
+
+    @property
+    def preempted(self) -> bool:
+        """Whether ``fit`` ended at the ranks' agreed SIGTERM stop (its checkpoint already written on every rank)."""
+        ...
 
 
-def syncs_gradients(context: StepContext, view: StrategyView) -> bool:
+class WorldView(PlanView, RanksView, Protocol):
+    """The plan and the ranks it was resolved for."""
+
+
+class TrialView(WorldView, StepView, Protocol):
+    """What a trial or a watch over the steps reads: the plan, the ranks, the step."""
+
+
+class ModelWorldView(WorldView, TrainingView, Protocol):
+    """The plan, the ranks and what they train, without the step."""
+
+
+class StrategyView(WorldView, TrainingView, StepView, Protocol):
+    """All a front end offers its participants (each participant is typed with the part it reads: :class:`PlanView`,
+    :class:`RanksView`, :class:`TrainingView`, :class:`StepView` or one of their unions). A participant never imports
+    the strategy (a layer above); it is handed this view."""
+
+
+def syncs_gradients(context: StepContext, view: RanksView) -> bool:
     """Whether this setup builds gradient synchronisation: while fitting, on more than one rank (one rank has
     nothing to average: no buckets, no copies)."""
     return context.fitting and view.world_size > 1
 
 
-def global_step(view: StrategyView) -> int:
+def global_step(view: StepView) -> int:
     """The optimizer steps taken so far; ``-1`` before a stage's setup."""
     return view.context.global_step if view.context is not None else -1
 
 
-def advance_trial(trial: Any, synchronizer: Any, view: StrategyView, apply: Any) -> None:
+def advance_trial(trial: Any, synchronizer: Any, view: StepView, apply: Any) -> None:
     """One batch start of an ``auto`` trial (``compression.name``; ``sync.schedule``'s runs its own) of
     ``synchronizer``: the candidate for the coming step applied with ``apply(candidate)``."""
     if trial is None or trial.decided or synchronizer is None:

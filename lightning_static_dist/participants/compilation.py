@@ -29,12 +29,12 @@ from lightning_static_dist.compile import (
     graph_mode_patches,
     is_compiled,
 )
-from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.compile.cudagraphs import CudagraphChoice, capture_skips, choose_cudagraphs
 from lightning_static_dist.compile.shapes import tail_rows
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.agreement.fingerprint import RankMismatchError, first_difference
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
+from lightning_static_dist.plan.features import CompilePlan
 
 
 def check_same_graphs(report: Any, group: Optional[dist.ProcessGroup]) -> None:
@@ -70,7 +70,7 @@ class StaticCompile(StepParticipant):
         self.requested_backend: Optional[str] = None
         """Set when ``trainer.fit(torch.compile(model))`` asked for compilation with this backend (``""``: its
         backend is the default, ``compile.backend``)."""
-        self._resolution: Optional[tuple[CompileConfig, CudagraphChoice]] = None
+        self._resolution: Optional[tuple[CompilePlan, CudagraphChoice]] = None
         self.graphs_checked = True
         """Whether the ranks' compiled graphs were compared since the last compilation."""
         self._tail_rows: Optional[int] = None
@@ -82,8 +82,8 @@ class StaticCompile(StepParticipant):
         self.requested_backend = backend_of(dynamo_ctx) or ""
         self._resolution = None
 
-    def config(self) -> CompileConfig:
-        """``strategy.compile`` as it applies to this run: enabled by ``trainer.fit(torch.compile(model))``, and with
+    def run_plan(self) -> CompilePlan:
+        """The plan's ``strategy.compile`` as it applies to this run: enabled by ``trainer.fit(torch.compile(model))``, and with
         ``reduce_scatter`` a ``regional: auto`` resolved to the blocks one by one (each block waits for its own
         parameters' all-gather in a forward pre-hook; a graph cut at the buckets could not follow that synchroniser's
         static plan), or to the whole step uncut for a model without repeated blocks; ``cudagraphs`` resolved to a
@@ -95,29 +95,27 @@ class StaticCompile(StepParticipant):
         move parameters between steps (:func:`~lightning_static_dist.compile.cudagraphs.choose_cudagraphs`)."""
         return self._resolved()[1]
 
-    def _resolved(self) -> tuple[CompileConfig, CudagraphChoice]:
-        """:meth:`config` and :meth:`cudagraphs`, resolved once per stage (the choice is made on the resolved config;
+    def _resolved(self) -> tuple[CompilePlan, CudagraphChoice]:
+        """:meth:`run_plan` and :meth:`cudagraphs`, resolved once per stage (the choice is made on the resolved config;
         finding the repeated blocks walks the model)."""
         if self._resolution is None:
             plan = self._view.plan
-            config = plan.compile
+            config = plan.compile  # (enabled: auto decided by the device there)
             if self.requested_backend is not None:
                 # the user passed torch.compile(model); Lightning's compile check unwrapped it
                 config = dataclasses.replace(config, enabled=True, backend=self.requested_backend or config.backend)
-            elif config.enabled == "auto":  # on where it pays: CUDA (on a CPU the compile outlasts a small model's fit)
-                config = dataclasses.replace(config, enabled=self._view.root_device.type == "cuda")
-            if config.regional == "auto" and plan.reduce_by_scatter:
+            if config.regional == "auto" and plan.sync.reduce_by_scatter:
                 config = dataclasses.replace(config, regional=bool(self.repeated_blocks()))
             choice = self._choose_cudagraphs(config)
             self._resolution = dataclasses.replace(config, cudagraphs=choice.on), choice
         return self._resolution
 
-    def _choose_cudagraphs(self, config: CompileConfig) -> CudagraphChoice:
+    def _choose_cudagraphs(self, config: CompilePlan) -> CudagraphChoice:
         view = self._view
         plan = view.plan
         context = view.context
         return choose_cudagraphs(config, view.root_device, sync_mode=plan.sync.mode,
-                                 gathers_parameters=plan.reduce_by_scatter or plan.embedding.shard is not False,
+                                 gathers_parameters=plan.sync.reduce_by_scatter or plan.embedding.shard is not False,
                                  micro_batches=context.micro_batches if context is not None else 1,
                                  automatic_optimization=getattr(view.lightning_module, "automatic_optimization", True))
 
@@ -139,7 +137,7 @@ class StaticCompile(StepParticipant):
         assert module is not None
         config, cudagraphs = self._resolved()
         plan = view.plan
-        graph_mode = plan.sync_mode == "graph"
+        graph_mode = plan.sync.mode == "graph"
         if graph_mode and not config.enabled:
             raise ConfigError("strategy.sync.mode='graph': the collectives live in the compiled graph, which needs"
                               " strategy.compile.enabled=true (or trainer.fit(torch.compile(model))); allowed"
@@ -153,8 +151,8 @@ class StaticCompile(StepParticipant):
                                f" the first step and says how long it took); {off}")
             # one graph for forward + loss, cut where the buckets end so that collectives still overlap backward
             # (decided from the config, not from this stage: a validate before fit compiles for the fit too)
-            cut = plan.compile_cut
-            patches = graph_mode_patches(plan.capacity) if graph_mode else None
+            cut = config.cut
+            patches = graph_mode_patches(plan.sync.capacity) if graph_mode else None
             self.report = compile_regions(module, config, split=(cut.first_bytes, cut.bytes) if cut else None,
                                           inductor_patches=patches)
             self.report.cudagraphs = cudagraphs.describe()

@@ -33,7 +33,7 @@ from lightning_static_dist.compression.reducer_state import (
     restore_compression_state,
     use_compressor,
 )
-from lightning_static_dist.participants.base import (StepContext, StepParticipant, StrategyView, advance_trial,
+from lightning_static_dist.participants.base import (StepContext, StepParticipant, TrialView, advance_trial,
                                                      end_trial_step)
 from lightning_static_dist.participants.gradients import GradientAveraging
 
@@ -44,7 +44,7 @@ class CompressionState(StepParticipant):
     """The reducer of the hook-driven synchroniser (its one owner), the compressor's state and the ``auto`` trial
     (``compression.name: auto``)."""
 
-    def __init__(self, view: StrategyView, gradients: GradientAveraging) -> None:
+    def __init__(self, view: TrialView, gradients: GradientAveraging) -> None:
         self._view = view
         self._gradients = gradients
         self.trial: Optional[StepTrial] = None
@@ -86,14 +86,14 @@ class CompressionState(StepParticipant):
         if self._gradients.mode != "hooks":
             return
         self._attached = True
-        config = self._view.plan.compression
-        if config.name == "auto":  # exact until the trial picks
-            self.trial = compression_trial(config, self._view.root_device, self._view.dp_group)
+        compression = self._view.plan.compression
+        if compression.name == "auto":  # exact until the trial picks
+            self.trial = compression_trial(compression, self._view.root_device, self._view.dp_group)
             self._resume_trial()
         else:
-            compressor = build_compressor(config)
+            compressor = build_compressor(compression)
             if compressor is not None:
-                self.use(compressor, config.start_step)
+                self.use(compressor, compression.start_step)
         if self.reducer is not None:
             self._restore_compression_state()
 

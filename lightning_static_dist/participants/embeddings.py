@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_static_dist.compat import unwrap_optimizer
 from lightning_static_dist.embedding import EmbeddingSharder
 from lightning_static_dist.agreement.faults import waiting_in
-from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
+from lightning_static_dist.participants.base import ModelWorldView, StepContext, StepParticipant
 from lightning_static_dist.participants.recording import PhaseRecording
 
 
@@ -27,7 +27,7 @@ class EmbeddingShards(StepParticipant):
     """The sharded embeddings of a fit (none when ``strategy.embedding.shard`` is off, at world size 1, or with
     ``reduce_scatter``, which shards every parameter's optimizer state already)."""
 
-    def __init__(self, view: StrategyView, recording: PhaseRecording) -> None:
+    def __init__(self, view: ModelWorldView, recording: PhaseRecording) -> None:
         self._view = view
         self._recording = recording
         self.sharder: Optional[EmbeddingSharder] = None
@@ -40,9 +40,9 @@ class EmbeddingShards(StepParticipant):
         config = plan.embedding
         if config.shard is False or self.sharder is not None:
             return
-        if not plan.shards_embeddings:
+        if not config.on:
             rank_zero_info("static_dist: reduce_scatter shards every parameter's optimizer state; strategy.embedding"
-                           " sharding is off" if plan.reduce_by_scatter else
+                           " sharding is off" if plan.sync.reduce_by_scatter else
                            "static_dist: world size 1, strategy.embedding.shard has nothing to shard across")
             return
         assert view.lightning_module is not None

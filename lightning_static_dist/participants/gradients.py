@@ -13,6 +13,7 @@ Example (the roster builds it; the offer's ``sync_figures()`` reads ``gradients.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import AbstractContextManager, nullcontext
 from collections.abc import Iterable, Mapping
 from typing import Optional
@@ -26,12 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_static_dist.agreement.faults import AgreedFailure, enter_collective, leave_collective
 from lightning_static_dist.agreement.fingerprint import RankMismatchError
-from lightning_static_dist.participants.base import (
-    StepContext,
-    StepParticipant,
-    StrategyView,
-    global_step,
-)
+from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView, TrialView, global_step
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.embeddings import EmbeddingShards
 from lightning_static_dist.participants.recording import PhaseRecording
@@ -39,6 +35,7 @@ from lightning_static_dist.participants.parameter_shards import build_sharded_sy
 from lightning_static_dist.sync import GradientSynchronizer, RoundSynchronizer
 from lightning_static_dist.sync.broadcast import broadcast_buffers
 from lightning_static_dist.sync.graph import GraphSynchronizer
+from lightning_static_dist.sync.round_state import RoundSchedule
 from lightning_static_dist.sync.sharded_synchronizer import ShardedSynchronizer
 from lightning_static_dist.plan.step_plan import StepPlan, SyncMode
 from lightning_static_dist.sync.config import launches_during_backward, reduce_torch_dtype
@@ -55,11 +52,11 @@ def build_synchronizer(named_parameters: Iterable[tuple[str, Parameter]], plan: 
     synchronizer = GradientSynchronizer(
         named_parameters,
         group=group,
-        capacity=plan.capacity,
-        check_each_collective=plan.check_each_collective,
-        reduce_dtype=plan.reduce_dtype,
+        capacity=plan.sync.capacity,
+        check_each_collective=plan.sync.check_each_collective,
+        reduce_dtype=plan.sync.torch_reduce_dtype,
+        schedule=RoundSchedule(launch_during_backward=plan.sync.launch_during_backward),  # (auto: its trial: reduce_as)
     )
-    synchronizer.launch_during_backward = plan.launch_during_backward  # (auto: its trial switches it: reduce_as)
     return synchronizer
 
 
@@ -105,7 +102,7 @@ class NonfiniteCheck:
         check(model.named_parameters(), "skip")   # NaN anywhere: every rank drops its gradients, warns once
     """
 
-    def __init__(self, view: StrategyView) -> None:
+    def __init__(self, view: TrialView) -> None:
         self._view = view
         self.steps = 0
         """Synchronised steps whose averaged gradients held NaN/Inf."""
@@ -189,7 +186,7 @@ class GradientAveraging(StepParticipant):
 
     def choose_mode(self, context: StepContext) -> Optional[SyncMode]:
         """The mode this setup averages with (``None``: nothing to average, one rank or not fitting)."""
-        return self._view.plan.sync_mode if context.fitting else None
+        return self._view.plan.sync.mode if context.fitting else None
 
     # ------------------------------------------------------------------------------------------------ setup
 
@@ -206,7 +203,7 @@ class GradientAveraging(StepParticipant):
         if self.mode == "sharded":
             self.synchronizer = build_sharded_synchronizer(view)
         elif self.mode == "graph":
-            self.graph_sync = GraphSynchronizer(view.model, group=view.dp_group, reduce_dtype=plan.reduce_dtype)
+            self.graph_sync = GraphSynchronizer(view.model, group=view.dp_group, reduce_dtype=plan.sync.torch_reduce_dtype)
             self.graph_sync.attach()
             return
         else:
@@ -308,7 +305,8 @@ class GradientAveraging(StepParticipant):
         if group is not None:
             synchronizer.group = group
         synchronizer.use_reduce_dtype(reduce_torch_dtype(candidate.reduce_dtype))
-        synchronizer.launch_during_backward = launches_during_backward(candidate.schedule)
+        synchronizer.follow(dataclasses.replace(synchronizer.schedule,
+                                                launch_during_backward=launches_during_backward(candidate.schedule)))
 
     def no_sync(self) -> AbstractContextManager[None]:
         return self.synchronizer.no_sync() if self.synchronizer is not None else nullcontext()

@@ -15,11 +15,13 @@ Example (the roster builds it; ``StaticDistStrategy.optimizer_step`` steps what 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView, global_step
+from lightning_static_dist.participants.base import (StepContext, StepParticipant, StrategyView, TrainingView,
+                                                     global_step)
 from lightning_static_dist.participants.gradients import GradientAveraging
 from lightning_static_dist.participants.schedule_trial import ScheduleTrial
 from lightning_static_dist.sync import GradientSynchronizer
@@ -31,9 +33,9 @@ from lightning_static_dist.sync.optimizer_overlap import (
 )
 
 
-def run_hazards(view: StrategyView, context: Optional[StepContext]) -> list[str]:
+def run_hazards(view: TrainingView, context: Optional[StepContext]) -> list[str]:
     """What the run shows that rules the optimizer overlap out, a clause each: the front end's gradient readers, the
-    optimizers and their step hooks, the precision plugin (the config's part: ``SyncConfig.optimizer_overlap_hazards``)."""
+    optimizers and their step hooks, the precision plugin (the block's part: ``StepPlan.overlap_hazards``)."""
     return step_hazards(context.gradient_readers if context is not None else None,
                         automatic_optimization=getattr(view.lightning_module, "automatic_optimization", True),
                         scaler=getattr(view.precision_plugin, "scaler", None) is not None,
@@ -68,11 +70,10 @@ class OptimizerOverlap(StepParticipant):
         if self._gradients.mode is None:
             return  # one rank, or not fitting: nothing is averaged, nothing to overlap
         plan = self._view.plan
-        hazards = plan.sync.optimizer_overlap_hazards(plan.compression.name, plan.compile.optimizer,
-                                                      sharded=self._gradients.mode == "sharded")
+        hazards = plan.overlap_hazards()
         hazards += self._run_hazards()
-        measured = plan.schedule_choice
-        if measured is not None and plan.schedule == "after_backward" and not measured.candidate.step_per_bucket:
+        measured = plan.sync.schedule_choice
+        if measured is not None and plan.sync.schedule == "after_backward" and not measured.candidate.step_per_bucket:
             hazards.append("sync.schedule measured predicted after_backward faster with the step taken whole")
         self.choice = choose_optimizer_overlap(plan.sync.optimizer_overlap, hazards)  # (true + a hazard: raises)
         self.switch(self.choice.on)
@@ -86,9 +87,9 @@ class OptimizerOverlap(StepParticipant):
         anything (``after_backward``, ``auto``; with ``overlap`` every bucket is waited for as backward ends). Under
         ``sync.schedule: auto`` it is on for the after_backward candidates only until the trial decides, then as the
         choice makes it (an ``overlap/...`` choice steps no bucket on its own: off)."""
-        if self.choice is None or self._view.plan.schedule == "overlap":
+        if self.choice is None or self._view.plan.sync.schedule == "overlap":
             return None
-        if self._view.plan.schedule != "auto" or not self.choice.on:
+        if self._view.plan.sync.schedule != "auto" or not self.choice.on:
             return self.choice.describe()
         return self._decided or f"optimizer overlap: on for sync.schedule auto's after_backward candidates" \
                                 f" ({self.choice.why})"
@@ -145,11 +146,11 @@ class OptimizerOverlap(StepParticipant):
         defers its waits.)"""
         sync = self._synchronizer()
         if sync is not None:
-            sync.defer_waits = on and self.choice is not None and self.choice.on
+            sync.follow(dataclasses.replace(sync.schedule, defer_waits=on and self.choice is not None and self.choice.on))
 
     def optimizer_to_step(self, optimizer: Any) -> Any:
         sync = self._synchronizer()
-        if sync is None or not sync.defer_waits:
+        if sync is None or not sync.schedule.defer_waits:
             return optimizer
         return BucketwiseOptimizer(optimizer, sync, on_late_hazard=self.turn_off)
 

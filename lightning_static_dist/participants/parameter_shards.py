@@ -35,7 +35,8 @@ from lightning_static_dist.compat import unwrap_optimizer
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.agreement.faults import waiting_in
 from lightning_static_dist.mesh import REPLICATE_DIM, SHARD_DIM
-from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView, syncs_gradients
+from lightning_static_dist.participants.base import (ModelWorldView, StepContext, StepParticipant, StrategyView,
+                                                     syncs_gradients)
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.sync.sharded_synchronizer import ShardedSynchronizer
 
@@ -47,7 +48,7 @@ _NOT_ELEMENTWISE = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafa
                          if hasattr(torch.optim, name))
 
 
-def build_sharded_synchronizer(view: StrategyView) -> ShardedSynchronizer:
+def build_sharded_synchronizer(view: ModelWorldView) -> ShardedSynchronizer:
     """The sharded synchroniser of this fit, attached, with the one optimizer re-pointed at this rank's shards
     (the gradient participant calls this when it chooses ``reduce_scatter``). Refused, with a one-line
     :class:`ConfigError`, for several optimizers, an optimizer that does not update element by element, and the
@@ -73,8 +74,8 @@ def build_sharded_synchronizer(view: StrategyView) -> ShardedSynchronizer:
     sync = ShardedSynchronizer(
         view.model.named_parameters(), optimizer, shard_group=mesh.get_group(SHARD_DIM),
         replicate_group=mesh.get_group(REPLICATE_DIM), group=view.dp_group,
-        capacity=plan.capacity,
-        check_each_collective=plan.check_each_collective,
+        capacity=plan.sync.capacity,
+        check_each_collective=plan.sync.check_each_collective,
     )
     sync.bind()
     sync.attach()
@@ -117,7 +118,7 @@ class ParameterShards(StepParticipant):
         return self._gradients.sharded_sync
 
     def _sharded_checkpoints(self) -> bool:
-        return self.sharded_sync is not None and self._view.plan.checkpoint.format != "full"
+        return self.sharded_sync is not None and self._view.plan.checkpoint.format == "sharded"
 
     # ------------------------------------------------------------------------------------------------ setup
 
@@ -128,7 +129,7 @@ class ParameterShards(StepParticipant):
         sync = self.sharded_sync
         if sync is not None:
             self._wait_for_parameters_where_needed(sync)
-        elif view.plan.checkpoint.format == "sharded":
+        elif view.plan.checkpoint.sharded_unavailable:
             rank_zero_warn("static_dist: strategy.checkpoint.format='sharded' has nothing to shard with"
                            " strategy.sync.reduce=all_reduce (every rank holds the whole state); checkpoints are full")
 
@@ -137,7 +138,7 @@ class ParameterShards(StepParticipant):
         regions regional compile uses; their hooks run outside the compiled code), the rest at the step's start."""
         module = self._view.lightning_module
         assert module is not None
-        compile_cfg = self._compile.config()
+        compile_cfg = self._compile.run_plan()
         # the blocks' pre-hooks run outside compiled code only when the blocks are compiled one by one (or eagerly)
         whole = compile_cfg.enabled and compile_cfg.regional is not True
         blocks = [] if whole else self._compile.repeated_blocks()

@@ -26,9 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_static_dist.compat import save_step_as_at_interval, train_loaders
-from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
-
-
+from lightning_static_dist.participants.base import StepContext, StepParticipant, StepView
 def is_resumable(loader: object) -> bool:
     """Whether Lightning saves and restores ``loader``'s position (its ``_Stateful`` test: both methods)."""
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
@@ -38,7 +36,7 @@ class MidEpochResume(StepParticipant):
     """At a fit's first training batch: if the fit resumed mid-epoch and a training loader keeps no position, rank 0
     prints one line saying that the run does not continue as the uninterrupted one would."""
 
-    def __init__(self, view: StrategyView) -> None:
+    def __init__(self, view: StepView) -> None:
         self._view = view
         self._first_batch = True
         self._trainer: Any = None
@@ -72,7 +70,7 @@ class LastStepSave(StepParticipant):
     or an agreed SIGTERM stop (that one saved already), and for a fit that resumed a finished run (it took no
     step)."""
 
-    def __init__(self, view: StrategyView) -> None:
+    def __init__(self, view: StepView) -> None:
         self._view = view
         self._loop: Any = None
         self._first_step: Optional[int] = None

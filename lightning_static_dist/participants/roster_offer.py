@@ -22,7 +22,7 @@ from lightning_static_dist.compression import CompressingReducer
 from lightning_static_dist.trial import StepTrial
 from lightning_static_dist.offer import ScheduleChoice, StaticDistOffer, SyncFigures
 from lightning_static_dist.overlap.recorder import StepRecorder
-from lightning_static_dist.participants.base import StrategyView
+from lightning_static_dist.participants.base import RanksView
 from lightning_static_dist.participants.roster import Participants
 from lightning_static_dist.simulate.config import SimulateConfig
 from lightning_static_dist.sync.schedule_choice import MeasuredChoice
@@ -38,7 +38,7 @@ class RosterOffer(StaticDistOffer):
         host_max: the strategy's maximum over ranks of host figures (a collective).
     """
 
-    def __init__(self, participants: Participants, view: StrategyView,
+    def __init__(self, participants: Participants, view: RanksView,
                  host_max: Callable[[Sequence[float]], list[float]]) -> None:
         self._parts = participants
         self._view = view

@@ -18,13 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_static_dist.compat import set_collective_timeout
 from lightning_static_dist.processes import sigterm as loop_patches
-from lightning_static_dist.participants.base import (
-    StepContext,
-    StepParticipant,
-    StrategyView,
-    global_step,
-    syncs_gradients,
-)
+from lightning_static_dist.participants.base import (RanksView, StepContext, StepParticipant, TrialView, WorldView, global_step, syncs_gradients)
 from lightning_static_dist.processes.watchdog import PeerWatchdog
 
 
@@ -32,7 +26,7 @@ class PeerWatch(StepParticipant):
     """A watchdog thread on every rank of a multi-rank run: a dead peer ends this rank even where it cannot raise
     (blocked in a collective no error reaches). ``failed``: whether this rank is reporting a failure itself."""
 
-    def __init__(self, view: StrategyView, failed: Callable[[], bool]) -> None:
+    def __init__(self, view: TrialView, failed: Callable[[], bool]) -> None:
         self._view = view
         self._failed = failed
         self._watchdog: Optional[PeerWatchdog] = None
@@ -57,7 +51,7 @@ class CollectiveTimeout(StepParticipant):
     compile than a running job's collective should. The default and host groups are set once; the groups a fit opens
     for itself (``groups``: ``sync.schedule: auto``'s SM budgets) after that fit's first optimizer step."""
 
-    def __init__(self, view: StrategyView, groups: Optional[Callable[[], Iterable[dist.ProcessGroup]]] = None) -> None:
+    def __init__(self, view: WorldView, groups: Optional[Callable[[], Iterable[dist.ProcessGroup]]] = None) -> None:
         self._view = view
         self._groups = groups
         self._set = False
@@ -88,7 +82,7 @@ class SimulationMark(StepParticipant):
     """``strategy.simulate``: a checkpoint written in a simulated world says so, and a run that is not the same
     simulation warns when it resumes from one (its weights are one rank's, its sharded state rank 0's only)."""
 
-    def __init__(self, view: StrategyView) -> None:
+    def __init__(self, view: RanksView) -> None:
         self._view = view
 
     def state_dict(self) -> dict[str, Any]:
@@ -111,7 +105,7 @@ class SigtermAgreement(StepParticipant):
     """Lightning's per-step SIGTERM broadcast, host to host instead of through the device: the loop patch is
     installed for a multi-rank fit, and the ranks agree at the end of each validation inside it."""
 
-    def __init__(self, view: StrategyView) -> None:
+    def __init__(self, view: RanksView) -> None:
         self._view = view
         self._patched: Any = None  # the Trainer whose loop is patched
 

@@ -22,7 +22,7 @@ import torch
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
+from lightning_static_dist.participants.base import ModelWorldView, StepContext, StepParticipant
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.participants.optimizer_overlap import run_hazards
 from lightning_static_dist.agreement.faults import waiting_in
@@ -81,7 +81,7 @@ class ScheduleProbe(StepParticipant):
     checkpoint. Every step that decides is agreed between the ranks (rank 0's checkpoint entry, the optimizer
     overlap's possibility, the probe's figures), so that every rank issues the same collectives and chooses alike."""
 
-    def __init__(self, view: StrategyView, compile: StaticCompile) -> None:
+    def __init__(self, view: ModelWorldView, compile: StaticCompile) -> None:
         self._view = view
         self._compile = compile
         self.choice: Optional[MeasuredChoice] = None
@@ -94,7 +94,7 @@ class ScheduleProbe(StepParticipant):
     def setup(self, context: StepContext) -> None:
         view = self._view
         plan = view.plan
-        if plan.schedule != "measured":
+        if plan.sync.schedule != "measured":
             return
         if not context.fitting:  # (nothing is averaged: no probe; a fit after it probes)
             view.settle_schedule(plan.settled("overlap", "sync.schedule measured: overlap (not fitting: nothing is"
@@ -105,7 +105,7 @@ class ScheduleProbe(StepParticipant):
         step_per_bucket, saved = self._agreed(self._step_per_bucket_possible(context), self._saved)
         self._saved = None
         dtypes, budgets = self._candidates()
-        buckets = bucket_sizes(module, plan.capacity.first_bytes, plan.capacity.bytes)
+        buckets = bucket_sizes(module, plan.sync.capacity.first_bytes, plan.sync.capacity.bytes)
         choice = self._from_checkpoint(saved, dtypes, budgets, step_per_bucket)
         if choice is None and self.choice is not None and self._same_world(self.choice):
             choice = self._predict(self.choice, buckets, dtypes, step_per_bucket)  # (measured in an earlier stage)
@@ -175,16 +175,14 @@ class ScheduleProbe(StepParticipant):
         plan = view.plan
         if plan.sync.optimizer_overlap is False:
             return False
-        hazards = plan.sync.optimizer_overlap_hazards(plan.compression.name, plan.compile.optimizer,
-                                                      sharded=plan.reduce_by_scatter, schedule="after_backward")
-        return not (hazards + run_hazards(view, context))
+        return not (plan.overlap_hazards("after_backward") + run_hazards(view, context))
 
     def _probe(self, module: torch.nn.Module, buckets: list[int],
                budgets: tuple[Optional[int], ...]) -> MeasuredChoice:
         """The link's figures at each SM budget (a collective), as a choice to predict from."""
         view = self._view
         device = view.root_device
-        nbytes = max(2**16, min(view.plan.capacity.bytes, max(buckets, default=0)))  # (a bucket's size, the largest)
+        nbytes = max(2**16, min(view.plan.sync.capacity.bytes, max(buckets, default=0)))  # (a bucket's size, the largest)
         width = gemm_width(module, device)
         rows = PROBE_ROWS if device.type == "cuda" else width
         measures = []
@@ -208,7 +206,7 @@ class ScheduleProbe(StepParticipant):
     def _predict(self, measured: MeasuredChoice, buckets: list[int], dtypes: tuple[str, ...],
                  step_per_bucket: bool) -> MeasuredChoice:
         """Each candidate predicted on this run's buckets from ``measured``'s figures (pure: every rank alike)."""
-        config = self._compile.config()  # (enabled as this run resolves it: auto on CUDA, or torch.compile(model))
+        config = self._compile.run_plan()  # (enabled as this run resolves it: auto on CUDA, or torch.compile(model))
         compiled_cut = bool(config.enabled) and config.regional == "auto"
         rates: dict[Optional[int], LinkRates] = {r.sms: r for r in measured.rates}
         return choose_schedule(rates, buckets, measured.world, dtypes, step_per_bucket,

@@ -20,8 +20,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_static_dist.trial import Candidate, StepTrial
 from lightning_static_dist.agreement.faults import waiting_in
 from lightning_static_dist.plan.world import nccl_options
-from lightning_static_dist.participants.base import (StepContext, StepParticipant, StrategyView, end_trial_step,
-                                                     global_step)
+from lightning_static_dist.participants.base import (RanksView, StepContext, StepParticipant, TrialView,
+                                                     end_trial_step, global_step)
 from lightning_static_dist.participants.comm_sms import CommSmsSwitch
 from lightning_static_dist.participants.gradients import GradientAveraging
 from lightning_static_dist.sync.schedule import (
@@ -38,7 +38,7 @@ H200 measured 141 ms for the first candidate's first timed step against 36 ms fo
 SCHEDULE_KEY = "static_dist_sync_schedule"  # sync.schedule: auto: the trial's choice and times
 
 
-def schedule_transport(view: StrategyView) -> Transport:
+def schedule_transport(view: RanksView) -> Transport:
     """What carries this run's gradient collectives, as ``sync.schedule: auto``'s candidates care: a simulated world
     with an emulated link (whose SMs are switched), NCCL over a data-parallel group of the whole world (a group per SM
     budget can be made on every rank) where this torch's NCCL options have ``max_ctas``, or anything whose SMs are
@@ -75,7 +75,7 @@ class ScheduleTrial(StepParticipant):
         schedule.on_train_batch_start()     # each batch: the candidate for this step
     """
 
-    def __init__(self, view: StrategyView, gradients: GradientAveraging) -> None:
+    def __init__(self, view: TrialView, gradients: GradientAveraging) -> None:
         self._view = view
         self._gradients = gradients
         self.trial: Optional[StepTrial] = None
@@ -99,10 +99,10 @@ class ScheduleTrial(StepParticipant):
     def after_setup(self, context: StepContext) -> None:
         view = self._view
         plan = view.plan if self._gradients.mode == "hooks" else None
-        if plan is None or plan.schedule != "auto":
+        if plan is None or plan.sync.schedule != "auto":
             return
         transport = schedule_transport(view)
-        self.candidates = schedule_candidates(plan.sync, transport)
+        self.candidates = schedule_candidates(plan.sync.reduce_dtype, plan.sync.comm_sms, transport)
         known = self._saved_choice()  # (resumed with a choice: its budget alone)
         timed = self.candidates if known is None else [known]
         budgets = sorted({c.comm_sms for c in timed if c.comm_sms is not None}, reverse=True)
@@ -114,7 +114,7 @@ class ScheduleTrial(StepParticipant):
         # this fit sees (on_train_batch_start): a resumed fit compiles again too.
         self._warm = WARM_STEPS if view.root_device.type == "cuda" else 0
         self.trial = StepTrial(trial_candidates, start_step=0,
-                                      trial_steps=plan.sync.schedule_trial_steps,
+                                      trial_steps=plan.sync.trial_steps,
                                       device=view.root_device, group=view.dp_group, min_gain=0.0)
         self.trial_steps, self.trial_s, self._started, self._first_step = 0, None, None, None
         self._earlier = (0, 0.0)
@@ -172,7 +172,7 @@ class ScheduleTrial(StepParticipant):
         saved = self._resume
         if saved is None or saved.get("choice") is None:
             return None
-        return candidate_named(saved["choice"], self.candidates, self._view.plan.sync)
+        return candidate_named(saved["choice"], self.candidates, self._view.plan.sync.reduce_dtype)
 
     def _now(self) -> float:
         if self._view.root_device.type == "cuda":
@@ -219,7 +219,7 @@ class ScheduleTrial(StepParticipant):
         if saved.get("choice") is None:  # saved mid-trial: timed again from the start, its cost so far kept
             self._earlier = (int(saved.get("trial_steps", 0)), float(saved.get("trial_s", 0.0)))
             return
-        chosen = candidate_named(saved["choice"], self.candidates, self._view.plan.sync)
+        chosen = candidate_named(saved["choice"], self.candidates, self._view.plan.sync.reduce_dtype)
         if chosen is None:
             rank_zero_warn(f"static_dist: sync.schedule auto: the checkpoint chose {saved['choice']!r}, not among this"
                            f" run's candidates ({', '.join(c.name for c in self.candidates)}); timing them again")

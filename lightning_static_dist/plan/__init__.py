@@ -2,7 +2,8 @@
 whose section it holds:
 
     strategy_config   ``StrategyConfig``: the ``strategy`` block, each section defined beside its feature
-    step_plan         ``StepPlan``: the block resolved once for the world that started
+    step_plan         ``StepPlan``: the block resolved once for the world that started (``resolve_plan``)
+    features          each feature's plan in it: ``SyncPlan``, ``CompilePlan``, ``EmbeddingPlan`` ...
     world             ``DataParallelWorld``: the default process group started, and the mesh and the step plan
                       built for it, for both front ends
 

@@ -37,7 +37,7 @@ from lightning_static_dist.ddp_arguments import START_METHODS, DDPArguments, tra
 from lightning_static_dist.embedding import EmbeddingConfig
 from lightning_static_dist.mesh import MeshConfig
 from lightning_static_dist.simulate.config import SimulateConfig
-from lightning_static_dist.sync.config import SyncConfig
+from lightning_static_dist.sync.config import SyncConfig, check_schedule
 
 __all__ = [
     "CheckpointConfig",
@@ -95,43 +95,18 @@ class StrategyConfig:
         if self.compression.name != "none" and self.sync.mode == "graph":
             fail(f"{self.KEY}.compression.name", self.compression.name,
                   "compression runs in the synchroniser's buckets; it needs strategy.sync.mode=hooks (mode is 'graph')")
-        if self.sync.schedule == "auto" and self.compression.name == "auto":
-            fail(f"{self.KEY}.sync.schedule", self.sync.schedule,
-                 "two trials would time each other's steps (strategy.compression.name is 'auto'); allowed with it:"
-                 " 'overlap' or 'after_backward'")
         if self.compression.name != "none" and self.sync.reduce_dtype != "fp32":
             fail(f"{self.KEY}.sync.reduce_dtype", self.sync.reduce_dtype,
                   f"a compressor chooses what goes on the wire (compression.name is {self.compression.name!r});"
                   " allowed with compression: 'fp32'")
-        if self.sync.optimizer_overlap is True:  # what the block shows (sync's part too); the run's part at setup
-            sharded = self.sync.reduce == "reduce_scatter" or (self.sync.reduce == "auto" and self.mesh.dp_shard != 1)
-            found = self.sync.optimizer_overlap_hazards(self.compression.name, self.compile.optimizer, sharded)
-            if found:
-                fail(f"{self.KEY}.sync.optimizer_overlap", True, f"{found[0]}; allowed with it: auto (off here), false")
+        sharded = self.sync.reduce == "reduce_scatter" or (self.sync.reduce == "auto" and self.mesh.dp_shard != 1)
+        check_schedule(self.sync, compression=self.compression.name, sharded=sharded,
+                       compile_optimizer=self.compile.optimizer)
         if self.compile.cudagraphs is True:  # what the config alone shows; the Trainer's part is checked at setup
             gathers = self.sync.reduce == "reduce_scatter" or self.mesh.dp_shard != 1 or self.embedding.shard is not False
             found = hazards(self.compile, self.sync.mode, gathers, micro_batches=1, automatic_optimization=True)
             if found:
                 fail(f"{self.KEY}.compile.cudagraphs", True, f"{found[0]}; allowed with it: auto (off here), false")
-
-    def resolved(self, *, device_type: str, world_size: int, sharded: bool,
-                 free_links: bool = False) -> tuple[StrategyConfig, Optional[str]]:
-        """This config with ``sync.schedule: measured`` made concrete where no probe decides it (one rank, CPUs, graph
-        mode, reduce_scatter, ``sync.probe: false``: :func:`~lightning_static_dist.sync.config.schedule_without_probe`),
-        and the line that says what it became (``None``: nothing resolved here; ``measured`` stays pending until the
-        probe at setup). Once the world is known, at setup."""
-        from lightning_static_dist.sync.config import schedule_without_probe
-
-        resolution = schedule_without_probe(self.sync, device_type=device_type, world_size=world_size, sharded=sharded,
-                                            free_links=free_links)
-        if resolution is None:
-            return self, None
-        schedule, why = resolution
-        dtype = self.sync.reduce_dtype
-        if dtype == "auto":  # (nothing measured bf16's worth: the exact dtype)
-            dtype, why = "fp32", f"{why}; reduce_dtype auto: fp32"
-        return dataclasses.replace(self, sync=dataclasses.replace(self.sync, schedule=schedule, reduce_dtype=dtype)), \
-            f"sync.schedule measured: {schedule} ({why})"
 
     def _check_sharded(self) -> None:
         """What ``reduce_scatter`` cannot be combined with yet, named before any process starts."""
@@ -144,10 +119,6 @@ class StrategyConfig:
             fail(f"{self.KEY}.compression.name", self.compression.name,
                   "the compressors are written for all_reduce buckets; with strategy.sync.reduce=reduce_scatter"
                   " allowed: 'none'")
-        if self.sync.schedule not in ("overlap", "measured"):
-            fail(f"{self.KEY}.sync.schedule", self.sync.schedule,
-                 "the sharded synchroniser issues its buckets during backward; with strategy.sync.reduce="
-                 "reduce_scatter (or a mesh with dp_shard > 1) allowed: 'overlap'")
         if self.sync.reduce_dtype != "fp32":
             fail(f"{self.KEY}.sync.reduce_dtype", self.sync.reduce_dtype,
                   "reduce_scatter reduces the parameters' own buckets; with strategy.sync.reduce=reduce_scatter"

@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Optional
@@ -126,12 +125,11 @@ class DataParallelWorld:
         world.check_before_launch(num_processes=2, num_nodes=1, devices=None, front_end="Fabric(devices=1)")
         backend = world.start(environment, "gloo", torch.device("cpu"), run_dir)
         world.build(strategy, torch.device("cpu"), world_size=2, num_nodes=1)
-        world.plan.schedule, world.device_mesh, world.reduce_scatter(2)
+        world.plan.sync.schedule, world.device_mesh, world.reduce_scatter(2)
     """
 
     def __init__(self, config: StrategyConfig, started: str) -> None:
         self._asked = config
-        self._config = config  # (``sync.schedule: measured`` made concrete once the plan settles it)
         self._started = started  # when the mesh and plan exist, in the front end's words
         self.simulation: Optional[SimulateConfig] = config.simulate if config.simulate.enabled else None
         """``strategy.simulate`` when this run simulates a world (``None`` otherwise)."""
@@ -154,8 +152,8 @@ class DataParallelWorld:
 
     @property
     def config(self) -> StrategyConfig:
-        """The validated ``strategy`` block (``sync.schedule`` as the plan resolved it, once it is)."""
-        return self._config
+        """The validated ``strategy`` block, as asked (what it became in this world: :attr:`plan`)."""
+        return self._asked
 
     @property
     def has_mesh(self) -> bool:
@@ -180,7 +178,7 @@ class DataParallelWorld:
         before, from the config and whatever mesh exists, as it was answered before the plan)."""
         if self._plan is None:
             return reduces_by_scatter(self._asked.sync.reduce, self._mesh, world_size)
-        return self._plan.reduce_by_scatter
+        return self._plan.sync.reduce_by_scatter
 
     def check_before_launch(self, num_processes: int, num_nodes: int, devices: Optional[list[torch.device]],
                             front_end: str) -> None:
@@ -202,20 +200,15 @@ class DataParallelWorld:
         with parse_errors_of(owner):
             plan = resolve_plan(self._asked, world_size=world_size, device_type=device.type, num_nodes=num_nodes,
                                 mesh=self._mesh, free_links=free_links)
-        if plan.schedule_line is not None:
-            rank_zero_info(f"static_dist: {plan.schedule_line}")
-        self._adopt(plan)
+        if plan.sync.schedule_line is not None:
+            rank_zero_info(f"static_dist: {plan.sync.schedule_line}")
+        self._plan = plan
 
     def settle_schedule(self, plan: StepPlan) -> None:
         """The plan with ``sync.schedule: measured`` settled (:meth:`~lightning_static_dist.plan.step_plan.StepPlan.settled`,
         by the probe at setup) replaces the pending one."""
-        if self._plan is None or self._plan.schedule != "measured" or plan.schedule == "measured":
+        if self._plan is None or self._plan.sync.schedule != "measured" or plan.sync.schedule == "measured":
             raise RuntimeError("settle_schedule: only a pending sync.schedule measured is settled, once")
-        self._adopt(plan)
-
-    def _adopt(self, plan: StepPlan) -> None:
-        asked = self._asked
-        self._config = asked if plan.sync is asked.sync else dataclasses.replace(asked, sync=plan.sync)
         self._plan = plan
 
 
@@ -227,7 +220,7 @@ class WorldFacts:
     Example::
 
         class FabricProcesses(WorldFacts, DDPStrategy): ...
-        strategy.plan.schedule, strategy.device_mesh, strategy.reduce_scatter()
+        strategy.plan.sync.schedule, strategy.device_mesh, strategy.reduce_scatter()
     """
 
     _world: DataParallelWorld

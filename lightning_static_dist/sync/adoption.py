@@ -58,6 +58,11 @@ class PlanMembership:
         """Trainable parameters the plan leaves out."""
         return [i for i, p in enumerate(self.params) if i not in self.plan.location and p.requires_grad]
 
+    def describe(self) -> str:
+        """The plan, and the trainable parameters it leaves out (unused so far)."""
+        skipped = [self.names[i] for i in self.unplanned()]
+        return self.plan.describe() + (f"; unused so far: {', '.join(skipped)}" if skipped else "")
+
     def reduce_usage(self, group: Optional[dist.ProcessGroup]) -> tuple[list[int], int]:
         """The unplanned parameters that got a gradient on any rank this round (the same list on every rank) and the
         bytes the all-reduce sent; no collective (0 bytes) while the plan leaves out no trainable parameter."""

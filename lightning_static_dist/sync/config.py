@@ -14,7 +14,7 @@ from typing import Literal, Optional, Union
 import torch
 
 from lightning_static_dist.config.check import check_fields, fail
-from lightning_static_dist.sync.plan import BucketCapacity
+from lightning_static_dist.sync.plan import DEFAULT_CAPACITY, BucketCapacity
 
 
 @dataclass
@@ -45,9 +45,9 @@ class SyncConfig:
     a persistent bf16 buffer, one all-reduce, one cast back; the sum is rounded to bf16). ``auto``: with
     ``schedule: auto`` only, its trial times every candidate in fp32 and in bf16 and keeps the fastest (so bf16 is
     never chosen for a user who did not ask for it). Not a compressor: no error feedback, no phases."""
-    bucket_mb: float = 100.0
+    bucket_mb: float = DEFAULT_CAPACITY.mib
     """Capacity of each bucket after the first, in MiB."""
-    first_bucket_mb: float = 1.0
+    first_bucket_mb: float = DEFAULT_CAPACITY.first_mib
     """Capacity of the first bucket, in MiB: small, so the first collective starts early in backward."""
     broadcast_buffers: bool = True
     """Broadcast module buffers (BatchNorm statistics ...) from rank 0 before every training forward, like DDP."""
@@ -119,44 +119,64 @@ class SyncConfig:
             warnings.warn(f"{self.KEY}.schedule='by_topology' is read as 'measured' (the link probed at setup);"
                           " write 'measured'", FutureWarning, stacklevel=2)
             self.schedule = "measured"
-        if self.reduce_dtype == "auto" and self.schedule not in ("auto", "measured"):
-            fail(f"{self.KEY}.reduce_dtype", self.reduce_dtype, "the trial of strategy.sync.schedule=auto or the probe of"
-                 f" schedule=measured chooses it (schedule is {self.schedule!r}); allowed: 'fp32', 'bf16', or 'auto' with"
-                 " schedule 'auto' or 'measured'")
-        if self.schedule not in ("overlap", "measured") and self.mode == "graph":
-            fail(f"{self.KEY}.schedule", self.schedule, "with strategy.sync.mode=graph inductor schedules the"
-                 " collectives inside the compiled graph; allowed with graph: 'overlap'")
         for name in ("bucket_mb", "first_bucket_mb"):
             value = getattr(self, name)
             if not 0 < value <= 4096:
                 fail(f"{self.KEY}.{name}", value, "must be a number of MiB in (0, 4096]")
 
-    def optimizer_overlap_hazards(self, compression: str, compile_optimizer: bool, sharded: bool,
-                                  schedule: Optional[str] = None) -> list[str]:
-        """What the ``strategy`` block shows that rules ``optimizer_overlap`` out, a clause each (``compression``:
-        ``compression.name``; ``sharded``: the buckets are reduce-scattered, ``reduce: reduce_scatter`` or a mesh with
-        ``dp_shard`` other than 1; ``schedule``: judge this schedule instead of the configured one). The run's own part:
-        ``sync/optimizer_overlap.py``."""
-        schedule = self.schedule if schedule is None else schedule
-        found = []
-        if self.mode == "graph":
-            found.append("sync.mode=graph averages inside the compiled backward, with no bucket to wait for")
-        if schedule == "overlap":
-            found.append("sync.schedule=overlap waits for every bucket as backward ends (the step per bucket needs"
-                         " schedule after_backward or auto)")
-        if schedule == "measured":  # (at setup the plan's schedule is settled, never "measured")
-            found.append("sync.schedule=measured may choose overlap, which waits for every bucket as backward ends"
-                         " (pin schedule after_backward or auto)")
-        if sharded:
-            found.append("reduce_scatter steps each rank's shards once every bucket is reduce-scattered")
-        if compression != "none":
-            found.append(f"compression.name={compression}: a compressor and its guard read the whole round")
-        if self.nonfinite != "off":
-            found.append(f"sync.nonfinite={self.nonfinite} checks every averaged gradient before the step")
-        if compile_optimizer:
-            found.append("compile.optimizer=true compiles one step over every parameter (a step per bucket would"
-                         " compile a graph per bucket)")
-        return found
+
+def overlap_hazards(schedule: str, *, graph: bool, sharded: bool, compression: str, nonfinite: str,
+                    compile_optimizer: bool) -> list[str]:
+    """What the ``strategy`` block shows that rules ``sync.optimizer_overlap`` out under ``schedule``, a clause each
+    (``graph``: ``sync.mode: graph``; ``sharded``: the buckets are reduce-scattered; ``compression``:
+    ``compression.name``). The run's own part: ``sync/optimizer_overlap.py``."""
+    found = []
+    if graph:
+        found.append("sync.mode=graph averages inside the compiled backward, with no bucket to wait for")
+    if schedule == "overlap":
+        found.append("sync.schedule=overlap waits for every bucket as backward ends (the step per bucket needs"
+                     " schedule after_backward or auto)")
+    if schedule == "measured":  # (at setup the plan's schedule is settled, never "measured")
+        found.append("sync.schedule=measured may choose overlap, which waits for every bucket as backward ends"
+                     " (pin schedule after_backward or auto)")
+    if sharded:
+        found.append("reduce_scatter steps each rank's shards once every bucket is reduce-scattered")
+    if compression != "none":
+        found.append(f"compression.name={compression}: a compressor and its guard read the whole round")
+    if nonfinite != "off":
+        found.append(f"sync.nonfinite={nonfinite} checks every averaged gradient before the step")
+    if compile_optimizer:
+        found.append("compile.optimizer=true compiles one step over every parameter (a step per bucket would"
+                     " compile a graph per bucket)")
+    return found
+
+
+def check_schedule(sync: SyncConfig, *, compression: str, sharded: bool, compile_optimizer: bool) -> None:
+    """Whether ``sync.schedule`` (with ``reduce_dtype`` and ``optimizer_overlap``, which follow it) is allowed with the
+    rest of the ``strategy`` block: the one place that decides, before any process starts; a refusal is one
+    ``ConfigError`` line naming the key. ``sharded``: the buckets are reduce-scattered (``reduce: reduce_scatter``, or
+    ``auto`` with a mesh whose ``dp_shard`` is not 1)."""
+    key = SyncConfig.KEY
+    if sync.reduce_dtype == "auto" and sync.schedule not in ("auto", "measured"):
+        fail(f"{key}.reduce_dtype", sync.reduce_dtype, "the trial of strategy.sync.schedule=auto or the probe of"
+             f" schedule=measured chooses it (schedule is {sync.schedule!r}); allowed: 'fp32', 'bf16', or 'auto' with"
+             " schedule 'auto' or 'measured'")
+    if sync.schedule not in ("overlap", "measured") and sync.mode == "graph":
+        fail(f"{key}.schedule", sync.schedule, "with strategy.sync.mode=graph inductor schedules the"
+             " collectives inside the compiled graph; allowed with graph: 'overlap'")
+    if sync.schedule not in ("overlap", "measured") and sharded and sync.reduce != "all_reduce":
+        fail(f"{key}.schedule", sync.schedule,
+             "the sharded synchroniser issues its buckets during backward; with strategy.sync.reduce="
+             "reduce_scatter (or a mesh with dp_shard > 1) allowed: 'overlap'")
+    if sync.schedule == "auto" and compression == "auto":
+        fail(f"{key}.schedule", sync.schedule,
+             "two trials would time each other's steps (strategy.compression.name is 'auto'); allowed with it:"
+             " 'overlap' or 'after_backward'")
+    if sync.optimizer_overlap is True:  # what the block shows; the run's part at setup
+        found = overlap_hazards(sync.schedule, graph=sync.mode == "graph", sharded=sharded, compression=compression,
+                                nonfinite=sync.nonfinite, compile_optimizer=compile_optimizer)
+        if found:
+            fail(f"{key}.optimizer_overlap", True, f"{found[0]}; allowed with it: auto (off here), false")
 
 
 def schedule_without_probe(sync: SyncConfig, *, device_type: str, world_size: int, sharded: bool,

@@ -2,14 +2,14 @@
 average lands, while the later buckets' collectives are still in flight (modded-nanogpt steps its parameters so).
 
 Under ``sync.schedule: after_backward`` the synchroniser leaves its waits pending
-(:attr:`~lightning_static_dist.sync.synchronizer.GradientSynchronizer.defer_waits`) and :func:`step_per_bucket` walks
+(:class:`~lightning_static_dist.sync.round_state.RoundSchedule`'s ``defer_waits``) and :func:`step_per_bucket` walks
 the plan: wait for bucket k (a stream wait), step its parameters, and so on. That is the step the user asked for only
 where nothing reads the gradients between backward and the step and the optimizer updates each parameter from its
 own gradient and state alone: :func:`choose_optimizer_overlap` decides, and says why.
 
 Example::
 
-    sync.launch_during_backward, sync.defer_waits = False, True
+    sync.follow(RoundSchedule(launch_during_backward=False, defer_waits=True))
     loss.backward()                       # every bucket issued as backward ends, none waited for
     step_per_bucket(optimizer, sync)      # settle(k) then step bucket k's parameters, for each k; then the rest
 """

@@ -47,8 +47,9 @@ class BucketCapacity:
         return self.bytes / MiB
 
 
-#: ``torch.nn.parallel.DistributedDataParallel``'s sizes: 1 MiB first, then 25 MiB (``bucket_cap_mb``).
-DEFAULT_CAPACITY = BucketCapacity.from_mib(1.0, 25.0)
+#: The one default bucket capacity: 1 MiB first (DDP's too), then 100 MiB (DDP's ``bucket_cap_mb`` is 25: fewer, larger
+#: buckets cost less on fast links). ``strategy.sync.first_bucket_mb`` and ``bucket_mb`` default to it.
+DEFAULT_CAPACITY = BucketCapacity.from_mib(1.0, 100.0)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ all (``no_sync``) and whether a plan has been made are not states of a pass: the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum, auto
 
 
@@ -44,3 +45,28 @@ class RoundState(Enum):
     def pass_ended(self) -> bool:
         """Whether this rank's pass is over and counted (``finish_if_pending`` must not count it again)."""
         return self in (RoundState.PASS_ENDED, RoundState.FINISHED)
+
+
+@dataclass(frozen=True)
+class RoundSchedule:
+    """When a round issues its buckets' collectives, and who waits for them: one value the synchroniser holds and
+    changes only through :meth:`~lightning_static_dist.sync.synchronizer.GradientSynchronizer.follow`, between rounds.
+
+    Example::
+
+        sync.follow(RoundSchedule(launch_during_backward=False, defer_waits=True))   # after_backward, stepped per bucket
+    """
+
+    launch_during_backward: bool = True
+    """``sync.schedule``: issue each full bucket as it fills (``overlap``), or all of them as backward ends."""
+    defer_waits: bool = False
+    """``sync.optimizer_overlap``: a round issued after backward leaves its waits to ``settle()``."""
+
+    @property
+    def leaves_waits(self) -> bool:
+        """Whether a round's waits are left to ``settle()``: deferred, and issued after backward."""
+        return self.defer_waits and not self.launch_during_backward
+
+
+#: Each bucket issued as it fills, every round waited for as backward ends (``sync.schedule: overlap``).
+OVERLAP = RoundSchedule()

@@ -15,7 +15,7 @@ issues its buckets during backward, ``overlap`` only.) Pure: no process, no grou
 
 Example::
 
-    [c.name for c in schedule_candidates(SyncConfig(schedule="auto", reduce_dtype="auto"), "gloo")]
+    [c.name for c in schedule_candidates("auto", None, "gloo")]     # sync.reduce_dtype auto, comm_sms default
     # ['overlap/fp32/sms=default', 'overlap/bf16/sms=default', 'after_backward/fp32', 'after_backward/bf16']
 """
 
@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal, Optional
-
-from lightning_static_dist.sync.config import SyncConfig
 
 Transport = Literal["nccl", "simulated", "gloo"]
 """What carries the collectives, as far as the candidates care: NCCL, a simulated world, or anything else (Gloo)."""
@@ -55,26 +53,27 @@ class ScheduleCandidate:
         return f"overlap/{self.reduce_dtype}/sms={'default' if self.comm_sms is None else self.comm_sms}"
 
 
-def schedule_candidates(sync: SyncConfig, transport: Transport) -> list[ScheduleCandidate]:
-    """The candidates ``sync`` (with ``schedule: auto``) times over ``transport``, baseline first."""
+def schedule_candidates(reduce_dtype: str, comm_sms: Optional[int], transport: Transport) -> list[ScheduleCandidate]:
+    """The candidates ``sync.schedule: auto`` times over ``transport`` with ``sync.reduce_dtype`` and
+    ``sync.comm_sms`` (the default SMs), baseline first."""
     dtypes: tuple[Literal["fp32", "bf16"], ...]
-    dtypes = ("fp32", "bf16") if sync.reduce_dtype == "auto" else (_fixed_dtype(sync),)
+    dtypes = ("fp32", "bf16") if reduce_dtype == "auto" else (_fixed_dtype(reduce_dtype),)
     sms: tuple[Optional[int], ...] = (None,)
     if transport in ("nccl", "simulated"):
-        sms = tuple(n for n in SMS_CANDIDATES if n is None or n != sync.comm_sms)  # (a budget equal to the default)
+        sms = tuple(n for n in SMS_CANDIDATES if n is None or n != comm_sms)  # (a budget equal to the default)
     overlap = [ScheduleCandidate("overlap", dtype, n) for dtype in dtypes for n in sms]
     return overlap + [ScheduleCandidate("after_backward", dtype) for dtype in dtypes]
 
 
 def candidate_named(name: str, candidates: list[ScheduleCandidate],
-                    sync: SyncConfig) -> Optional[ScheduleCandidate]:
+                    reduce_dtype: str) -> Optional[ScheduleCandidate]:
     """The candidate a checkpoint's choice names; ``None`` if it is not among ``candidates``. Checkpoints made before
     the candidates had dtypes and SMs name a bare schedule (``overlap``, ``after_backward``): the configured dtype's
     (fp32 under ``auto``) with the default SMs."""
     if name in ("overlap", "after_backward"):
-        name = ScheduleCandidate(name, _fixed_dtype(sync)).name
+        name = ScheduleCandidate(name, _fixed_dtype(reduce_dtype)).name
     return next((c for c in candidates if c.name == name), None)
 
 
-def _fixed_dtype(sync: SyncConfig) -> Literal["fp32", "bf16"]:
-    return "bf16" if sync.reduce_dtype == "bf16" else "fp32"
+def _fixed_dtype(reduce_dtype: str) -> Literal["fp32", "bf16"]:
+    return "bf16" if reduce_dtype == "bf16" else "fp32"

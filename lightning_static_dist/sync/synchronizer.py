@@ -25,7 +25,7 @@ from lightning_static_dist.sync.plan import DEFAULT_CAPACITY, BucketCapacity, Bu
 from lightning_static_dist.sync.bucket_reducer import BucketReducer, MeanAllReduce, PendingReduction, check_reducer
 from lightning_static_dist.sync.round import RoundCollectives
 from lightning_static_dist.sync.round_check import StepChecks, _RoundCheck, next_collective_mismatch
-from lightning_static_dist.sync.round_state import OPEN_ROUND, RoundState
+from lightning_static_dist.sync.round_state import OPEN_ROUND, OVERLAP, RoundSchedule, RoundState
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class GradientSynchronizer:
         capacity: the bytes of the first bucket and of every later one (DDP's ``bucket_cap_mb``).
         check_each_collective: before each bucket's collective, compare it across ranks (debugging; slow).
         reduce_dtype: the dtype gradients are averaged in (``torch.bfloat16`` halves the bytes); ``None``: their own.
+        schedule: when the buckets are issued and who waits for them (:meth:`follow` changes it between rounds).
 
     Example::
 
@@ -60,6 +61,7 @@ class GradientSynchronizer:
         capacity: BucketCapacity = DEFAULT_CAPACITY,
         check_each_collective: bool = False,
         reduce_dtype: Optional[torch.dtype] = None,
+        schedule: RoundSchedule = OVERLAP,
     ) -> None:
         self._members = PlanMembership(named_parameters, capacity)
         self._params = self._members.params  # (the same list: a bucket's ``param_indices`` index it)
@@ -79,10 +81,7 @@ class GradientSynchronizer:
         """Backward passes that produced a gradient here, with or without synchronisation (same on every rank)."""
         self.recorder: Optional[SyncObserver] = None
         """Set by the overlap monitor: marks buckets ready, issued and waited."""
-        self.launch_during_backward = True
-        """``sync.schedule``: issue each full bucket at once (``overlap``), or all at the round's end; between rounds."""
-        self.defer_waits = False
-        """``sync.optimizer_overlap``: a round issued after backward leaves its waits to :meth:`settle`."""
+        self._schedule = schedule
         self._unsettled: Optional[_RoundCheck] = None
         """The step check of a round whose waits :meth:`finish` left to :meth:`settle`; ``None``: none pending."""
         self._newcomers: list[int] = []
@@ -149,6 +148,17 @@ class GradientSynchronizer:
         self._reduce_dtype = reduce_dtype
         for buffer in self._buffers:
             buffer.use_reduce_dtype(reduce_dtype)
+
+    @property
+    def schedule(self) -> RoundSchedule:
+        """When the buckets are issued and who waits for them (``sync.schedule``, ``sync.optimizer_overlap``)."""
+        return self._schedule
+
+    def follow(self, schedule: RoundSchedule) -> None:
+        """Issue and wait as ``schedule`` says from the next round on (a round left to :meth:`settle` completes
+        first): the one way the synchroniser's schedule changes."""
+        self.settle()
+        self._schedule = schedule
 
     @property
     def group(self) -> Optional[dist.ProcessGroup]:
@@ -253,7 +263,7 @@ class GradientSynchronizer:
         if buffer.remaining == 0:
             if self.recorder is not None:
                 self.recorder.bucket_ready(bucket_index)
-            if self.launch_during_backward:
+            if self._schedule.launch_during_backward:
                 self._round.launch_ready(self._buffers, self._launch)
             else:  # (after_backward) copied in now, while backward runs: its gradients are freed, only the issue waits
                 buffer.pack(self._params)
@@ -263,10 +273,7 @@ class GradientSynchronizer:
             buffer.pack(self._params)
         flat = buffer.seal(self._pass_number)
         if self._check_each_collective:
-            mismatch = next_collective_mismatch(record_as, buffer, self._group)
-            if mismatch is not None:
-                self.abandon_round()
-                raise mismatch
+            self._stop_on(next_collective_mismatch(record_as, buffer, self._group))
         pending, nbytes, dense = self._round.issue(self._reducer, buffer.bucket, flat, self._group)
         self.stats.collectives += 1
         if self.recorder is not None:
@@ -325,12 +332,12 @@ class GradientSynchronizer:
         self._unsettled = _RoundCheck(self._pass_number, self._group, device)
         self._newcomers = newcomers
         # 4. the waits: left to settle() where the optimizer steps bucket by bucket, else here (and where the plan changes)
-        if not (self.defer_waits and not self.launch_during_backward) or newcomers or not self._members.planned:
+        if not self._schedule.leaves_waits or newcomers or not self._members.planned:
             self.settle()
 
     @property
     def unsettled(self) -> bool:
-        """Whether a round's waits are left to :meth:`settle` (:attr:`defer_waits`)."""
+        """Whether a round's waits are left to :meth:`settle` (the schedule's ``defer_waits``)."""
         return self._unsettled is not None
 
     @property
@@ -361,7 +368,9 @@ class GradientSynchronizer:
 
     def _read_round_checks(self, keep: int = 1) -> None:
         """Stop on a backward-pass mismatch seen in an earlier round: read every verdict but the newest ``keep``."""
-        mismatch = self._round_checks.read(keep, self._group)
+        self._stop_on(self._round_checks.read(keep, self._group))
+
+    def _stop_on(self, mismatch: Optional[Exception]) -> None:  # (the ranks' disagreement, if any)
         if mismatch is not None:
             self.abandon_round()
             raise mismatch
@@ -380,11 +389,7 @@ class GradientSynchronizer:
             self.stats.plan_rebuilds += 1
         self._buffers = [self._make_buffer(bucket) for bucket in self._members.plan.buckets]
         self.attach()  # parameters whose requires_grad was switched on since the last attach
-        skipped = [self._members.names[i] for i in self._members.unplanned()]
-        log.debug(
-            f"{type(self).__name__}: plan {self._members.plan.describe()}"
-            + (f"; unused so far: {', '.join(skipped)}" if skipped else "")
-        )
+        log.debug(f"{type(self).__name__}: plan {self._members.describe()}")
 
     def _make_buffer(self, bucket: GradBucket) -> BucketBuffer:
         if self._layout is not None:

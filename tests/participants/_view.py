@@ -164,7 +164,7 @@ class View:
         return None
 
     def reduce_scatter(self) -> bool:
-        return self.plan.reduce_by_scatter  # (without a mesh ``auto`` never shards)
+        return self.plan.sync.reduce_by_scatter  # (without a mesh ``auto`` never shards)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if dist.is_initialized():

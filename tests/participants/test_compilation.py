@@ -47,7 +47,7 @@ def test_the_report_says_whether_the_step_replays_cuda_graphs_and_why(backend: s
     participant.setup(view.enter(Context()))
     assert participant.report is not None and participant.report.cudagraphs == f"CUDA graphs: {says}"
     assert f"CUDA graphs: {says}" in participant.report.summary()
-    assert participant.config().cudagraphs is False  # resolved: what the backend compiles with
+    assert participant.run_plan().cudagraphs is False  # resolved: what the backend compiles with
 
 
 def test_a_later_setup_of_the_compiled_model_compiles_nothing_again() -> None:
@@ -74,11 +74,11 @@ def test_a_torch_compiled_model_is_compiled_with_its_own_backend_until_teardown(
     view = View(Regression())  # strategy.compile.enabled is false: the user's torch.compile asks instead
     participant = StaticCompile(view)
     participant.adopt(torch.compile(Regression(), backend="aot_eager").dynamo_ctx)
-    assert (participant.config().enabled, participant.config().backend) == (True, "aot_eager")
+    assert (participant.run_plan().enabled, participant.run_plan().backend) == (True, "aot_eager")
     participant.setup(view.enter(Context()))
     assert view.lightning_module is not None and is_compiled(view.lightning_module)
     participant.teardown(failed=False)
-    assert participant.config().enabled is False  # a later fit of a plain model is not compiled
+    assert participant.run_plan().enabled is False  # a later fit of a plain model is not compiled
 
 
 def test_the_graphs_are_compared_across_the_ranks_once_per_compilation(one_rank_gloo: None) -> None:
@@ -138,5 +138,5 @@ def test_enabled_auto_compiles_on_cuda_only(device: str) -> None:
     view = (_CudaView if device == "cuda" else View)(Regression(), config)
     participant = StaticCompile(view)
     participant.setup(view.enter(Context()))
-    assert participant.config().enabled is (device == "cuda")
+    assert participant.run_plan().enabled is (device == "cuda")
     assert (participant.report is not None) is (device == "cuda")

@@ -36,11 +36,11 @@ def _decide(setting: Union[bool, str], schedule: str = "after_backward", readers
         gradients.teardown(failed=False)
         return {"error": str(err)}
     sync = gradients.synchronizer
-    seen = {"choice": overlap.choice.describe(), "defer": sync.defer_waits,
+    seen = {"choice": overlap.choice.describe(), "defer": sync.schedule.defer_waits,
             "wrapped": type(overlap.optimizer_to_step(view.optimizers[0])).__name__}
     overlap.teardown(failed=False)
     gradients.teardown(failed=False)
-    seen["defer_after_teardown"] = sync.defer_waits
+    seen["defer_after_teardown"] = sync.schedule.defer_waits
     return seen
 
 

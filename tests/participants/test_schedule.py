@@ -54,7 +54,7 @@ def _fit(rank: int, model: Regression, view: View, gradients: GradientAveraging,
     for step in range(steps):
         context.step = step
         schedule.on_train_batch_start()
-        launch = gradients.synchronizer.launch_during_backward
+        launch = gradients.synchronizer.schedule.launch_during_backward
         launched.append(launch)
         g = torch.Generator().manual_seed(100 * rank + step)  # each rank its own data
         model.training_step((torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)), step).backward()

@@ -36,14 +36,13 @@ from tests._parts import parts_of, synchronizer_of
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_static_dist import RunSummary, StaticDistStrategy
 from lightning_static_dist.compat import all_gather_single, reduce_scatter_single
-from lightning_static_dist.compile.config import CompileConfig
 from lightning_static_dist.config.check import ConfigError
 from lightning_static_dist.participants.schedule_trial import SCHEDULE_KEY
-from lightning_static_dist.plan.step_plan import compile_split
+from lightning_static_dist.plan.step_plan import resolve_plan
 from lightning_static_dist.plan.world import nccl_options
 from lightning_static_dist.simulate import BACKEND, LinkConfig, SimulatedGroup, init_simulated_world, set_link
 from lightning_static_dist.simulate import group as simulated_group
-from lightning_static_dist.sync.config import SyncConfig
+from lightning_static_dist.plan.strategy_config import StrategyConfig
 from tests.test_strategy import assert_same_weights, fit_in
 
 multiprocess = pytest.mark.multiprocess
@@ -457,7 +456,7 @@ class ScheduleProbe(Callback):
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
         # (read inside the step: a trial that decides at the end of its last step switches before the batch's end)
-        self._launching = synchronizer_of(trainer.strategy).launch_during_backward
+        self._launching = synchronizer_of(trainer.strategy).schedule.launch_during_backward
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         events = self._log.events
@@ -560,10 +559,11 @@ def test_after_backward_compiled_is_one_uncut_graph_and_trains_to_ddps_weights(
         assert facts["launch_during_backward"] == [False] * STEPS
         assert facts["issued_in_backward"] == [0] * STEPS and all(n >= 2 for n in facts["issued"])
     # what decides the cut: overlap (and auto, which may choose it) cut the step where the buckets end
-    compile = CompileConfig(enabled=True, backend="aot_eager")
-    assert compile_split(compile, SyncConfig(schedule="after_backward", **BUCKETS), 2) is None
-    assert compile_split(compile, SyncConfig(schedule="overlap", **BUCKETS), 2) is not None
-    assert compile_split(compile, SyncConfig(schedule="auto", **BUCKETS), 2) is not None
+    for schedule, cut in (("after_backward", False), ("overlap", True), ("auto", True)):
+        config = StrategyConfig.from_dict({"sync": {"schedule": schedule, **BUCKETS},
+                                           "compile": {"enabled": True, "backend": "aot_eager"}})
+        assert (resolve_plan(config, world_size=2, device_type="cuda", num_nodes=1, mesh=None).compile.cut
+                is not None) is cut
 
 
 # -------------------------------------------------------------- 5. auto's choice: every rank's, and kept on resume

@@ -5,6 +5,7 @@ decision and the one-line errors, without processes."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.config import ConfigError
 from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.sync import BucketCapacity, GradientSynchronizer
+from lightning_static_dist.sync.round_state import RoundSchedule
 from lightning_static_dist.sync.optimizer_overlap import (
     PER_PARAMETER,
     BucketwiseOptimizer,
@@ -45,8 +47,7 @@ class Tower(nn.Module):
 
 def _synchronizer(model: nn.Module, defer: bool) -> GradientSynchronizer:
     sync = GradientSynchronizer(model.named_parameters(), capacity=BucketCapacity.from_mib(0.004, 0.004))
-    sync.launch_during_backward = False  # (sync.schedule: after_backward)
-    sync.defer_waits = defer
+    sync.follow(RoundSchedule(launch_during_backward=False, defer_waits=defer))  # (sync.schedule: after_backward)
     sync.attach()
     return sync
 
@@ -271,3 +272,14 @@ def test_true_and_auto_are_accepted_where_the_config_allows_them() -> None:
     assert StrategyConfig.from_dict({"sync": {"schedule": "auto", "optimizer_overlap": True}}).sync.optimizer_overlap
     with pytest.raises(ConfigError, match=r"^strategy.sync.optimizer_overlap='on': expected bool \| 'auto'$"):
         StrategyConfig.from_dict({"sync": {"optimizer_overlap": "on"}})
+
+
+def test_the_synchronisers_schedule_is_one_frozen_value_changed_through_follow_only() -> None:
+    sync = GradientSynchronizer(nn.Linear(2, 2).named_parameters())
+    assert sync.schedule == RoundSchedule(launch_during_backward=True, defer_waits=False)
+    with pytest.raises(AttributeError):  # (read-only: no object sets the synchroniser's switches)
+        sync.schedule = RoundSchedule(launch_during_backward=False)  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sync.schedule.defer_waits = True  # type: ignore[misc]
+    sync.follow(RoundSchedule(launch_during_backward=False, defer_waits=True))
+    assert sync.schedule.leaves_waits and not hasattr(sync, "launch_during_backward")

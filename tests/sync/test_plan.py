@@ -87,13 +87,14 @@ def test_parameters_outside_the_pieces_are_bucketed_by_capacity_and_never_join_a
 
 
 def test_bucket_sizes_in_mib_become_bytes_in_one_place() -> None:
-    from lightning_static_dist.compile.config import CompileConfig
-    from lightning_static_dist.plan.step_plan import compile_split
+    from lightning_static_dist.plan.step_plan import resolve_plan
+    from lightning_static_dist.plan.strategy_config import StrategyConfig
     from lightning_static_dist.sync import BucketCapacity
-    from lightning_static_dist.sync.config import SyncConfig
 
-    sync = SyncConfig(bucket_mb=10, first_bucket_mb=0.5, schedule="overlap")
-    assert sync.capacity == BucketCapacity(first_bytes=1 << 19, bytes=10 << 20)
-    assert (sync.capacity.first_mib, sync.capacity.mib) == (0.5, 10.0)
+    config = StrategyConfig.from_dict({"sync": {"bucket_mb": 10, "first_bucket_mb": 0.5, "schedule": "overlap"},
+                                       "compile": {"enabled": True}})
+    assert config.sync.capacity == BucketCapacity(first_bytes=1 << 19, bytes=10 << 20)
+    assert (config.sync.capacity.first_mib, config.sync.capacity.mib) == (0.5, 10.0)
     # the compiled step is cut where the synchroniser's buckets end: the same bytes
-    assert compile_split(CompileConfig(enabled=True), sync, world_size=2) == BucketCapacity(1 << 19, 10 << 20)
+    plan = resolve_plan(config, world_size=2, device_type="cpu", num_nodes=1, mesh=None)
+    assert plan.compile.cut == plan.sync.capacity == BucketCapacity(1 << 19, 10 << 20)

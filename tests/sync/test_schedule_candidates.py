@@ -8,7 +8,7 @@ import pytest
 
 from lightning_static_dist import StaticDistStrategy
 from lightning_static_dist.config.check import ConfigError
-from lightning_static_dist.plan.step_plan import compile_split
+from lightning_static_dist.plan.step_plan import resolve_plan
 from lightning_static_dist.plan.strategy_config import StrategyConfig
 from lightning_static_dist.sync.config import SyncConfig, schedule_without_probe
 from lightning_static_dist.sync.schedule import ScheduleCandidate, candidate_named, schedule_candidates
@@ -17,7 +17,7 @@ AUTO = SyncConfig(schedule="auto", reduce_dtype="auto")
 
 
 def _names(sync: SyncConfig, transport: str) -> list[str]:
-    return [c.name for c in schedule_candidates(sync, transport)]  # type: ignore[arg-type]
+    return [c.name for c in schedule_candidates(sync.reduce_dtype, sync.comm_sms, transport)]  # type: ignore[arg-type]
 
 
 def test_on_nccl_with_reduce_dtype_auto_there_are_ten_candidates_overlap_first() -> None:
@@ -53,12 +53,12 @@ def test_the_sharded_synchroniser_has_no_auto_schedule() -> None:
 
 
 def test_a_checkpoints_choice_is_found_again_and_a_bare_schedule_means_the_default() -> None:
-    candidates = schedule_candidates(AUTO, "nccl")
-    assert candidate_named("overlap/bf16/sms=4", candidates, AUTO) == ScheduleCandidate("overlap", "bf16", 4)
-    assert candidate_named("after_backward", candidates, AUTO) == ScheduleCandidate("after_backward", "fp32")
-    pinned = SyncConfig(schedule="auto", reduce_dtype="bf16")
-    assert candidate_named("overlap", schedule_candidates(pinned, "gloo"), pinned) == ScheduleCandidate("overlap", "bf16")
-    assert candidate_named("overlap/fp32/sms=4", schedule_candidates(AUTO, "gloo"), AUTO) is None  # not on Gloo
+    candidates = schedule_candidates("auto", None, "nccl")
+    assert candidate_named("overlap/bf16/sms=4", candidates, "auto") == ScheduleCandidate("overlap", "bf16", 4)
+    assert candidate_named("after_backward", candidates, "auto") == ScheduleCandidate("after_backward", "fp32")
+    pinned = schedule_candidates("bf16", None, "gloo")
+    assert candidate_named("overlap", pinned, "bf16") == ScheduleCandidate("overlap", "bf16")
+    assert candidate_named("overlap/fp32/sms=4", schedule_candidates("auto", None, "gloo"), "auto") is None  # not on Gloo
 
 
 @pytest.mark.parametrize(("sync", "key", "says"), [
@@ -113,26 +113,32 @@ def test_by_topology_is_read_as_measured_and_says_so() -> None:
     assert SyncConfig().schedule == "measured"
 
 
-@pytest.mark.parametrize("where", [dict(device_type="cpu", world_size=2, sharded=False),
-                                   dict(device_type="cuda", world_size=1, sharded=False),
-                                   dict(device_type="cuda", world_size=2, sharded=True),
-                                   dict(device_type="cuda", world_size=2, sharded=False, free_links=True)],
-                         ids=["cpu", "one-rank", "reduce-scatter", "free-links"])
+@pytest.mark.parametrize("where", [dict(device_type="cpu", world_size=2),
+                                   dict(device_type="cuda", world_size=1),
+                                   dict(device_type="cuda", world_size=2, mode="graph"),
+                                   dict(device_type="cuda", world_size=2, free_links=True)],
+                         ids=["cpu", "one-rank", "graph", "free-links"])
 def test_reduce_dtype_auto_without_a_probe_is_the_exact_dtype_and_says_so(where: dict) -> None:
-    config = StrategyConfig.from_dict({"sync": {"reduce_dtype": "auto"}})
-    resolved, line = config.resolved(**where)
-    assert resolved.sync.reduce_dtype == "fp32" and "reduce_dtype auto: fp32" in line
+    mode = where.pop("mode", "hooks")
+    config = StrategyConfig.from_dict({"sync": {"reduce_dtype": "auto", "mode": mode}})
+    plan = resolve_plan(config, num_nodes=1, mesh=None, **where)
+    assert plan.sync.reduce_dtype == "fp32" and "reduce_dtype auto: fp32" in plan.sync.schedule_line
+    assert config.sync.reduce_dtype == "auto"  # the decision is the plan's; the config stays as asked
 
 
-def test_the_strategy_config_resolves_measured_where_no_probe_decides_and_says_why() -> None:
+def test_the_resolver_settles_measured_where_no_probe_decides_and_says_why() -> None:
     config = StrategyConfig.from_dict({"sync": {"bucket_mb": 10}})
-    resolved, line = config.resolved(device_type="cpu", world_size=2, sharded=False)
-    assert resolved.sync.schedule == "overlap" and resolved.sync.bucket_mb == 10
-    assert line == "sync.schedule measured: overlap (CPU ranks: Gloo shares the cores with the step; sync.probe=true" \
-                   " measures them)"
-    pending, nothing = config.resolved(device_type="cuda", world_size=2, sharded=False)
-    assert pending is config and nothing is None and pending.sync.schedule == "measured"
-    assert compile_split(pending.compile, pending.sync, 2) is None  # no cut until the probe settles the schedule
+    plan = resolve_plan(config, world_size=2, device_type="cpu", num_nodes=1, mesh=None)
+    assert plan.sync.schedule == "overlap" and plan.sync.capacity.mib == 10 and config.sync.schedule == "measured"
+    assert plan.sync.schedule_line == "sync.schedule measured: overlap (CPU ranks: Gloo shares the cores with the" \
+                                      " step; sync.probe=true measures them)"
+    pending = resolve_plan(config, world_size=2, device_type="cuda", num_nodes=1, mesh=None)
+    assert (pending.sync.schedule, pending.sync.schedule_line) == ("measured", None)
+    assert pending.compile.cut is None  # no cut until the probe settles the schedule
+    settled = pending.settled("overlap", "sync.schedule measured: overlap (probed)")
+    assert settled.compile.cut == settled.sync.capacity and pending.sync.schedule == "measured"
+    with pytest.raises(RuntimeError, match="only a pending 'measured' is settled"):
+        settled.settled("after_backward", "again")
 
 
 def test_optimizer_overlap_true_with_measured_is_one_line_before_any_process_starts() -> None:
