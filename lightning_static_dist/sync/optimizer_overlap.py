@@ -91,7 +91,7 @@ def step_hooks(optimizers: Sequence[Any]) -> list[str]:
 
 
 def choose_optimizer_overlap(setting: Union[bool, Literal["auto"]], hazards: Sequence[str]) -> OverlapChoice:
-    """Resolve ``sync.optimizer_overlap`` against the ``hazards`` found (``SyncConfig.optimizer_overlap_hazards``,
+    """Resolve ``sync.optimizer_overlap`` against the ``hazards`` found (``sync/config.py``'s :func:`overlap_hazards`,
     then :func:`step_hazards`): ``auto`` is on where there are none and off naming the first; ``true`` with one is a
     one-line ``ConfigError``; ``false`` is off."""
     if setting is False:
