@@ -35,6 +35,7 @@ from lightning_static_dist.config import ConfigError
 from lightning_static_dist.agreement.fingerprint import RankMismatchError, first_difference
 from lightning_static_dist.participants.base import StepContext, StepParticipant, StrategyView
 from lightning_static_dist.plan.features import CompilePlan
+from lightning_static_dist.plan.step_plan import StepPlan
 
 
 def check_same_graphs(report: Any, group: Optional[dist.ProcessGroup]) -> None:
@@ -71,6 +72,8 @@ class StaticCompile(StepParticipant):
         """Set when ``trainer.fit(torch.compile(model))`` asked for compilation with this backend (``""``: its
         backend is the default, ``compile.backend``)."""
         self._resolution: Optional[tuple[CompilePlan, CudagraphChoice]] = None
+        self._resolved_for: Optional[StepPlan] = None
+        """The plan :attr:`_resolution` was made from (a settled schedule is a new plan, with its cut)."""
         self.graphs_checked = True
         """Whether the ranks' compiled graphs were compared since the last compilation."""
         self._tail_rows: Optional[int] = None
@@ -98,8 +101,9 @@ class StaticCompile(StepParticipant):
     def _resolved(self) -> tuple[CompilePlan, CudagraphChoice]:
         """:meth:`run_plan` and :meth:`cudagraphs`, resolved once per stage (the choice is made on the resolved config;
         finding the repeated blocks walks the model)."""
-        if self._resolution is None:
-            plan = self._view.plan
+        plan = self._view.plan
+        if self._resolution is None or self._resolved_for is not plan:  # (settled since: the cut follows the choice)
+            self._resolved_for = plan
             config = plan.compile  # (enabled: auto decided by the device there)
             if self.requested_backend is not None:
                 # the user passed torch.compile(model); Lightning's compile check unwrapped it

@@ -103,6 +103,9 @@ class View:
                                       num_nodes=1, mesh=self._mesh)
         return self._plan
 
+    def settle_schedule(self, plan: StepPlan) -> None:
+        self._plan = plan  # (as the world does: the probe's settled plan replaces the pending one)
+
     @property
     def world_size(self) -> int:
         return dist.get_world_size() if dist.is_initialized() else 1

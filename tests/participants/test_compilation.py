@@ -14,6 +14,8 @@ from lightning_static_dist.compile import is_compiled
 from lightning_static_dist.participants.compilation import StaticCompile
 from lightning_static_dist.plan.strategy_config import StrategyConfig
 
+from _dist import run_ranks
+
 from ._view import Context, Regression, View
 
 BATCH = (torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), torch.randn(4, 1))
@@ -140,3 +142,25 @@ def test_enabled_auto_compiles_on_cuda_only(device: str) -> None:
     participant.setup(view.enter(Context()))
     assert participant.run_plan().enabled is (device == "cuda")
     assert (participant.report is not None) is (device == "cuda")
+
+
+def _compiled_after_the_probe_settles(rank: int, world: int, schedule: str) -> dict[str, bool]:
+    # sync.schedule measured is pending at the plan's resolution; the probe reads the compile plan (to predict the
+    # cut's cost), then settles the schedule: the step compiled afterwards follows the settled plan's cut
+    config = StrategyConfig.from_dict({"compile": {"enabled": True, "backend": "aot_eager"},
+                                       "sync": {"probe": True, "first_bucket_mb": 0.0001, "bucket_mb": 0.0001}})
+    view = View(Regression(), config)
+    participant = StaticCompile(view)
+    assert view.plan.sync.schedule == "measured" and participant.run_plan().cut is None
+    view.settle_schedule(view.plan.settled(schedule, f"sync.schedule measured: {schedule}"))
+    participant.setup(view.enter(Context()))
+    view.lightning_module.training_step(BATCH, 0).backward()  # (the graph is compiled, and cut, at its first call)
+    splitter = participant.report.splitter if participant.report is not None else None
+    return {"cut": participant.run_plan().cut == view.plan.compile.cut, "splitter": splitter is not None}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("schedule", "cut"), [("overlap", True), ("after_backward", False)])
+def test_the_step_is_cut_as_the_settled_schedule_says(schedule: str, cut: bool) -> None:
+    for rank in run_ranks(_compiled_after_the_probe_settles, 2, args=(schedule,)):
+        assert rank == {"cut": True, "splitter": cut}  # (the splitter: the backend that cuts the graph at the buckets)
