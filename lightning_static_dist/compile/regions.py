@@ -84,9 +84,8 @@ def whole_method(module: nn.Module) -> str:
 class _RegionForward:
     """A region's forward: compiled, or eager after a compile failure (``fallback: eager``).
 
-    It holds the *unbound* ``forward`` of the region's class and is bound to the region with ``types.MethodType``:
-    a ``copy.deepcopy`` of the model (SWA, EMA callbacks) then rebinds it to the copy instead of running the
-    original's weights, and identical blocks share one compiled artefact.
+    It holds the *unbound* ``forward`` of the region's class and is bound to the region with ``types.MethodType``
+    (why: docs/internals.md, "compile/regions.py").
     """
 
     def __init__(self, region: str, eager: Callable[..., Any], compiled: Callable[..., Any], config: CompileOptions,
@@ -168,9 +167,8 @@ memory (``torch/_inductor/cudagraph_trees.py``): the only mark it leaves, so it 
 
 def kept_graph_output(err: BaseException) -> Optional[RuntimeError]:
     """The one-line error for a failure that is a tensor kept from an earlier CUDA-graphed step (a loss appended to a
-    list, an output held across steps), read after the graphs reused its memory; ``None`` for any other failure.
-    Dynamo, re-tracing a step that reads such a tensor, wraps the error as if compiling had failed: running the
-    region eagerly for the rest of the run would hide the cause."""
+    list, an output held across steps), read after the graphs reused its memory; ``None`` for any other failure
+    (why it is told apart from a compile failure: docs/internals.md, "compile/regions.py")."""
     seen: Optional[BaseException] = err
     for _ in range(8):  # (a chain of causes, walked a few links deep)
         if seen is None:
