@@ -6,13 +6,8 @@ ring's latency, and how much it slows the GEMMs (``slowdown``: compute seconds a
 beside them). From these and the run's buckets, :func:`predict_extra_s` plays one step's timeline for a candidate and
 returns what the step costs beyond its compute; :func:`choose` keeps the cheapest.
 
-Why these four are enough: under ``overlap`` a bucket's collective runs at the busy rate beside backward and slows it;
-what is left when backward ends runs at the idle rate. Under ``after_backward`` every bucket runs at the idle rate,
-after backward (with ``optimizer_overlap``, each bucket's parameters step while the later buckets are on the wire, at
-the busy rate). So where the link is about as fast beside compute as alone (a network, PCIe), ``overlap`` hides
-nearly all of it; where an idle GPU's NCCL is many times faster than one fighting backward for SMs (NVLink), the
-short exchange after backward can cost less than the slowdown beside it. The model and what it leaves out:
-docs/performance.md, "How the schedule is chosen".
+Why these four figures are enough, the model and what it leaves out: docs/performance.md, "How the schedule is
+chosen".
 
 Pure: no process, no device. Example::
 
