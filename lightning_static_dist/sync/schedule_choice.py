@@ -24,9 +24,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional
 
 CUT_S_PER_PIECE = 90e-6
-"""What one more piece of the cut compiled step costs (its launch, the graph boundary, a bucket's bookkeeping): from
-``overlap`` cut into pieces against ``after_backward`` uncut over free simulated links, GPT-2 small on one H200
-(``benchmarks/results/sim-gpt2s-sm-2026-12-03.json``)."""
+"""What one more piece of the cut compiled step costs (its launch, the graph boundary, a bucket's bookkeeping); how
+it was measured: docs/performance.md, "How the schedule is chosen"."""
 
 OPTIMIZER_BYTES_PER_GRAD_BYTE = 7.0
 """Bytes an Adam-family step reads and writes per gradient byte (parameter, gradient, two moments read; parameter
