@@ -152,8 +152,7 @@ class _RegionForward:
 class _BoundaryRegionForward(_RegionForward):
     """A block's forward when ``training_step`` is compiled around the blocks: a boundary for that enclosing
     compiled frame — dynamo does not trace into it, it calls it, and the block's own compiled function still runs,
-    under its own dynamo context. (Only then: a model compiled again by its user after ``fit`` would otherwise
-    break at every block.)"""
+    under its own dynamo context. Only then (why: docs/internals.md, "compile/regions.py")."""
 
     @torch._dynamo.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -246,11 +245,8 @@ def _compile_method(region: nn.Module, method: str, name: str, backend: Callable
 
 
 def compile_optimizer_step(optimizer: torch.optim.Optimizer, config: CompileOptions, report: CompileReport) -> None:
-    """Compile ``optimizer.step()``; a closure, when Lightning passes one, runs eagerly before the compiled step.
-
-    Lightning's precision plugins call ``optimizer.step(closure=...)`` with forward and backward inside the closure;
-    tracing that would pull the whole training step into the optimizer's graph, so the closure is called first.
-    """
+    """Compile ``optimizer.step()``; a closure, when Lightning passes one, runs eagerly before the compiled step
+    (why: docs/internals.md, "compile/regions.py")."""
     inner = unwrap_optimizer(optimizer)
     eager_step = inner.step
     backend = report.backend or RecordingBackend(config, report)
