@@ -1,8 +1,8 @@
 """Console scripts: ``lsd-train CONFIG.yaml [dotted.key=value ...]`` and ``lsd-report RUN_DIR``.
 
 ``lsd-train`` validates the whole run file (and the overrides) before it starts a single process; with the ``popen``
-start method Lightning re-runs this same command once per extra rank, and each rank validates again — cheap, and
-it keeps every rank's view of the config identical.
+start method Lightning re-runs this same command once per extra rank, and each rank validates again (why:
+docs/internals.md, "cli.py").
 """
 
 from __future__ import annotations

@@ -8,10 +8,8 @@ Fabric the first trainable model's, ``strategy.offers`` one per model); :func:`o
 Fabric object, or ``None`` where the strategy is another one, so that a callback can say in one line that it does
 nothing there.
 
-The offer names what a callback may read by its shape (:class:`CompileFacts`, :class:`CompressionCheck` ...), not
-by the classes that hold it: this module sits below the features and the callbacks, so that every callback can
-import it, and imports no feature (``tests/test_architecture.py``). The features' own classes
-(``CompileReport``, ``CompressingReducer``, ``StepTrial``) have these shapes.
+This module imports no feature (``tests/test_architecture.py``); the offer names what a callback may read by its
+shape (:class:`CompileFacts`, :class:`CompressionCheck` ...). Why: docs/internals.md, "offer.py".
 
 Example::
 

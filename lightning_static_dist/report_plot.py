@@ -2,18 +2,16 @@
 
 Each section is a grid of small panels under its own title:
 
-1. **loss**: every key with ``loss`` in its name, together in one panel, because train and validation loss are read
-   against each other.
+1. **loss**: every key with ``loss`` in its name, together in one panel.
 2. **static_dist/**: the overlap and communication figures the strategy logs. Fractions first (overlap ratio, hidden
    comm fraction), then times, then bytes, then the rest; the profiler's ``trace_`` figures after the ones measured
    every step. A figure and its ``_max`` twin (mean and maximum over ranks) share a panel.
 3. everything else, alphabetically, twins paired the same way.
 
-A constant series (every value equal, up to a relative spread of 1e-9) is not drawn: a flat line says nothing its
-value does not, so the value goes into a caption under the grid, and to the caller. The y axes speak the unit the
-metric's name gives (``bytes`` -> B/kB/MB/GB, ``_ms`` and ``_s`` -> ms/s, ``frac`` and ``overlap_ratio`` -> %) with as
-many decimals as the ticks need to differ, never matplotlib's offset or scientific notation: a byte count that barely
-moves reads as ``3.370192 MB``, not as a wiggle under a ``+3.37e6`` in the corner.
+A constant series (every value equal, up to a relative spread of 1e-9) is not drawn: its value goes into a caption
+under the grid, and to the caller. The y axes speak the unit the metric's name gives (``bytes`` -> B/kB/MB/GB, ``_ms``
+and ``_s`` -> ms/s, ``frac`` and ``overlap_ratio`` -> %) with as many decimals as the ticks need to differ, never
+matplotlib's offset or scientific notation. Why: docs/internals.md, "report_plot.py".
 
 Pure planning (:func:`plan_sections`, :func:`constant_series`, :func:`unit_of`, :func:`format_value`,
 :func:`tick_labels`) is separate from drawing (:func:`plot_curves`), so the order and the units are tested without

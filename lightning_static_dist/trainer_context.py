@@ -109,9 +109,8 @@ def refuse_before_launch(config: StrategyConfig, settings: TrainerSettings) -> N
 
 
 def refuse_saves_on_exception(callbacks: list[Any], world_size: int) -> None:
-    """``ModelCheckpoint(save_on_exception=True)`` with more than one rank: a :class:`ConfigError`. An exception
-    reaches one rank, and that rank alone would start the save, a collective here (the state's gather, the write's
-    agreement, Lightning's barrier): it would wait for peers that never come. A SIGTERM stop saves by itself."""
+    """``ModelCheckpoint(save_on_exception=True)`` with more than one rank: a :class:`ConfigError` (why:
+    docs/internals.md, "trainer_context.py"). A SIGTERM stop saves by itself."""
     if world_size < 2:
         return
     for callback in callbacks:

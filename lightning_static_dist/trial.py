@@ -1,15 +1,9 @@
 """``strategy.compression.name: auto``: time each candidate on the real job, on every rank, and keep the fastest.
 
-Whether compression pays depends on the link, on how much of the exchange backward hides, and on what encoding
-costs on this device — the cost model (``overlap/cost_model.py``) predicts it from all three, but two of them are
-only known once the job runs. So ``auto`` measures instead of predicting: after the ``start_step`` exact steps,
-each candidate — exact fp32 (``none``), ``bf16`` and ``powersgd`` at ``strategy.compression.rank`` — reduces the
-gradients of ``trial_steps`` optimizer steps; the first step of each is left out (new buffers, a new compressor
-state), the others are timed each from the batch's start to the end of its optimizer step, between device
-synchronisations (validation, checkpoints and logging after the step are not the candidate's); a guard does nothing
-during the trial. The ranks take the slowest rank's time of each candidate (one small all-reduce), so every rank
-picks the same one. A compressor must beat exact by at least :data:`MIN_GAIN`: it costs accuracy
-(``benchmarks/README.md``, critical point), so a tie goes to exact.
+After the ``start_step`` exact steps, each candidate (``none``, ``bf16``, ``powersgd`` at ``strategy.compression.rank``)
+reduces the gradients of ``trial_steps`` optimizer steps; every rank takes the slowest rank's time of each and keeps
+the fastest, and a compressor must beat exact by at least :data:`MIN_GAIN`. Why measure and how the steps are timed:
+docs/internals.md, "trial.py".
 
 The choice is printed, kept in the checkpoint (a resumed run does not time again) and, with a guard, still stepped
 down when the gradient error or the loss goes wrong. The trial's compressed steps are real training steps.

@@ -1,28 +1,10 @@
 """When a peer dies or stops participating: one line naming the missing rank and the collective, not a hang.
 
-Every collective the strategy waits on is marked with :func:`waiting_in` ("all-reduce of bucket 2 at step 17").
-A peer killed mid-step closes its sockets, and Gloo fails the survivors' pending collective at once (NCCL may
-not: over NVLink or shared memory its kernels can wait on a dead peer until the watchdog's timeout, and a host
-blocked in a device read behind them runs no Python code: not yet verified on GPUs); a peer that is alive but stuck
-lets them wait until the process group's timeout (``strategy.timeout_s``). Either way the
-strategy's ``on_exception`` turns the backend's error into :func:`diagnose`'s single line: which collective was in
-flight, and which ranks did not answer a roll call through the rendezvous store (a rank that is gone, or stuck,
-cannot answer; if the store itself is gone, rank 0 — its host — is). ``lsd-train`` prints that line and exits 1.
-Where no exception can come (a rank blocked behind a dead peer where no Python runs), the peer watchdog
-(:mod:`~lightning_static_dist.processes.watchdog`) prints a line of the same form and ends the process.
-
-What happened is told by where the error came from, never by its words: a ``torch.distributed`` error type, an
-error that left a marked collective (:func:`waiting_in`, or a region such as graph mode's compiled backward:
-:func:`enter_collective`), or one raised inside ``torch.distributed``. A rank that diagnoses a peer, and a rank whose
-own code raised (:func:`post_own_failure`), posts a :class:`Verdict` in the rendezvous store; the first one posted
-stays. The others name the same rank with the same cause, and the rank a verdict names (a stuck one that wakes, or
-its watchdog) says that it is the one the others gave up on, instead of blaming the peer that left.
-
-A failure every rank learnt of from one collective and raises at the same point (a non-finite average under
-``sync.nonfinite: error``) is an :class:`AgreedFailure`: no roll call, no verdict, and one line for the job, rank 0's.
-
-On NCCL, :func:`record_nccl_flight` also has torch's own NCCL watchdog write its flight recorder (the collectives
-each rank issued and completed) under the run directory when a collective times out; the line names that file.
+Every collective the strategy waits on is marked with :func:`waiting_in`; the strategy's ``on_exception`` turns a
+backend error into :func:`diagnose`'s single line (the collective in flight, the ranks that did not answer a roll
+call), and ranks agree on the cause through a :class:`Verdict` in the rendezvous store. A failure every rank learnt
+of from one collective is an :class:`AgreedFailure`. :func:`record_nccl_flight` has torch's NCCL watchdog write its
+flight recorder under the run directory. How faults are told apart: docs/internals.md, "agreement/faults.py".
 """
 
 from __future__ import annotations

@@ -173,10 +173,9 @@ class ShardedOptimizerState:
 def consolidate(path: str, out: str, weights_only: Optional[bool] = None) -> None:
     """Write the plain Lightning checkpoint file ``out`` from the sharded directory ``path`` (one process, no group).
 
-    Why not ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``: it writes a directory's entries as they
-    are, here ``optim/<i>/<key>/<lo>-<hi>`` element ranges; a Lightning checkpoint needs them joined into each
-    parameter's optimizer state and placed under the optimizer's own indices, with ``lightning_meta.pt`` merged in.
-    The ranges are read the same way (``load_sharded(no_dist=True)``: DCP's own reader, no process group).
+    The optimizer's element ranges are read with DCP's own reader (``load_sharded(no_dist=True)``, no process
+    group) and joined into each parameter's state. Why not DCP's ``dcp_to_torch_save``: docs/internals.md,
+    "checkpoint/sharded.py".
 
     Example::
 

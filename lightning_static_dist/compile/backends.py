@@ -51,8 +51,7 @@ def _resolve_backend(config: CompileOptions, inductor_patches: Optional[dict[str
 class RecordingBackend:
     """Wraps the configured compiler: records each graph (structure, compile seconds, device transfers).
 
-    One instance serves every region: dynamo guards on the backend object, so a backend per region would make
-    identical blocks recompile instead of sharing one artefact.
+    One instance serves every region (why: docs/internals.md, "compile/backends.py").
     """
 
     def __init__(self, config: CompileOptions, report: CompileReport,

@@ -66,10 +66,9 @@ class CompileConfig:
     optimizer: bool = False
     """Also compile ``optimizer.step()``."""
     cudagraphs: Union[bool, Literal["auto"]] = "auto"
-    """Replay the compiled graphs as CUDA graphs (inductor's CUDA graph trees): a piece of the step then costs the
-    host one launch instead of one per kernel, so the host runs ahead and the step goes at the GPU's pace, with
-    the gradient collectives issued between the pieces as before. ``auto``: on where it is safe to assume, on CUDA
-    with ``backend: inductor`` and ``sync.mode: hooks``, without sharded embeddings or ``reduce_scatter`` (whose
+    """Replay the compiled graphs as CUDA graphs (inductor's CUDA graph trees; why: docs/how-it-works.md,
+    "Compilation"). ``auto``: on where it is safe to assume, on CUDA with ``backend: inductor`` and
+    ``sync.mode: hooks``, without sharded embeddings or ``reduce_scatter`` (whose
     gathers move parameters between steps), unless ``mode`` decides; the compile report says what was chosen and
     why, and names every graph inductor left without CUDA graphs. Tensors a CUDA-graphed step returns live in
     the graphs' memory pool until the next step (Lightning's loop and ``self.log`` copy what they keep); a tensor

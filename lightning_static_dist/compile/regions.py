@@ -84,9 +84,8 @@ def whole_method(module: nn.Module) -> str:
 class _RegionForward:
     """A region's forward: compiled, or eager after a compile failure (``fallback: eager``).
 
-    It holds the *unbound* ``forward`` of the region's class and is bound to the region with ``types.MethodType``:
-    a ``copy.deepcopy`` of the model (SWA, EMA callbacks) then rebinds it to the copy instead of running the
-    original's weights, and identical blocks share one compiled artefact.
+    It holds the *unbound* ``forward`` of the region's class and is bound to the region with ``types.MethodType``
+    (why: docs/internals.md, "compile/regions.py").
     """
 
     def __init__(self, region: str, eager: Callable[..., Any], compiled: Callable[..., Any], config: CompileOptions,
@@ -153,8 +152,7 @@ class _RegionForward:
 class _BoundaryRegionForward(_RegionForward):
     """A block's forward when ``training_step`` is compiled around the blocks: a boundary for that enclosing
     compiled frame — dynamo does not trace into it, it calls it, and the block's own compiled function still runs,
-    under its own dynamo context. (Only then: a model compiled again by its user after ``fit`` would otherwise
-    break at every block.)"""
+    under its own dynamo context. Only then (why: docs/internals.md, "compile/regions.py")."""
 
     @torch._dynamo.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -168,9 +166,8 @@ memory (``torch/_inductor/cudagraph_trees.py``): the only mark it leaves, so it 
 
 def kept_graph_output(err: BaseException) -> Optional[RuntimeError]:
     """The one-line error for a failure that is a tensor kept from an earlier CUDA-graphed step (a loss appended to a
-    list, an output held across steps), read after the graphs reused its memory; ``None`` for any other failure.
-    Dynamo, re-tracing a step that reads such a tensor, wraps the error as if compiling had failed: running the
-    region eagerly for the rest of the run would hide the cause."""
+    list, an output held across steps), read after the graphs reused its memory; ``None`` for any other failure
+    (why it is told apart from a compile failure: docs/internals.md, "compile/regions.py")."""
     seen: Optional[BaseException] = err
     for _ in range(8):  # (a chain of causes, walked a few links deep)
         if seen is None:
@@ -248,11 +245,8 @@ def _compile_method(region: nn.Module, method: str, name: str, backend: Callable
 
 
 def compile_optimizer_step(optimizer: torch.optim.Optimizer, config: CompileOptions, report: CompileReport) -> None:
-    """Compile ``optimizer.step()``; a closure, when Lightning passes one, runs eagerly before the compiled step.
-
-    Lightning's precision plugins call ``optimizer.step(closure=...)`` with forward and backward inside the closure;
-    tracing that would pull the whole training step into the optimizer's graph, so the closure is called first.
-    """
+    """Compile ``optimizer.step()``; a closure, when Lightning passes one, runs eagerly before the compiled step
+    (why: docs/internals.md, "compile/regions.py")."""
     inner = unwrap_optimizer(optimizer)
     eager_step = inner.step
     backend = report.backend or RecordingBackend(config, report)

@@ -369,8 +369,8 @@ def _capture_dynamo_logs(report: CompileReport) -> None:
 
 def listen_to_artifacts(handler: logging.Handler, suffixes: tuple[str, ...], level: int) -> None:
     """Attach ``handler`` to torch's artifact loggers whose names end with one of ``suffixes`` (their modules must be
-    imported). One that ``TORCH_LOGS`` did not ask for is enabled for us alone, at ``level``: torch's own handler on
-    "torch" would print every record that propagates, whatever the parent's level."""
+    imported). One that ``TORCH_LOGS`` did not ask for is enabled for us alone, at ``level`` (why:
+    docs/internals.md, "compile/report.py")."""
     from torch._logging._internal import log_registry
 
     for qname in list(log_registry.artifact_log_qnames):

@@ -186,9 +186,8 @@ class TopKCompressor(PerParameterState):
     STATE = ("residuals",)
     phases_per_bucket = 1
     guard_max_rel_error = 0.15
-    """The guard's threshold, for every density: no density measured kept the loss within 1.03x of exact, so it
-    sits below all their errors and the guard steps TopK down unless its error is lower than any measured (the
-    critical-point sweeps, ``benchmarks/README.md``)."""
+    """The guard's threshold, for every density (how it was chosen: docs/internals.md, "compression/compressors.py").
+    """
 
     def __init__(self, density: float = 0.01, error_feedback: bool = True, min_numel: int = 1024) -> None:
         self.density = density
@@ -246,9 +245,8 @@ class QSGDCompressor(PerParameterState):
     """QSGD (Alistarh et al., NeurIPS 2017): each chunk of ``chunk`` values sent as its fp32 norm and, per value, a
     sign and a level in 0..``levels`` (int8), rounded stochastically so the average is unbiased.
 
-    One all-gather of every rank's quantised bucket; each rank dequantises and averages in fp32. (At large worlds
-    a reduce-scatter of quantised chunks + all-gather sends less per rank; on 2-8 ranks the single all-gather is
-    one collective instead of three.) Unbiased, so no error feedback.
+    One all-gather of every rank's quantised bucket; each rank dequantises and averages in fp32. Unbiased, so no
+    error feedback. Why one all-gather: docs/internals.md, "compression/compressors.py".
 
     Example::
 
@@ -258,9 +256,7 @@ class QSGDCompressor(PerParameterState):
     name = "qsgd"
     phases_per_bucket = 1
     guard_max_rel_error = 1.3
-    """The guard's threshold, for every level: between the errors of the levels that kept the loss within 1.03x of
-    exact and of the first that did not (the critical-point sweep, ``benchmarks/README.md``). QSGD's error is
-    unbiased noise that averages out over steps, so it tolerates more than the biased compressors."""
+    """The guard's threshold, for every level (how it was chosen: docs/internals.md, "compression/compressors.py")."""
 
     def __init__(self, levels: int = 127, chunk: int = 512, min_numel: int = 1024, seed: int = 0) -> None:
         self.levels = levels

@@ -1,13 +1,10 @@
 """A :class:`~lightning_static_dist.config.ConfigError` under LightningCLI: one line on stderr, no traceback.
 
-LightningCLI parses the command line first and builds the classes afterwards (``parser.instantiate_classes``),
-outside jsonargparse's error handling: a constructor's ``ConfigError`` (``--trainer.strategy.sync.bucket_mb=-1``)
-reached the user as jsonargparse's report of every ``Union`` member it tried, about 60 lines with the one line that
-matters near the end. jsonargparse's documented global instantiator (``jsonargparse.add_instantiator``, from 4.49)
-builds the package's classes instead — the strategies, the callbacks and every configuration section jsonargparse
-builds on its own (``SyncConfig`` ...) — and turns a ``ConfigError`` into what jsonargparse makes of a parse error:
-``<prog>: error: <the line>`` on stderr and exit status 2. Every other exception, and every other class, is left to
-jsonargparse as before.
+jsonargparse's documented global instantiator (``jsonargparse.add_instantiator``, from 4.49) builds the package's
+classes — the strategies, the callbacks and every configuration section jsonargparse builds on its own
+(``SyncConfig`` ...) — and turns a ``ConfigError`` into what jsonargparse makes of a parse error: ``<prog>: error:
+<the line>`` on stderr and exit status 2. Every other exception, and every other class, is left to jsonargparse. Why:
+docs/internals.md, "config/lightning_cli.py".
 
 Some values can only be checked once the ``Trainer`` gives the world (a mesh that does not divide it): an object
 built here reports those the same way (:func:`parse_errors_of`), while one built in the user's own code raises.

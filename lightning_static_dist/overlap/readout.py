@@ -1,20 +1,7 @@
 """Reading recorded steps once they are complete, and combining their figures over the ranks on the host.
 
-On CUDA the host closes a recorded step long before the GPU has run it (a compiled step replays CUDA graphs: the
-host is normally a whole step ahead). Waiting for its events there would stall the host and hand the GPU an empty
-queue. So :class:`StepReadout` keeps the closed steps, oldest first, and at each attempt:
-
-1. every rank counts its oldest steps whose events have completed (``event.query()``: never a wait);
-2. one collective on the host agrees on the smallest count and carries every rank's figures of those steps (the
-   strategy's ``host_max``: a Gloo group under the Trainer, so no device tensor and no read-back that waits);
-3. the agreed steps leave the queue, each with its figures' mean and maximum over ranks.
-
-A step's figures are therefore logged a step or more after it ran, under its own step. On CPU a step is complete when
-it closes: it is read at once, as before. The end of an epoch reads what is left, waiting for it (once).
-
-The collective is a maximum, used as an all-gather: rank ``r`` writes its figures into its own row of a table that
-is ``-inf`` everywhere else, so the maximum over ranks is every rank's row. ``-inf`` also stands for NaN (a figure a
-rank could not measure): no figure here is ``-inf`` (times, bytes and fractions are >= 0).
+A rank never waits for a step's events; the steps every rank has completed are logged, each with its figures'
+mean and maximum over ranks, a step or more after they ran. Why and how: docs/internals.md, "overlap/readout.py".
 
 Example::
 

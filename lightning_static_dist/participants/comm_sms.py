@@ -6,9 +6,8 @@ On NCCL the CTAs (hence SMs) a collective may use, ``max_ctas``, is fixed when a
 them after the first optimizer step, as on the default group) — and the trial points the synchroniser at one of them
 between rounds. Once the trial decides (every rank at the same step), the groups not chosen are destroyed
 (:meth:`CommSmsSwitch.keep`); a resumed run whose choice is known opens the chosen budget's group only. Teardown
-points the synchroniser back at the mesh's group and destroys the rest — not after a failure: destroying an NCCL
-communicator can wait for a peer that died mid-collective, so then the references are dropped and the groups left to
-the exit path (``compat.destroy_process_groups_at_exit``, which does nothing after a failure either). In a simulated
+points the synchroniser back at the mesh's group and destroys the rest; after a failure it only drops the references
+(why: docs/internals.md, "participants/comm_sms.py"). In a simulated
 world the SMs an emulated link holds are one process-wide setting (``simulate.group.WORLD.sms``): switched in place,
 and the value found at setup put back at teardown, after a failure too. Gloo has no such knob (its candidates have
 the default SMs only).

@@ -1,16 +1,9 @@
 """What a later run resumes from: the last step of every fit that trained is in a checkpoint, and where a resumed run
 cannot continue bit for bit, one line says so at the first step of a fit resumed mid-epoch.
 
-A ``ModelCheckpoint`` writes at its interval (every N steps, at a validation's end, at an epoch's end): a fit whose
-last step falls between two of them ends with its last steps in no checkpoint, and ``ckpt_path=last`` would train
-them again (a run shorter than the interval: from step 0). :class:`LastStepSave` has the run's ``ModelCheckpoint``
-write that step when the fit ends, as Lightning's ``save_last`` does for its ``last`` file at the end of training.
-
-Lightning's fit loop saves a training loader's position only when the loader has ``state_dict`` and
-``load_state_dict`` (``torchdata``'s ``StatefulDataLoader``, or
-:class:`~lightning_static_dist.examples.bytedata.ResumableLoader`). A plain ``DataLoader`` resumed from a mid-epoch
-checkpoint starts its epoch again from the first batch: the weights are restored exactly, the data that follows is
-not the uninterrupted run's, and the curves part.
+:class:`LastStepSave` has the run's ``ModelCheckpoint`` write the fit's last step when the fit ends if no save of
+the fit holds it; :class:`MidEpochResume` says, in one line, when a training loader that keeps no position is
+resumed mid-epoch. Why each is needed: docs/internals.md, "participants/resume.py".
 
 Example (the strategy builds it in its ``__init__``)::
 

@@ -63,11 +63,7 @@ def gemm_width(module: torch.nn.Module, device: torch.device) -> int:
     """The probe's GEMM width: the input width that most of the model's linear weights have (where most of backward's
     GEMM work is: GPT-2 small's 768, not its MLP's 3072), between 256 and 8192.
 
-    The width matters: a GEMM's tiles against the SMs a collective holds decide how much it slows, and how long
-    the collective waits for SMs. Over the two-regime link with 8 SMs, one H200 read 8192 x 3072 x 3072 GEMMs slowed
-    past the probe's cap (0.9) and the rate beside them 45 % low (benchmarks/results/
-    sim-gpt2s-choice-call6-w2tr-2026-12-04.json); 8192 x 768 x 768 ones slowed 0.44 ms per ms, as the 2 x H200
-    traces' 0.40 for GPT-2's backward, and the rate 2 % off (sim-gpt2s-choice-call7-tr-2026-12-04.json)."""
+    Why the width matters, with measurements: docs/performance.md, "How the schedule is chosen"."""
     weights: dict[int, int] = {}
     for m in module.modules():
         if isinstance(m, torch.nn.Linear):

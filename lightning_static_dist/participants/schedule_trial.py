@@ -33,8 +33,8 @@ from lightning_static_dist.sync.schedule import (
 )
 
 WARM_STEPS = 3
-"""``sync.schedule: auto`` on a GPU: the fit's first optimizer steps, before the trial (compilation, CUDA graphs: an
-H200 measured 141 ms for the first candidate's first timed step against 36 ms for the others, 2026-12-03)."""
+"""``sync.schedule: auto`` on a GPU: the fit's first optimizer steps, before the trial (compilation and CUDA graph
+recording would sink the first candidate: docs/performance.md, "Schedules, SMs and bf16 over the calibrated link")."""
 SCHEDULE_KEY = "static_dist_sync_schedule"  # sync.schedule: auto: the trial's choice and times
 
 

@@ -44,9 +44,8 @@ _DEVICE_BOUND_BACKENDS = ("nccl", "xccl", "hccl")
 def binds_device(backend: str, device: torch.device) -> bool:
     """Whether the process group starts bound to the rank's device (``device_id``): for the accelerator's own
     collective library (NCCL, XCCL, HCCL), so that the mesh's groups are split from one eagerly created
-    communicator. Any other backend is not bound — Gloo carrying CUDA tensors in particular: ``DeviceMesh`` would
-    then split its groups, and ``split_group`` cannot copy Gloo's options (``TypeError: cannot pickle ...
-    _Options`` on torch 2.11). ``backend`` was checked by ``ddp_arguments.check_process_group_backend``."""
+    communicator. Any other backend is not bound (Gloo carrying CUDA tensors in particular; why: docs/internals.md,
+    "plan/world.py"). ``backend`` was checked by ``ddp_arguments.check_process_group_backend``."""
     return device.type != "cpu" and device_backend(backend, device.type) in _DEVICE_BOUND_BACKENDS
 
 

@@ -44,12 +44,7 @@ def freeze_heap_at_exit() -> None:
     registered later, runs earlier), move every object still alive into the collector's permanent generation
     (``gc.freeze``), once per process.
 
-    Why: the interpreter's finalisation runs full collections that walk every object the imports of torch and
-    Lightning made (about 400 000); that is most of a finished rank's exit. The launching process waits for its
-    ranks to be gone before it finalises itself (:class:`LocalRanks`), so a job pays two finalisations one after the
-    other where Lightning's ``ddp`` pays them side by side (``benchmarks/cpu2_teardown.py``). What this skips: the
-    finalisers of objects that are still alive at exit and freed only through a reference cycle, which Python does
-    not promise to run at exit either (a file closed by its owner, a logger's handlers, ``atexit`` hooks: all run).
+    Why, and what it skips: docs/internals.md, "processes/ending.py: freeze_heap_at_exit".
     Nothing is frozen while a process group is still there (after a failure, or where the groups' destruction was
     registered first): the finalisation collects the groups' native objects then, as without this."""
     atexit.register(_freeze_once_groups_are_gone)

@@ -22,8 +22,8 @@ _INTEGER_VARIABLES = {"WORLD_SIZE": (1, "the number of processes in the job"), "
 def check_launch_environment(environ: Mapping[str, str], hosts_store: bool) -> None:
     """Refuse a launch variable that cannot work, with one line naming it, before any process starts: ``MASTER_PORT``
     not a port number, or (``hosts_store``: this process will open the rendezvous store on it) a port some other
-    process already listens on; ``WORLD_SIZE`` below 1; a rank that is not an integer >= 0. Otherwise each would fail
-    later: a ``ValueError`` from deep inside Lightning, a store that never binds, or ranks waiting for a world of 0."""
+    process already listens on; ``WORLD_SIZE`` below 1; a rank that is not an integer >= 0 (what each
+    would do otherwise: docs/internals.md, "processes/environment.py")."""
     port = environ.get("MASTER_PORT")
     if port is not None and not (port.strip().isdigit() and 0 < int(port) < 65536):
         raise ConfigError(f"MASTER_PORT={port!r}: must be a TCP port number (an integer 1-65535), or unset to let"

@@ -1,48 +1,10 @@
 """What the strategy changes in Lightning's training loop, and why: one device synchronisation per step removed.
 
-Lightning (2.5, 2.6) starts every training step of a multi-process run by broadcasting rank 0's "received SIGTERM"
-flag over the training process group and reading it on the host (``_TrainingEpochLoop._broadcast_sigterm_tensor``:
-a tensor made on the device, ``broadcast``, ``.item()``). On NCCL that read waits for the GPU to finish everything
-queued before it — the whole previous step — so the host loses its lead at every step, and the GPU idles while the
-host runs Lightning's loop and launches the next forward. :class:`HostSigtermBroadcast` takes its place on the
-strategy's trainer: the ranks' flags combined as a CPU tensor over a Gloo group — the maximum of every rank's own
-flag, so a signal that reaches any rank stops them all (Lightning broadcasts rank 0's) — and read ``lag`` steps
-later (2 by default): each step starts an asynchronous all-reduce and reads the one started ``lag`` steps earlier,
-which the other ranks have long since joined. No rank waits for a GPU, nor for the other ranks' hosts (a collective
-read in the step that starts it is a host barrier). Every rank reads the same round at the same step, so every rank
-stops at the same step: before the ``lag + 1``-th training step after the signal. A signal in the last ``lag`` steps
-of ``fit`` is not acted on: training ends as planned (``trainer.received_sigterm`` then reads the rank's own flag).
-
-Lightning also checks each rank's *own* flag (``trainer.received_sigterm``) at the end of every batch, of every
-validation batch and of every epoch. Left alone, those checks would stop a rank that received the signal before the
-others read the combined flag, and the others would wait in their next collective. So, while installed, the
-trainer's signal connector answers ``received_sigterm`` with the flag the ranks agreed on (set when the round
-carrying it is read, just before every rank raises ``SIGTERMException``; a callback reading it sees it then). No
-round runs during validation: at the end of each validation inside ``fit`` (the sanity check too) the strategy runs
-one blocking round (:meth:`HostSigtermBroadcast.agree`), and a signal that arrived during it stops every rank right
-after that validation (Lightning's own per-rank check would stop one rank mid-validation and leave the others in
-their next collective). The signal handler's write is kept as the rank's own flag. Uninstalled, the connector
-reports it again.
-
-Lightning's SIGTERM *handler* (``_SignalConnector._sigterm_notifier_fn``) also broadcasts over the default group,
-from whichever rank the signal reaches, at whatever point of the step it arrives: that broadcast pairs with whatever
-collective the other ranks issue next on that group. The connector's subclass keeps the handler's log line, its
-forwarding of the signal to the ranks its launcher started, and its flag, and leaves that broadcast out.
-
-At the agreed stop every rank writes one checkpoint (a collective: every rank is at the same point), rank 0 prints one
-line naming the signal, the step and the file, and ``fit`` ends with Lightning's ``SIGTERMException`` carrying exit
-status 143 (:data:`SIGTERM_EXIT`; Lightning 2.6's carries none, read as 0, "finished", by torchrun and schedulers).
-The checkpoint is ``last-preempted-step=<N>.ckpt`` in the ``ModelCheckpoint``'s folder (else ``default_root_dir``),
-where ``lsd-train ckpt_path=last`` and Lightning's ``ckpt_path="last"`` find it. With gradient accumulation the stop
-waits for the end of the accumulation window, so the checkpoint holds whole optimizer steps. (Lightning's own
-``ModelCheckpoint(save_on_exception=True)`` is refused at world size > 1: on an exception that reaches one rank, its
-save would be that rank's alone.)
-
-SLURM's requeue signal (``SIGUSR1`` under ``SLURMEnvironment(auto_requeue=True)``) rides the same rounds: Lightning's
-handler writes the hpc checkpoint — a collective here — from inside the signal handler, wherever in the step the
-signal lands, so two ranks signalled at different points cross their collectives. The subclass's handler only counts
-the request; at the step the ranks agree on, every rank runs Lightning's handler (loggers finalised, the hpc
-checkpoint written, ``scontrol requeue`` from rank 0), once per request, and training goes on, as with Lightning.
+Installed on the strategy's trainer, :class:`HostSigtermBroadcast` replaces Lightning's per-step device broadcast of
+the SIGTERM flag with an asynchronous all-reduce over a Gloo group, read ``lag`` steps later (2 by default): every
+rank stops at the same step, writes ``last-preempted-step=<N>.ckpt`` and ends ``fit`` with exit status 143
+(:data:`SIGTERM_EXIT`). SLURM's requeue signal rides the same rounds. How and why: docs/internals.md,
+"processes/sigterm.py".
 
 Private Lightning API: ``_TrainingEpochLoop._broadcast_sigterm_tensor`` (replaced on this trainer's loop instance
 only, where it exists) and ``Trainer._signal_connector`` (its class swapped, on this trainer only, for a subclass

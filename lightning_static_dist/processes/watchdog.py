@@ -1,33 +1,11 @@
 """A rank whose peer died while it was blocked where no error can reach it: one line and exit 1, not a SIGKILL.
 
-On Gloo a peer's death fails the survivors' pending collective at once, and the strategy's ``on_exception`` prints
-:func:`~lightning_static_dist.agreement.faults.diagnose`'s line. On NCCL it need not: a survivor blocked in a device read
-(``.item()``, a stream synchronisation) behind a collective the dead peer never joins runs no Python on its main
-thread, so no exception comes before the process group's timeout (``strategy.timeout_s``), and the launcher kills it
-first, once its grace period is over (``StaticDistLauncher.grace_s``): exit -9, nothing said.
-
-:class:`PeerWatchdog` is a daemon thread beside the training loop. Every second it writes this rank's heartbeat to
-the rendezvous store (a counter, its pid and host, its step, the collective its main thread waits in) and reads its
-neighbours' (a few ranks on each side: the store's load per rank does not grow with the world). A neighbour is dead
-when its counter has stopped and its process is gone (on this host: asked of the kernel, exact), or when its counter
-has stopped for a long time (on another host, where its pid means nothing); a store that no longer accepts
-connections (several heartbeats in a row) means that its host, rank 0, is gone. The first rank to see a death posts
-it in the store, for every rank. The watchdog then waits while the main thread runs Python (it will reach a
-collective that fails, and its own failure path speaks); once the main thread has stood still for
-:attr:`PeerWatchdog.settle_s` with no failure reported, it prints a line of ``diagnose``'s form and ends the process
-with status 1. The heartbeats go through a store client of the watchdog's own, with a short timeout: the main
-thread's client can be held for minutes by a rendezvous waiting for a late rank.
-
-A rank whose watchdog stopped cleanly (the end of a fit) says so in its last heartbeat: its exit is no death. A peer
-that is alive but stuck is left to the process group's timeout: the rank that times out posts its verdict
-(:class:`~lightning_static_dist.agreement.faults.Verdict`), and the stuck rank's watchdog, reading that it is the one
-named, says so (with where its main thread was) and ends it, instead of blaming the peer that left. So does a
-verdict that a rank's own code raised: its blocked peers end with a line that names it.
-
-The watchdog lives no longer than the process group it watches: a Fabric script or a notebook never tears the strategy
-down, and once the group is destroyed (``torch.distributed.destroy_process_group()``) the thread stops by itself, at
-its next heartbeat. Its thread has a ``stop()``, the convention by which Lightning's own test suite ends a daemon
-thread a test left behind.
+:class:`PeerWatchdog` is a daemon thread beside the training loop: it writes this rank's heartbeat to the
+rendezvous store every second, reads its neighbours', and, once a peer is dead (or a verdict names this rank) and the
+main thread has stood still for :attr:`PeerWatchdog.settle_s`, prints a line of
+:func:`~lightning_static_dist.agreement.faults.diagnose`'s form and ends the process with status 1. It stops with
+:meth:`PeerWatchdog.stop` or when its process group is destroyed. Why it is needed and how a death is told:
+docs/internals.md, "processes/watchdog.py".
 """
 
 from __future__ import annotations

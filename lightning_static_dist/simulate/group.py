@@ -15,8 +15,7 @@ broadcast, barrier                     nothing changes
 gather, scatter                        copies of this rank's input; this rank's element of the root's list
 =====================================  ==========================================================================
 
-Averages are native (``ReduceOp.AVG``), as on NCCL, so the package takes the same path it takes there and no
-division pass is added that NCCL would not make.
+Averages are native (``ReduceOp.AVG``), as on NCCL (why: docs/simulated-link.md, "Native averages").
 
 Free links (``link=None``): a collective costs nothing but the arithmetic above, on the caller's stream. An emulated
 link runs it on the group's own stream after holding the link's SMs for the ring time; ``wait()`` and the work's

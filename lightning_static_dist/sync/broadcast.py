@@ -1,8 +1,8 @@
 """Broadcasting parameters and buffers from rank 0, coalesced into one flat tensor per dtype and device.
 
 At setup every rank must start from rank 0's weights, and before every training forward the buffers (BatchNorm
-running statistics ...) are taken from rank 0, like DDP's ``broadcast_buffers``. One collective per dtype instead of
-one per tensor keeps the per-step cost to a single latency for typical models.
+running statistics ...) are taken from rank 0, like DDP's ``broadcast_buffers``: one collective per dtype and device
+(why: docs/internals.md, "sync/broadcast.py").
 """
 
 from __future__ import annotations

@@ -93,9 +93,8 @@ class _Clock:
         return event
 
     def start(self) -> Any:
-        """A timestamp that opens a measurement. On a GPU the stream first spins for a millisecond, so that the host
-        queues what follows while it does: the measurement then times the device's work, not the host's dispatch
-        (a Python collective's, or a launch's, tens to hundreds of microseconds, which would read as link time)."""
+        """A timestamp that opens a measurement. On a GPU the stream first spins for a millisecond (why:
+        docs/performance.md, "How the schedule is chosen")."""
         if self.cuda:
             torch.cuda._sleep(HEAD_START_CYCLES)
         return self.now()

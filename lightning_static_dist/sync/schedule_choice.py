@@ -6,13 +6,8 @@ ring's latency, and how much it slows the GEMMs (``slowdown``: compute seconds a
 beside them). From these and the run's buckets, :func:`predict_extra_s` plays one step's timeline for a candidate and
 returns what the step costs beyond its compute; :func:`choose` keeps the cheapest.
 
-Why these four are enough: under ``overlap`` a bucket's collective runs at the busy rate beside backward and slows it;
-what is left when backward ends runs at the idle rate. Under ``after_backward`` every bucket runs at the idle rate,
-after backward (with ``optimizer_overlap``, each bucket's parameters step while the later buckets are on the wire, at
-the busy rate). So where the link is about as fast beside compute as alone (a network, PCIe), ``overlap`` hides
-nearly all of it; where an idle GPU's NCCL is many times faster than one fighting backward for SMs (NVLink), the
-short exchange after backward can cost less than the slowdown beside it. The model and what it leaves out:
-docs/performance.md, "How the schedule is chosen".
+Why these four figures are enough, the model and what it leaves out: docs/performance.md, "How the schedule is
+chosen".
 
 Pure: no process, no device. Example::
 
@@ -29,9 +24,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional
 
 CUT_S_PER_PIECE = 90e-6
-"""What one more piece of the cut compiled step costs (its launch, the graph boundary, a bucket's bookkeeping): from
-``overlap`` cut into pieces against ``after_backward`` uncut over free simulated links, GPT-2 small on one H200
-(``benchmarks/results/sim-gpt2s-sm-2026-12-03.json``)."""
+"""What one more piece of the cut compiled step costs (its launch, the graph boundary, a bucket's bookkeeping); how
+it was measured: docs/performance.md, "How the schedule is chosen"."""
 
 OPTIMIZER_BYTES_PER_GRAD_BYTE = 7.0
 """Bytes an Adam-family step reads and writes per gradient byte (parameter, gradient, two moments read; parameter
