@@ -144,6 +144,10 @@ def test_a_default_changed_in_another_features_dataclass_reaches_its_plan_and_th
 
 CONFIG_CLASSES = {"StrategyConfig", "SyncConfig", "CompileConfig", "CompressionConfig", "EmbeddingConfig",
                   "CheckpointConfig", "MeshConfig"}
+#: the names the strategy block is held under (``strategy.config``, the world's ``_config``, ``_asked``).
+#: ``SimulateConfig`` is not among the sections forbidden: the offer gives it to users as it is (``simulation``),
+#: and ``RanksView.simulation`` hands participants that same object
+CONFIG_HOLDERS = {"config", "_config", "_asked"}
 
 
 def _config_reads(source: str) -> list[str]:
@@ -153,11 +157,18 @@ def _config_reads(source: str) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
             names = {a.name for a in node.names}
-            if names & CONFIG_CLASSES or (node.module or "").endswith("plan.strategy_config"):
+            if names & CONFIG_CLASSES or (node.module or "").endswith("plan.strategy_config") or (
+                    "strategy_config" in names):
                 found.append(f"line {node.lineno}: from {node.module} import {', '.join(sorted(names))}")
-        elif isinstance(node, ast.Attribute) and node.attr == "config":
-            found.append(f"line {node.lineno}: .config")
-    return found
+        elif isinstance(node, ast.Import):
+            found += [f"line {node.lineno}: import {a.name}" for a in node.names if a.name.endswith("strategy_config")
+                      or a.name.rsplit(".", 1)[-1] == "config"]
+        elif isinstance(node, ast.Attribute) and node.attr in CONFIG_HOLDERS:
+            found.append(f"line {node.lineno}: .{node.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in CONFIG_HOLDERS):
+            found.append(f"line {node.lineno}: getattr(..., {node.args[1].value!r})")
+    return sorted(found, key=lambda line: int(line.split()[1].rstrip(":")))
 
 
 def test_no_participant_reads_a_config_section() -> None:
@@ -169,6 +180,10 @@ def test_no_participant_reads_a_config_section() -> None:
     # the check itself finds what it forbids
     assert _config_reads("from lightning_static_dist.sync.config import SyncConfig\nview.config.sync.bucket_mb") == [
         "line 1: from lightning_static_dist.sync.config import SyncConfig", "line 2: .config"]
+    assert _config_reads("import lightning_static_dist.plan.strategy_config as sc\ngetattr(view, 'config').sync\n"
+                         "self._view._world._asked") == [
+        "line 1: import lightning_static_dist.plan.strategy_config", "line 2: getattr(..., 'config')",
+        "line 3: ._asked"]
 
 
 def _sections(value: Any, path: str) -> list[str]:
