@@ -42,10 +42,8 @@ class LogCalls:
 
     @classmethod
     def install(cls, module: nn.Module) -> LogCalls:
-        """Put stand-ins for ``module.log`` and ``module.log_dict`` on the instance (the class keeps the real ones).
-
-        Bound with ``types.MethodType``, as the region wrappers are: a ``copy.deepcopy`` of the module rebinds them to
-        the copy, which records into the same list and replays on itself."""
+        """Put stand-ins for ``module.log`` and ``module.log_dict`` on the instance (the class keeps the real ones),
+        bound with ``types.MethodType`` (why: docs/internals.md, "compile/log_calls.py")."""
         calls = cls()
         for method in LOGGING_METHODS:
             if callable(getattr(type(module), method, None)):
