@@ -309,10 +309,9 @@ def record_nccl_flight(backend: str, device: torch.device, directory: str) -> No
     """Have torch's NCCL watchdog dump its flight recorder to ``<directory>/nccl_flight_recorder_rank<R>`` when a
     collective times out, where ``device`` (this rank's) communicates through NCCL; variables the user set win.
 
-    Call it before the process group exists: torch reads them when it builds the recorder and its writer, once per
-    process (a later fit's dump goes where the first one's would). ``directory`` is the run's (the trainer's
-    ``default_root_dir``); torch writes the dump with plain file I/O, so a remote one (``s3://...``) is replaced by
-    the working directory.
+    Call it before the process group exists. Its settings hold for the process (a later fit's dump goes where the
+    first one's would). ``directory`` is the run's (the trainer's ``default_root_dir``); a remote one (``s3://...``)
+    is replaced by the working directory. Why: docs/internals.md, "agreement/faults.py".
     """
     if dist.is_initialized():
         return  # the process group exists already: torch has read its settings (flight_recorder_file names none)

@@ -353,8 +353,8 @@ class GraphReport(Callback):
         if self.log_metrics and every > 0 and step % every == 0 and step != self._logged_at:
             self._logged_at = step
             figures = [float(len(report.graph_breaks)), float(len(report.recompiles)), report.compile_s]
-            # host figures, their maximum taken on the host: `log_dict(sync_dist=True)` made device tensors of them,
-            # all-reduced them on the device and read them back: a GPU synchronisation (gpuN-gpt2s measured its cost)
+            # host figures, their maximum taken on the host, not by `log_dict(sync_dist=True)` (why: docs/internals.md,
+            # "callbacks/__init__.py")
             figures = offer.host_max(figures)
             log_straight(trainer, dict(zip(self.METRICS, figures)), lightning_log_step(trainer))
 

@@ -80,9 +80,7 @@ METRICS = (
 class RankAggregate(Metric):
     """Mean and max over ranks of a vector of per-rank figures, ignoring NaN (a rank with nothing to measure), on the
     device (Fabric's figures; the Trainer's monitor combines them on the host, ``readout.py``, with the same
-    arithmetic).
-
-    One state tensor — rows: sum, count, max — so that a synchronisation is one gather, not one per statistic.
+    arithmetic), kept in one state tensor (rows: sum, count, max; why: docs/internals.md, "callbacks/monitor.py").
 
     Example::
 
@@ -362,14 +360,13 @@ def log_straight(trainer: pl.Trainer, row: Mapping[str, float], step: int) -> No
 
         log_straight(trainer, {"static_dist/recompiles": 0.0}, trainer.global_step)
     """
-    # straight to the loggers (rank zero only, values already aggregated): LightningModule.log's own work per call,
-    # times 15 calls a step, was most of this monitor's cost (monitor-cost benchmark); NaN: nothing to measure
+    # straight to the loggers (rank zero only, values already aggregated), not through LightningModule.log (why:
+    # docs/internals.md, "callbacks/monitor.py"); NaN: nothing to measure
     finite = {k: v for k, v in row.items() if v == v}
     for logger in trainer.loggers:
         logger.log_metrics(finite, step=step)
     # and where callbacks look (ModelCheckpoint(monitor=...), EarlyStopping, a user's own): Lightning's
-    # `trainer.callback_metrics` is the dict its logger connector keeps and returns (what `self.log` fills), so one
-    # update there costs microseconds where 26 `log` calls would cost milliseconds
+    # `trainer.callback_metrics`, the dict its logger connector keeps and returns (what `self.log` fills)
     tensors = {k: torch.tensor(v) for k, v in finite.items()}
     trainer.callback_metrics.update(tensors)
     trainer.logged_metrics.update(tensors)  # where `self.log` lists what it sent to the loggers

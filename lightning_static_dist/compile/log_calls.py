@@ -42,10 +42,8 @@ class LogCalls:
 
     @classmethod
     def install(cls, module: nn.Module) -> LogCalls:
-        """Put stand-ins for ``module.log`` and ``module.log_dict`` on the instance (the class keeps the real ones).
-
-        Bound with ``types.MethodType``, as the region wrappers are: a ``copy.deepcopy`` of the module rebinds them to
-        the copy, which records into the same list and replays on itself."""
+        """Put stand-ins for ``module.log`` and ``module.log_dict`` on the instance (the class keeps the real ones),
+        bound with ``types.MethodType`` (why: docs/internals.md, "compile/log_calls.py")."""
         calls = cls()
         for method in LOGGING_METHODS:
             if callable(getattr(type(module), method, None)):
@@ -108,12 +106,8 @@ class LogCalls:
 
 def _owned(value: Any) -> Any:
     """``value`` with each tensor in it (in tuples, lists and dicts) cloned: once inside the graph when the call is
-    recorded (the value at the call), and once more after the graph when the call is replayed.
-
-    The second clone is for CUDA graphs: a recorded tensor is an output of the compiled call, which the next replay
-    overwrites, while Lightning keeps what is logged beyond the step (that Lightning copies it too is its detail, not
-    a promise). A logged value is a scalar, so the copy is one small kernel; it keeps autograd history, so
-    ``enable_graph=True`` works as before.
+    recorded (the value at the call), and once more after the graph when the call is replayed (why twice:
+    docs/internals.md, "compile/log_calls.py"). The copy keeps autograd history: ``enable_graph=True`` works.
     """
     if isinstance(value, torch.Tensor):
         return value.clone()

@@ -116,9 +116,8 @@ class CompileReport:
 
     def structure_lines(self) -> list[str]:
         """What this rank compiled, as comparable lines: the structures of the graphs that hold model parameters
-        (sorted), then the regions. Graphs without parameters and the graphs around the blocks are left out:
-        ``training_step`` code that differs by rank (``if self.global_rank == 0``, ``self.print``) splits them
-        differently on each rank without anything being wrong."""
+        (sorted), then the regions. Graphs without parameters and the graphs around the blocks are left out (why:
+        docs/internals.md, "compile/report.py")."""
         shared = {g.structure for g in self.graphs if g.region != self.around_blocks and g.params}
         # a set: a rank whose batches took a second shape compiled the same program once more (its structure has
         # no shapes), and that is no difference between the ranks
@@ -286,11 +285,8 @@ def _code_name(code: Optional[types.CodeType]) -> str:
 
 def _guard_failures(code: Optional[types.CodeType]) -> list[str]:
     """Every guard failure dynamo has found for ``code`` so far in this process, oldest first: one line per cache
-    entry it checked before a recompile (``0/0: L['batch_idx'] == 0``).
-
-    Dynamo writes its ``recompiles`` log only when ``TORCH_LOGS`` asks for it (the artifact's logger level is not
-    enough), but it always records the reasons in ``torch._dynamo.utils.guard_failures``, keyed by the frame's
-    original code: read there, every recompile names its guard."""
+    entry it checked before a recompile (``0/0: L['batch_idx'] == 0``), read from
+    ``torch._dynamo.utils.guard_failures`` (why there: docs/internals.md, "compile/report.py")."""
     try:
         from torch._dynamo.utils import guard_failures
     except ImportError:  # a dynamo without it: the recompile is still counted, without its guard

@@ -51,8 +51,8 @@ def tail_rows(loader: Any) -> Optional[int]:
 
 def mark_tail(args: Any, rows: Optional[int]) -> bool:
     """Whether ``args`` (a region's arguments) are the short last batch: every tensor with a dimension has ``rows``
-    rows. If so, dimension 0 of each is marked static, so that dynamo compiles one graph for this batch instead of
-    making the batch dimension of every graph dynamic (the tail would otherwise be its second size)."""
+    rows. If so, dimension 0 of each is marked static: dynamo compiles one graph for this batch (why: docs/internals.md,
+    "compile/shapes.py")."""
     if rows is None:
         return False
     tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.dim() > 0]

@@ -125,11 +125,8 @@ def contiguous_span(grads: Sequence[Tensor]) -> Optional[Tensor]:
 
 def averaged(grads: Sequence[Tensor], world: int, dtype: torch.dtype = torch.float32) -> Generator[Phase, None, None]:
     """One phase: ``grads`` divided by the world size (before the cast: a large world's sum stays in fp16's range),
-    sent as ``dtype``, summed, written back.
-
-    Slots that lie one after the other in the bucket's buffer (a compressor that takes the whole bucket, or the
-    exact remainder at its end) are averaged where they are: one division in place (or into the ``dtype`` payload,
-    one kernel), and one copy back after a cast; no concatenation, no per-tensor scatter."""
+    sent as ``dtype``, summed, written back; slots that lie one after the other in the bucket's buffer are averaged
+    where they are (docs/internals.md, "compression/base.py")."""
     span = contiguous_span(grads)
     if span is None:
         flat = flat_float(grads).div_(world).to(dtype)

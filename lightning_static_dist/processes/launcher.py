@@ -1,13 +1,12 @@
 """The ``static_dist`` launchers: Lightning's subprocess launcher with a grace period before a dead child takes the
 job down, and Lightning's spawn launcher whose ranks skip the interpreter's teardown once their work is done.
 
-Lightning's launcher watches its child ranks and, when one dies, SIGKILLs every process at its next poll — often
-before the survivors' collective has even failed, so the user learns *which* rank died but not *where*. Here the
-watcher waits ``grace_s`` after seeing a dead child: long enough for the strategy's own failure path (a roll call
-through the rendezvous store, then one line naming the missing rank and the collective in flight, then exit 1).
-Only a process that is still around after the grace period is killed, with Lightning's message. When the launching
-process itself leaves, it stops watching and waits for its ranks instead (``processes/ending.py``'s
-:class:`~lightning_static_dist.processes.ending.LocalRanks`): none outlives it, and their worst status is its own.
+The watcher waits ``grace_s`` after seeing a dead child (why: docs/internals.md, "processes/launcher.py"): long enough
+for the strategy's own failure path (a roll call through the rendezvous store, then one line naming the missing rank
+and the collective in flight, then exit 1). Only a process that is still around after the grace period is killed, with
+Lightning's message. When the launching process itself leaves, it stops watching and waits for its ranks instead
+(``processes/ending.py``'s :class:`~lightning_static_dist.processes.ending.LocalRanks`): none outlives it, and their
+worst status is its own.
 
 The strategy names both front ends register stand for their start methods (:data:`STRATEGY_NAMES`); Fabric's spawn
 launcher gets the same clean exit as the Trainer's (:class:`FabricSpawnLauncher`).

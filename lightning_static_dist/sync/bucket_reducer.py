@@ -103,10 +103,8 @@ class _PendingWork(PendingReduction):
 
 class MeanAllReduce(BucketReducer):
     """Average with one asynchronous ``all_reduce``: ``ReduceOp.AVG`` on NCCL (no separate division pass over the
-    bucket), a sum of pre-divided values elsewhere (Gloo has no ``AVG``).
-
-    Dividing *before* the sum keeps low-precision buckets (fp16/bf16) from overflowing on large worlds; NCCL's
-    ``AVG`` does the same (it pre-multiplies floating-point inputs by ``1/world``).
+    bucket), a sum of pre-divided values elsewhere (Gloo has no ``AVG``; why before the sum: docs/internals.md,
+    "sync/bucket_reducer.py").
 
     Example::
 

@@ -115,7 +115,7 @@ class SyncConfig:
                  "must be an integer >= 2 (each schedule's first step is not timed)")
         if self.comm_sms is not None and not 1 <= self.comm_sms <= 1024:
             fail(f"{self.KEY}.comm_sms", self.comm_sms, "must be an integer number of SMs in [1, 1024], or null")
-        if self.schedule == "by_topology":  # (its old meaning, "after_backward on one node of GPUs", was a bet)
+        if self.schedule == "by_topology":  # (its old meaning: docs/internals.md, "sync/config.py")
             warnings.warn(f"{self.KEY}.schedule='by_topology' is read as 'measured' (the link probed at setup);"
                           " write 'measured'", FutureWarning, stacklevel=2)
             self.schedule = "measured"

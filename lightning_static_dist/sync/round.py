@@ -1,8 +1,5 @@
-"""The bucket collectives of the round in flight: issued strictly in plan order, waited for in plan order.
-
-Launching strictly in plan order is what keeps every rank issuing the same collectives in the same sequence, even when
-hooks fire in a different order or a parameter gets no gradient on one rank. Waiting in plan order lets the optimizer
-step one bucket's parameters while later buckets are still in flight (``sync.optimizer_overlap``).
+"""The bucket collectives of the round in flight: issued strictly in plan order, waited for in plan order (why:
+docs/synchroniser.md, the round's steps 1 and 3).
 """
 
 from __future__ import annotations

@@ -60,10 +60,8 @@ class BucketShard:
 
 
 def ordered_by_group(plan: BucketPlan, group_of: dict[int, int]) -> BucketPlan:
-    """The same buckets with each bucket's parameters stably sorted by optimizer param group (offsets recomputed).
-
-    Sorting inside a bucket changes no launch time (a bucket launches when *all* its gradients are ready) and
-    makes each group one contiguous range, so a rank's chunk meets each group in at most one piece.
+    """The same buckets with each bucket's parameters stably sorted by optimizer param group (offsets recomputed):
+    each group is one contiguous range of its bucket (why: docs/internals.md, "sync/shard_layout.py").
     """
     buckets, location = [], {}
     for bucket in plan.buckets:
