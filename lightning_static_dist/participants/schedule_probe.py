@@ -225,7 +225,8 @@ class ScheduleProbe(StepParticipant):
             theirs = MeasuredChoice.from_dict(saved).choice
         except (TypeError, ValueError, KeyError):
             return
-        ours = self.choice.choice if self.choice is not None else "?"
+        assert self.choice is not None  # (set with the settled plan)
+        ours = self.choice.choice
         if theirs != ours:
             rank_zero_warn(f"static_dist: the checkpoint's sync.schedule measured choice ({theirs}) was loaded after"
                            f" setup, which had measured {ours}: this run keeps {ours} (the schedule is chosen at setup)")

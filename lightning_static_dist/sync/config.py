@@ -164,7 +164,7 @@ def check_schedule(sync: SyncConfig, *, compression: str, sharded: bool, compile
     if sync.schedule not in ("overlap", "measured") and sync.mode == "graph":
         fail(f"{key}.schedule", sync.schedule, "with strategy.sync.mode=graph inductor schedules the"
              " collectives inside the compiled graph; allowed with graph: 'overlap'")
-    if sync.schedule not in ("overlap", "measured") and sharded and sync.reduce != "all_reduce":
+    if sync.schedule not in ("overlap", "measured") and sharded:
         fail(f"{key}.schedule", sync.schedule,
              "the sharded synchroniser issues its buckets during backward; with strategy.sync.reduce="
              "reduce_scatter (or a mesh with dp_shard > 1) allowed: 'overlap'")
